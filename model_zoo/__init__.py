@@ -1,0 +1,104 @@
+"""Model families and the named models of the zoo.
+
+A model description is a dict of sizes (a zoo YAML, a user's YAML file, or a Python dict)
+whose `family` picks the graph builder. `load_model` accepts any of the three.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import cached_property
+from importlib import resources
+from pathlib import Path
+from typing import Any, Mapping
+
+import sympy
+import yaml
+
+from model_zoo.transformer import TransformerConfig, build_transformer
+from stg.errors import ModelSpecError
+from stg.graph import Graph
+
+# family -> (config parser, graph builder)
+FAMILIES = {
+    "gpt": (TransformerConfig.from_dict, build_transformer),
+    "llama": (TransformerConfig.from_dict, build_transformer),
+}
+
+
+@dataclass(frozen=True)
+class Model:
+    """A parsed model description: its config, the values of its symbols, its forward graph."""
+
+    config: Any
+    source: str
+
+    @property
+    def name(self) -> str:
+        return self.config.name
+
+    @property
+    def family(self) -> str:
+        return self.config.family
+
+    @property
+    def layers(self) -> int:
+        return self.config.layers
+
+    @property
+    def sizes(self) -> Mapping[sympy.Symbol, int]:
+        return self.config.sizes()
+
+    @cached_property
+    def graph(self) -> Graph:
+        """Forward graph of one micro-batch, sizes symbolic."""
+        graph = FAMILIES[self.family][1](self.config)
+        graph.verify()
+        return graph
+
+    @cached_property
+    def params(self) -> int:
+        return int(self.graph.parameter_count().xreplace(dict(self.sizes)))
+
+    def describe(self) -> dict:
+        return {"name": self.name, "family": self.family, "layers": self.layers, "params": self.params}
+
+
+def zoo_names() -> list[str]:
+    folder = resources.files("model_zoo") / "models"
+    return sorted(p.name[: -len(".yaml")] for p in folder.iterdir() if p.name.endswith(".yaml"))
+
+
+def load_model(spec: str | Path | Mapping) -> Model:
+    """A zoo name (`llama3-70b`), a path to a model YAML, or a dict of the same fields."""
+    if isinstance(spec, Mapping):
+        return _from_dict(dict(spec), source="<dict>")
+    text = str(spec)
+    path = Path(text)
+    if text.endswith((".yaml", ".yml")) or path.is_file():
+        if not path.is_file():
+            raise ModelSpecError(f"model file {text} does not exist")
+        return _from_dict(_read_yaml(path), source=str(path))
+    if text in zoo_names():
+        zoo_file = resources.files("model_zoo") / "models" / f"{text}.yaml"
+        return _from_dict(_read_yaml(zoo_file), source=f"zoo:{text}")
+    raise ModelSpecError(f"unknown model {text!r}: not a file and not in the zoo ({', '.join(zoo_names())})")
+
+
+def _read_yaml(path) -> dict:
+    try:
+        data = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as err:
+        raise ModelSpecError(f"model file {path}: not valid YAML ({str(err).splitlines()[0]})") from None
+    if not isinstance(data, dict):
+        raise ModelSpecError(f"model file {path}: expected a mapping of fields, got {type(data).__name__}")
+    return data
+
+
+def _from_dict(spec: dict, source: str) -> Model:
+    family = spec.get("family")
+    if family not in FAMILIES:
+        raise ModelSpecError(
+            f"model {spec.get('name')!r}: family must be one of {sorted(FAMILIES)}, got {family!r}"
+        )
+    return Model(FAMILIES[family][0](spec), source)

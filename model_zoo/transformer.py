@@ -1,0 +1,179 @@
+"""Decoder-only transformers: GPT-style and Llama-style blocks from one builder.
+
+The forward graph of one micro-batch, all sizes symbolic. Every tensor dimension carries a
+logical axis name, which is what strategies map to mesh axes (DESIGN.md, "Logical axes"):
+
+  batch, seq, embed, vocab, positions, kv_heads, q_per_kv, head_dim, mlp
+
+Query heads are laid out as [kv_heads, q_per_kv]: grouped-query attention shares one K/V head
+among q_per_kv query heads, and splitting kv_heads keeps each group on one rank (Megatron's
+split when tp divides the KV heads). Multi-head attention is the case q_per_kv = 1.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import Any
+
+import sympy
+
+from stg.builder import GraphBuilder
+from stg.costs import NormKind, Pointwise
+from stg.errors import ModelSpecError
+from stg.graph import Graph
+from stg.symbols import ATTN_FRACTION, B, S
+
+H, F, A, AKV, DH, V, P = sympy.symbols("H F A Akv Dh V P", positive=True, integer=True)
+
+FAMILY_DEFAULTS: dict[str, dict[str, Any]] = {
+    # GPT-2/3: LayerNorm with bias, GELU MLP of 4h, learned positions, biases on every linear,
+    # output layer tied to the token embedding.
+    "gpt": dict(norm="layernorm", mlp="gelu", bias=True, positions="learned", tied_embeddings=True),
+    # Llama: RMSNorm, SwiGLU MLP, rotary positions, no biases, untied output layer.
+    "llama": dict(norm="rmsnorm", mlp="swiglu", bias=False, positions="rope", tied_embeddings=False),
+}
+
+
+@dataclass(frozen=True)
+class TransformerConfig:
+    name: str
+    family: str
+    layers: int
+    hidden: int
+    ffn: int
+    heads: int
+    vocab: int
+    kv_heads: int | None = None
+    head_dim: int | None = None
+    max_positions: int | None = None
+    norm: str | None = None
+    mlp: str | None = None
+    bias: bool | None = None
+    positions: str | None = None
+    tied_embeddings: bool | None = None
+
+    @classmethod
+    def from_dict(cls, spec: dict) -> "TransformerConfig":
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(spec) - known)
+        if unknown:
+            raise ModelSpecError(f"model {spec.get('name')!r}: unknown field(s) {unknown}; known: {sorted(known)}")
+        family = spec.get("family")
+        if family not in FAMILY_DEFAULTS:
+            raise ModelSpecError(
+                f"model {spec.get('name')!r}: family must be one of {sorted(FAMILY_DEFAULTS)}, got {family!r}"
+            )
+        merged = {**FAMILY_DEFAULTS[family], **spec}
+        for required in ("name", "layers", "hidden", "ffn", "heads", "vocab"):
+            if merged.get(required) is None:
+                raise ModelSpecError(f"model {spec.get('name')!r}: missing field {required!r}")
+        config = cls(**merged)
+        config._check()
+        return config
+
+    def _check(self) -> None:
+        where = f"model {self.name!r}"
+        for key in ("layers", "hidden", "ffn", "heads", "vocab", "kv_heads", "head_dim", "max_positions"):
+            value = getattr(self, key)
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value <= 0):
+                raise ModelSpecError(f"{where}: {key} must be a positive integer, got {value!r}")
+        if self.head_dim is None and self.hidden % self.heads:
+            raise ModelSpecError(f"{where}: heads={self.heads} does not divide hidden={self.hidden}; give head_dim")
+        if self.heads % self.kv_heads_count:
+            raise ModelSpecError(f"{where}: kv_heads={self.kv_heads_count} does not divide heads={self.heads}")
+        if self.positions == "learned" and self.max_positions is None:
+            raise ModelSpecError(f"{where}: learned positions need max_positions")
+        choices = {"norm": ("layernorm", "rmsnorm"), "mlp": ("gelu", "swiglu"), "positions": ("learned", "rope")}
+        for key, allowed in choices.items():
+            if getattr(self, key) not in allowed:
+                raise ModelSpecError(f"{where}: {key} must be one of {list(allowed)}, got {getattr(self, key)!r}")
+
+    @property
+    def kv_heads_count(self) -> int:
+        return self.kv_heads or self.heads
+
+    def sizes(self) -> dict[sympy.Symbol, int]:
+        """Values of this family's symbols."""
+        sizes = {
+            H: self.hidden,
+            F: self.ffn,
+            A: self.heads,
+            AKV: self.kv_heads_count,
+            DH: self.head_dim or self.hidden // self.heads,
+            V: self.vocab,
+        }
+        if self.positions == "learned":
+            sizes[P] = self.max_positions
+        return sizes
+
+
+def build_transformer(config: TransformerConfig) -> Graph:
+    """Forward graph of one micro-batch of B sequences of S tokens, loss included."""
+    g = GraphBuilder()
+    bias = config.bias
+    norm = NormKind.LAYER_NORM if config.norm == "layernorm" else NormKind.RMS_NORM
+    groups = A / AKV
+
+    def norm_op(name: str, x: str) -> str:
+        weight = g.weight(f"{name}.weight", [H], ["embed"])
+        b = g.weight(f"{name}.bias", [H], ["embed"]) if config.norm == "layernorm" else None
+        return g.norm(name, norm, x, weight, b)
+
+    def linear(name: str, spec: str, x: str, shape: list, dims: list[str], bias_shape: list, bias_dims: list[str]) -> str:
+        weight = g.weight(f"{name}.weight", shape, dims)
+        if not bias:
+            return g.einsum(name, spec, x, weight)
+        product = g.einsum(f"{name}.matmul", spec, x, weight)
+        return g.pointwise(name, Pointwise.ADD, product, g.weight(f"{name}.bias", bias_shape, bias_dims))
+
+    # -- layer 0: embeddings -------------------------------------------------------------------
+    g.layer = 0
+    ids = g.input("tokens", [B, S], ["batch", "seq"])
+    labels = g.input("labels", [B, S], ["batch", "seq"])
+    table = g.weight("embed.weight", [V, H], ["vocab", "embed"])
+    x = g.embedding("embed", table, ids)
+    if config.positions == "learned":
+        positions = g.input("positions", [S], ["seq"])
+        pos_table = g.weight("pos_embed.weight", [P, H], ["positions", "embed"])
+        x = g.pointwise("embed_sum", Pointwise.ADD, x, g.embedding("pos_embed", pos_table, positions))
+
+    # -- layers 1..L -----------------------------------------------------------------------------
+    for i in range(1, config.layers + 1):
+        g.layer = i
+        p = f"layers.{i - 1}"
+        h = norm_op(f"{p}.attn_norm", x)
+        q = linear(f"{p}.attn.q", "bsh,hngd->bsngd", h, [H, AKV, groups, DH],
+                   ["embed", "kv_heads", "q_per_kv", "head_dim"], [AKV, groups, DH], ["kv_heads", "q_per_kv", "head_dim"])
+        k = linear(f"{p}.attn.k", "bsh,hnd->bsnd", h, [H, AKV, DH],
+                   ["embed", "kv_heads", "head_dim"], [AKV, DH], ["kv_heads", "head_dim"])
+        v = linear(f"{p}.attn.v", "bsh,hnd->bsnd", h, [H, AKV, DH],
+                   ["embed", "kv_heads", "head_dim"], [AKV, DH], ["kv_heads", "head_dim"])
+        if config.positions == "rope":
+            q = g.pointwise(f"{p}.attn.q_rope", Pointwise.ROPE, q)
+            k = g.pointwise(f"{p}.attn.k_rope", Pointwise.ROPE, k)
+        # the score and probability matrices stay on chip (fused attention): FLOPs, no traffic
+        scores = g.einsum(f"{p}.attn.scores", "bsngd,btnd->bngst", q, k, density=ATTN_FRACTION, transient=True)
+        probs = g.softmax(f"{p}.attn.probs", scores)
+        context = g.einsum(f"{p}.attn.context", "bngst,btnd->bsngd", probs, v, density=ATTN_FRACTION)
+        out = linear(f"{p}.attn.out", "bsngd,ngdh->bsh", context, [AKV, groups, DH, H],
+                     ["kv_heads", "q_per_kv", "head_dim", "embed"], [H], ["embed"])
+        x = g.pointwise(f"{p}.attn_residual", Pointwise.ADD, x, out)
+
+        h = norm_op(f"{p}.mlp_norm", x)
+        if config.mlp == "swiglu":
+            gate = linear(f"{p}.mlp.gate", "bsh,hf->bsf", h, [H, F], ["embed", "mlp"], [F], ["mlp"])
+            up = linear(f"{p}.mlp.up", "bsh,hf->bsf", h, [H, F], ["embed", "mlp"], [F], ["mlp"])
+            act = g.pointwise(f"{p}.mlp.act", Pointwise.SWIGLU, gate, up)
+        else:
+            up = linear(f"{p}.mlp.up", "bsh,hf->bsf", h, [H, F], ["embed", "mlp"], [F], ["mlp"])
+            act = g.pointwise(f"{p}.mlp.act", Pointwise.GELU, up)
+        down = linear(f"{p}.mlp.down", "bsf,fh->bsh", act, [F, H], ["mlp", "embed"], [H], ["embed"])
+        x = g.pointwise(f"{p}.mlp_residual", Pointwise.ADD, x, down)
+
+    # -- layer L+1: output head and loss ---------------------------------------------------------
+    g.layer = config.layers + 1
+    x = norm_op("final_norm", x)
+    head = table if config.tied_embeddings else g.weight("lm_head.weight", [V, H], ["vocab", "embed"])
+    logits = g.einsum("logits", "bsh,vh->bsv", x, head)
+    g.cross_entropy("loss", logits, labels)
+    return g.build()

@@ -1,0 +1,137 @@
+"""The Python API: the same three nouns as the CLI.
+
+    from stg import load_model, Plan, generate
+    summary = generate("llama3-8b", Plan(dp=8, global_batch=64, seq=4096), out="out/")
+
+`build` runs every pass short of writing files and returns a Workload to inspect:
+its sharded graph, its rank-class programs, its summary.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import cached_property
+from pathlib import Path
+from typing import Any, Callable, Mapping
+
+import sympy
+
+from model_zoo import Model, load_model
+from parallelism import logical_rules
+from stg.autodiff import training_graph
+from stg.device import device_spec
+from stg.emit import Progress, write_trace_set
+from stg.errors import PlanError
+from stg.groups import GroupIds
+from stg.lower import Evaluator, RankProgram, check_divisibility, lower
+from stg.mesh import DeviceMesh, axis_symbol
+from stg.plan import Plan
+from stg.sharding import ShardedGraph, shard
+from stg.symbols import ATTN_FRACTION, B, S
+
+__version__ = "0.1.0"
+
+
+@dataclass(frozen=True)
+class Workload:
+    model: Model
+    plan: Plan
+    mesh: DeviceMesh
+    sharded: ShardedGraph
+    programs: tuple[RankProgram, ...]
+    bindings: Mapping[sympy.Symbol, Any]
+
+    def class_of(self, rank: int) -> int:
+        # every rank runs the same program under data parallelism; pipeline stages will
+        # make the class the rank's pp coordinate
+        return 0
+
+    @cached_property
+    def group_ids(self) -> GroupIds:
+        return GroupIds.for_kinds(self.mesh, (h.axes for p in self.programs for h in p.holes))
+
+    def summary(self) -> dict:
+        world = self.mesh.size
+        classes = []
+        for index, program in enumerate(self.programs):
+            ranks = [r for r in range(world) if self.class_of(r) == index]
+            classes.append({"class": index, "ranks": _ranges(ranks), "count": len(ranks), **program.stats.to_dict()})
+        per_rank = [self.class_of(r) for r in range(world)]
+        return {
+            "stg_version": __version__,
+            "model": {**self.model.describe(), "source": self.model.source},
+            "plan": self.plan.to_dict(),
+            "mesh": dict(self.mesh.axes),
+            "world_size": world,
+            "microbatches": self.plan.microbatches,
+            "tokens_per_step": self.plan.global_batch * self.plan.seq,
+            "groups": {"+".join(k): self.mesh.size // _group_size(self.mesh, k) for k in self.group_ids.kinds},
+            "totals": {
+                "flops": sum(c["flops"] * c["count"] for c in classes),
+                "flops_forward_backward": sum(c["flops_forward_backward"] * c["count"] for c in classes),
+            },
+            # per-rank figures: rank_classes[rank_class[r]] (ranks of one class are identical)
+            "rank_classes": classes,
+            "rank_class": per_rank,
+        }
+
+
+def _group_size(mesh: DeviceMesh, kind: tuple[str, ...]) -> int:
+    size = 1
+    for axis in kind:
+        size *= mesh.sizes[axis]
+    return size
+
+
+def _ranges(ranks: list[int]) -> list[list[int]]:
+    """[[first, last], ...] runs of consecutive ranks."""
+    runs: list[list[int]] = []
+    for r in ranks:
+        if runs and runs[-1][1] == r - 1:
+            runs[-1][1] = r
+        else:
+            runs.append([r, r])
+    return runs
+
+
+def _check_fits(model: Model, plan: Plan) -> None:
+    limit = getattr(model.config, "max_positions", None)
+    if getattr(model.config, "positions", None) == "learned" and plan.seq > limit:
+        raise PlanError(f"seq={plan.seq} exceeds model {model.name}'s max_positions={limit} (learned positions)")
+
+
+def build(model: Model | str | Path | Mapping, plan: Plan | Mapping) -> Workload:
+    """Every pass from the model description to the rank-class programs."""
+    model = model if isinstance(model, Model) else load_model(model)
+    plan = plan if isinstance(plan, Plan) else Plan.from_dict(plan)
+    _check_fits(model, plan)
+    mesh = plan.mesh()
+    in_play = tuple(axis for axis, size in mesh.axes if size > 1)
+    sharded = shard(training_graph(model.graph), logical_rules(plan), in_play)
+    bindings = {
+        **model.sizes,
+        B: plan.micro_batch * plan.dp,
+        S: plan.seq,
+        ATTN_FRACTION: plan.attention_flops.fraction,
+        **{axis_symbol(axis): size for axis, size in mesh.axes},
+    }
+    check_divisibility(sharded, bindings)
+    program = lower(
+        sharded, Evaluator(bindings), device_spec(plan.device),
+        microbatches=plan.microbatches, bucket_bytes=int(plan.bucket_mb * 2**20),
+    )
+    return Workload(model, plan, mesh, sharded, (program,), bindings)
+
+
+def generate(
+    model: Model | str | Path | Mapping,
+    plan: Plan | Mapping,
+    out: str | Path,
+    progress: Progress | None = None,
+) -> dict:
+    """Write OUT/workload.<rank>.et, OUT/workload.json and OUT/summary.json; return the summary."""
+    workload = build(model, plan)
+    summary = workload.summary()
+    write_trace_set(Path(out), workload.programs, workload.class_of, workload.mesh.size,
+                    workload.group_ids, summary, progress)
+    return summary

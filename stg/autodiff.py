@@ -1,0 +1,172 @@
+"""Reverse-mode autodiff over the forward graph, then the optimizer step.
+
+`training_graph(forward)` appends, in reverse order of the forward ops, the backward ops from
+per-kind rules, and then one optimizer op per weight. Input-gradient ops (phase B) and
+weight-gradient ops (phase W) are separate ops, as a zero-bubble pipeline schedule needs.
+A tensor used several times gets its gradient contributions summed by explicit add ops.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+from stg.builder import GraphBuilder, broadcast_dims
+from stg.costs import Pointwise
+from stg.graph import DType, Graph, Op, OpKind, Phase, Role, Tensor
+
+# Mixed precision (Micikevicius et al. 2018): fp32 master weights and Adam moments, the
+# ZeRO paper's K = 12 bytes of optimizer state per parameter.
+OPTIMIZER_STATES = ("master", "exp_avg", "exp_avg_sq")
+OPTIMIZER_STATE_DTYPE = DType.FP32
+
+
+def grad_name(tensor: str) -> str:
+    return f"{tensor}.grad"
+
+
+class _Backward:
+    def __init__(self, forward: Graph):
+        self.forward = forward
+        self.g = GraphBuilder(forward)
+        self.contributions: dict[str, list[str]] = {}
+        self.needs_grad = _needs_grad(forward)
+
+    # -- bookkeeping ------------------------------------------------------------------------
+    def _is_weight(self, name: str) -> bool:
+        return self.forward.tensors[name].role is Role.WEIGHT
+
+    def _grad_tensor(self, of: str, name: str) -> Tensor:
+        src = self.forward.tensors[of]
+        role = Role.GRADIENT if self._is_weight(of) else Role.ACTIVATION
+        return Tensor(name, src.shape, src.dims, src.dtype, role, src.transient)
+
+    def _phase(self, of: str) -> Phase:
+        return Phase.BACKWARD_WEIGHT if self._is_weight(of) else Phase.BACKWARD_INPUT
+
+    def _new_contribution(self, of: str) -> str:
+        parts = self.contributions.setdefault(of, [])
+        name = f"{grad_name(of)}/{len(parts)}" if parts else grad_name(of)
+        parts.append(name)
+        return name
+
+    def grad_of(self, tensor: str, layer: int) -> str | None:
+        """The gradient of `tensor`, summing its contributions with add ops if several."""
+        parts = self.contributions.get(tensor)
+        if not parts:
+            return None
+        total = parts[0]
+        for k, part in enumerate(parts[1:], start=1):
+            name = f"{grad_name(tensor)}/sum{k}"
+            self.g.add_op(name, OpKind.POINTWISE, (total, part), (self._grad_tensor(tensor, name),),
+                          {"fn": Pointwise.ADD, "grad_of": (tensor,)}, phase=self._phase(tensor), layer=layer)
+            total = name
+        self.contributions[tensor] = [total]
+        return total
+
+    def emit(self, op: Op, kind: OpKind, inputs: tuple[str, ...], targets: list[str], attrs: dict | None = None) -> None:
+        """One backward op of `op` producing gradient contributions to `targets`."""
+        outs = [self._grad_tensor(t, self._new_contribution(t)) for t in targets]
+        phase = Phase.BACKWARD_WEIGHT if all(self._is_weight(t) for t in targets) else Phase.BACKWARD_INPUT
+        name = outs[0].name if len(outs) == 1 else f"{op.name}.backward"
+        # `grad_of` names the forward tensors whose gradients the outputs are (for layouts)
+        attrs = {**(attrs or {}), "grad_of": tuple(targets)}
+        self.g.add_op(name, kind, inputs, outs, attrs, phase=phase, layer=op.layer)
+
+    # -- rules ---------------------------------------------------------------------------------
+    def einsum(self, op: Op, dout: str) -> None:
+        (a_idx, b_idx), out_idx = op.attrs["spec"].split("->")[0].split(","), op.attrs["spec"].split("->")[1]
+        a, b = op.inputs
+        attrs = {k: v for k, v in op.attrs.items() if k != "spec"}
+        if a in self.needs_grad:
+            self.emit(op, OpKind.EINSUM, (dout, b), [a], {"spec": f"{out_idx},{b_idx}->{a_idx}", **attrs})
+        if b in self.needs_grad:
+            self.emit(op, OpKind.EINSUM, (a, dout), [b], {"spec": f"{a_idx},{out_idx}->{b_idx}", **attrs})
+
+    def pointwise(self, op: Op, dout: str) -> None:
+        fn = op.attrs["fn"]
+        if fn is Pointwise.ADD:
+            # d(a + b) = dout for each; a broadcast operand sums dout over the axes it lacks
+            out = self.forward.tensors[op.outputs[0]]
+            for x in op.inputs:
+                if x not in self.needs_grad:
+                    continue
+                if broadcast_dims(out, self.forward.tensors[x]):
+                    self.emit(op, OpKind.REDUCE, (dout,), [x])
+                else:
+                    self.contributions.setdefault(x, []).append(dout)
+            return
+        targets = [x for x in op.inputs if x in self.needs_grad]
+        if targets:
+            self.emit(op, OpKind.POINTWISE_GRAD, (dout, *op.inputs), targets, {"fn": fn})
+
+    def softmax(self, op: Op, dout: str) -> None:
+        self.emit(op, OpKind.SOFTMAX_GRAD, (dout, op.outputs[0]), [op.inputs[0]])
+
+    def norm(self, op: Op, dout: str) -> None:
+        x, weight, *bias = op.inputs
+        if x in self.needs_grad:
+            self.emit(op, OpKind.NORM_GRAD, (dout, x, weight), [x], {"norm": op.attrs["norm"]})
+        self.emit(op, OpKind.REDUCE, (dout, x), [weight])  # sum over tokens of dout * x_hat
+        for b in bias:
+            self.emit(op, OpKind.REDUCE, (dout,), [b])
+
+    def embedding(self, op: Op, dout: str) -> None:
+        table, ids = op.inputs
+        if table in self.needs_grad:
+            self.emit(op, OpKind.EMBEDDING_GRAD, (dout, ids), [table])
+
+    def cross_entropy(self, op: Op, dout: str | None) -> None:
+        logits, labels = op.inputs
+        self.emit(op, OpKind.CROSS_ENTROPY_GRAD, (logits, labels), [logits])
+
+    RULES: dict[OpKind, Callable] = {
+        OpKind.EINSUM: einsum,
+        OpKind.POINTWISE: pointwise,
+        OpKind.SOFTMAX: softmax,
+        OpKind.NORM: norm,
+        OpKind.EMBEDDING: embedding,
+        OpKind.CROSS_ENTROPY: cross_entropy,
+    }
+
+    def run(self) -> Graph:
+        for op in reversed(self.forward.ops):
+            if op.kind is OpKind.CROSS_ENTROPY:
+                self.cross_entropy(op, None)  # the loss is the seed: d(loss)/d(loss) = 1
+                continue
+            dout = self.grad_of(op.outputs[0], op.layer)
+            if dout is not None:
+                self.RULES[op.kind](self, op, dout)
+        self._optimizer()
+        return self.g.build()
+
+    def _optimizer(self) -> None:
+        first_use = {}
+        for op in self.forward.ops:
+            for name in op.inputs:
+                first_use.setdefault(name, op.layer)
+        for weight in self.forward.weights:
+            layer = first_use[weight.name]
+            grad = self.grad_of(weight.name, layer)
+            states = [
+                self.g.state(f"{weight.name}.{s}", weight.shape, weight.dims, OPTIMIZER_STATE_DTYPE)
+                for s in OPTIMIZER_STATES
+            ]
+            # the states update in place; the op's one output is the new (bf16) weight
+            updated = [Tensor(f"{weight.name}.next", weight.shape, weight.dims, weight.dtype, Role.WEIGHT)]
+            self.g.add_op(f"{weight.name}.adamw", OpKind.OPTIMIZER, (grad, *states), updated,
+                          {"fn": "adamw"}, phase=Phase.STEP, layer=layer)
+
+
+def _needs_grad(forward: Graph) -> set[str]:
+    needs = {w.name for w in forward.weights}
+    for op in forward.ops:
+        if any(i in needs for i in op.inputs):
+            needs.update(op.outputs)
+    return needs
+
+
+def training_graph(forward: Graph) -> Graph:
+    """Forward, backward (B and W ops apart) and the AdamW step of one training step."""
+    graph = _Backward(forward).run()
+    graph.verify()
+    return graph

@@ -1,0 +1,183 @@
+"""GraphBuilder: the one way ops enter a graph, with shapes checked and costs derived.
+
+Model builders call the named methods (`einsum`, `pointwise`, `norm`, ...); passes such as
+autodiff and redistribution use `add_op` with tensors they have already shaped. Every op's
+FLOPs and bytes come from stg/costs.py, never from the caller.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import sympy
+
+from stg.costs import NormKind, Pointwise, op_cost
+from stg.errors import GraphError
+from stg.graph import DType, Graph, Op, OpKind, Phase, Role, Tensor
+
+
+class GraphBuilder:
+    def __init__(self, graph: Graph | None = None):
+        self.tensors: dict[str, Tensor] = dict(graph.tensors) if graph else {}
+        self.ops: list[Op] = list(graph.ops) if graph else []
+        self._op_names = {op.name for op in self.ops}
+        self.layer = 0
+        self.phase = Phase.FORWARD
+
+    # -- leaves -------------------------------------------------------------------------------
+    def input(self, name: str, shape: Sequence, dims: Sequence[str], dtype: DType = DType.INT64) -> str:
+        return self._tensor(Tensor(name, tuple(shape), tuple(dims), dtype, Role.INPUT))
+
+    def weight(self, name: str, shape: Sequence, dims: Sequence[str], dtype: DType = DType.BF16) -> str:
+        return self._tensor(Tensor(name, tuple(shape), tuple(dims), dtype, Role.WEIGHT))
+
+    def state(self, name: str, shape: Sequence, dims: Sequence[str], dtype: DType = DType.FP32) -> str:
+        return self._tensor(Tensor(name, tuple(shape), tuple(dims), dtype, Role.OPTIMIZER_STATE))
+
+    # -- forward ops --------------------------------------------------------------------------
+    def einsum(self, name: str, spec: str, a: str, b: str, *, density: Any = 1, transient: bool = False) -> str:
+        """A contraction written as einsum indices, e.g. `bsh,hf->bsf`. `density` < 1 counts
+        only part of the output (causal attention computes half of the score matrix)."""
+        ta, tb = self.tensors[a], self.tensors[b]
+        letters = _parse_spec(name, spec)
+        size: dict[str, sympy.Expr] = {}
+        axis: dict[str, str] = {}
+        for operand, tensor in zip(letters[:2], (ta, tb)):
+            if len(operand) != len(tensor.shape):
+                raise GraphError(
+                    f"op {name}: einsum operand '{operand}' has {len(operand)} indices but tensor "
+                    f"{tensor.name} has shape {list(tensor.shape)}"
+                )
+            for letter, dim, logical in zip(operand, tensor.shape, tensor.dims):
+                if letter in size and sympy.simplify(size[letter] - dim) != 0:
+                    raise GraphError(
+                        f"op {name}: einsum index '{letter}' is {size[letter]} in one operand but "
+                        f"{dim} in {tensor.name} {list(tensor.shape)}"
+                    )
+                size[letter] = dim
+                axis.setdefault(letter, logical)
+        out_letters = letters[2]
+        unknown = [letter for letter in out_letters if letter not in size]
+        if unknown:
+            raise GraphError(f"op {name}: output index {unknown} of '{spec}' appears in no operand")
+        out = Tensor(
+            name,
+            tuple(size[c] for c in out_letters),
+            tuple(axis[c] for c in out_letters),
+            ta.dtype,
+            Role.ACTIVATION,
+            transient,
+        )
+        attrs = {"spec": spec} if density == 1 else {"spec": spec, "density": sympy.sympify(density)}
+        self.add_op(name, OpKind.EINSUM, (a, b), (out,), attrs)
+        return name
+
+    def pointwise(self, name: str, fn: Pointwise, *inputs: str) -> str:
+        """Elementwise op; later inputs broadcast to the first by logical axis names."""
+        first = self.tensors[inputs[0]]
+        for other in inputs[1:]:
+            _check_broadcast(name, first, self.tensors[other])
+        out = Tensor(name, first.shape, first.dims, first.dtype, Role.ACTIVATION, first.transient)
+        self.add_op(name, OpKind.POINTWISE, inputs, (out,), {"fn": fn})
+        return name
+
+    def softmax(self, name: str, x: str) -> str:
+        src = self.tensors[x]
+        out = Tensor(name, src.shape, src.dims, src.dtype, Role.ACTIVATION, src.transient)
+        self.add_op(name, OpKind.SOFTMAX, (x,), (out,))
+        return name
+
+    def norm(self, name: str, norm: NormKind, x: str, weight: str, bias: str | None = None) -> str:
+        src = self.tensors[x]
+        for param in (weight, bias):
+            if param is not None:
+                _check_broadcast(name, src, self.tensors[param])
+        inputs = (x, weight) if bias is None else (x, weight, bias)
+        out = Tensor(name, src.shape, src.dims, src.dtype, Role.ACTIVATION)
+        self.add_op(name, OpKind.NORM, inputs, (out,), {"norm": norm})
+        return name
+
+    def embedding(self, name: str, table: str, ids: str) -> str:
+        """Rows of `table` [rows, dim] looked up by integer `ids`: output is ids.shape + [dim]."""
+        t, i = self.tensors[table], self.tensors[ids]
+        out = Tensor(name, i.shape + t.shape[1:], i.dims + t.dims[1:], t.dtype, Role.ACTIVATION)
+        self.add_op(name, OpKind.EMBEDDING, (table, ids), (out,))
+        return name
+
+    def cross_entropy(self, name: str, logits: str, labels: str) -> str:
+        out = Tensor(name, (), (), DType.FP32, Role.ACTIVATION)
+        self.add_op(name, OpKind.CROSS_ENTROPY, (logits, labels), (out,))
+        return name
+
+    # -- the general entry point --------------------------------------------------------------
+    def add_op(
+        self,
+        name: str,
+        kind: OpKind,
+        inputs: Sequence[str],
+        outputs: Sequence[Tensor],
+        attrs: dict | None = None,
+        *,
+        phase: Phase | None = None,
+        layer: int | None = None,
+    ) -> Op:
+        if name in self._op_names:
+            raise GraphError(f"op {name}: name used twice")
+        missing = [i for i in inputs if i not in self.tensors]
+        if missing:
+            raise GraphError(f"op {name}: unknown input tensor(s) {missing}")
+        for out in outputs:
+            self._tensor(out)
+        attrs = attrs or {}
+        flops, nbytes = op_cost(kind, attrs, [self.tensors[i] for i in inputs], outputs)
+        op = Op(
+            name,
+            kind,
+            tuple(inputs),
+            tuple(o.name for o in outputs),
+            sympy.expand(flops),
+            sympy.expand(nbytes),
+            phase or self.phase,
+            self.layer if layer is None else layer,
+            attrs,
+        )
+        self.ops.append(op)
+        self._op_names.add(name)
+        return op
+
+    def build(self) -> Graph:
+        return Graph(dict(self.tensors), tuple(self.ops))
+
+    def _tensor(self, tensor: Tensor) -> str:
+        if tensor.name in self.tensors:
+            raise GraphError(f"tensor {tensor.name}: defined twice")
+        for dim in tensor.shape:
+            if dim.is_number and dim <= 0:
+                raise GraphError(f"tensor {tensor.name}: dimension {dim} is not positive")
+        self.tensors[tensor.name] = tensor
+        return tensor.name
+
+
+def _parse_spec(name: str, spec: str) -> tuple[str, str, str]:
+    try:
+        lhs, out = spec.replace(" ", "").split("->")
+        a, b = lhs.split(",")
+    except ValueError:
+        raise GraphError(f"op {name}: einsum spec {spec!r} is not of the form 'ab,bc->ac'") from None
+    return a, b, out
+
+
+def _check_broadcast(name: str, target: Tensor, operand: Tensor) -> None:
+    """`operand` broadcasts to `target` when its axes are a subset of target's, sizes equal."""
+    for logical, dim in zip(operand.dims, operand.shape):
+        matches = [d for ax, d in zip(target.dims, target.shape) if ax == logical]
+        if len(matches) != 1 or sympy.simplify(matches[0] - dim) != 0:
+            raise GraphError(
+                f"op {name}: {operand.name} {list(operand.shape)} axes {list(operand.dims)} do not "
+                f"broadcast to {target.name} {list(target.shape)} axes {list(target.dims)}"
+            )
+
+
+def broadcast_dims(target: Tensor, operand: Tensor) -> list[int]:
+    """Positions in `target` that `operand` lacks (those a broadcast gradient sums over)."""
+    return [i for i, ax in enumerate(target.dims) if ax not in operand.dims]

@@ -1,0 +1,118 @@
+"""Byte-level Chakra writer: a rank class is serialized once, each rank is a patch of it.
+
+The protobuf wire format is written by hand (field numbers from et_def.proto; see
+../shared/reference/chakra-astrasim.md), because stamping a rank must be byte work: a
+Skeleton holds one class's whole node stream with the rank-specific fields (communicator
+group ids) left as holes of known width, and `Skeleton.stamp` copies it and writes the
+rank's values into the holes with one vectorized numpy scatter per hole kind. A hole's
+width is the length of its value (a group id's decimal digits), so a class has one skeleton
+per combination of widths, usually one or two.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Mapping, Sequence
+
+import numpy as np
+
+from stg.lower import GroupHole, NodeType, TraceNode
+
+SCHEMA_VERSION = "0.0.4"
+
+_VARINT, _LEN = 0, 2
+# Node fields
+_ID, _NAME, _TYPE, _DATA_DEPS, _DURATION, _ATTR = 1, 2, 3, 5, 7, 10
+# AttributeProto fields
+_ATTR_NAME, _INT32, _INT64, _UINT64, _BOOL, _STRING = 1, 7, 9, 13, 27, 29
+
+
+def varint(value: int) -> bytes:
+    if value < 0:
+        value += 1 << 64  # two's complement, as protobuf encodes negative int64
+    out = bytearray()
+    while value > 0x7F:
+        out.append((value & 0x7F) | 0x80)
+        value >>= 7
+    out.append(value)
+    return bytes(out)
+
+
+def _key(field: int, wire: int) -> bytes:
+    return varint(field << 3 | wire)
+
+
+def _len_field(field: int, payload: bytes) -> bytes:
+    return _key(field, _LEN) + varint(len(payload)) + payload
+
+
+def _attr(name: str, field: int, value: int | str | bool) -> bytes:
+    # a oneof member is written even when it holds the default (false, 0): presence matters
+    head = _len_field(_ATTR_NAME, name.encode())
+    if field == _STRING:
+        body = head + _len_field(_STRING, value.encode())
+    else:
+        body = head + _key(field, _VARINT) + varint(int(value))
+    return _len_field(_ATTR, body)
+
+
+_NOT_CPU = _attr("is_cpu_op", _BOOL, False)
+
+
+def _record(payload: bytes) -> bytes:
+    return varint(len(payload)) + payload
+
+
+def metadata_record(version: str = SCHEMA_VERSION) -> bytes:
+    """The GlobalMetadata message that opens every file."""
+    return _record(_len_field(1, version.encode()))
+
+
+def _node_head(node: TraceNode, hole_width: Mapping[GroupHole, int]) -> tuple[bytes, int]:
+    """A node's body up to its one optional hole, which ends it; and the hole's width."""
+    head = _key(_ID, _VARINT) + varint(node.id) + _len_field(_NAME, node.name.encode())
+    head += _key(_TYPE, _VARINT) + varint(int(node.type))
+    if node.deps:
+        head += _len_field(_DATA_DEPS, b"".join(varint(d) for d in node.deps))
+    if node.type is NodeType.COMP_NODE:
+        if node.duration_us:
+            head += _key(_DURATION, _VARINT) + varint(node.duration_us)
+        # ASTRA-sim's roofline divides num_ops by tensor_size and then by the result: keep both > 0
+        head += _NOT_CPU + _attr("num_ops", _INT64, max(node.flops, 1))
+        head += _attr("tensor_size", _UINT64, max(node.nbytes, 1)) + _attr("op_type", _STRING, node.op_type)
+        return head, 0
+    head += _NOT_CPU + _attr("comm_type", _INT64, node.collective.value) + _attr("comm_size", _INT64, node.comm_bytes)
+    width = hole_width[node.group]
+    attr_head = _len_field(_ATTR_NAME, b"pg_name") + _key(_STRING, _LEN) + varint(width)
+    head += _key(_ATTR, _LEN) + varint(len(attr_head) + width) + attr_head
+    return head, width
+
+
+@dataclass(frozen=True)
+class Skeleton:
+    body: np.ndarray  # uint8: every node record, holes zero-filled
+    holes: tuple[tuple[GroupHole, np.ndarray], ...]  # per hole kind: byte offsets of its holes
+
+    def stamp(self, values: Mapping[GroupHole, bytes]) -> np.ndarray:
+        """This rank's node stream: the skeleton with its values written into the holes."""
+        out = self.body.copy()
+        for hole, offsets in self.holes:
+            value = np.frombuffer(values[hole], dtype=np.uint8)
+            out[offsets[:, None] + np.arange(len(value))] = value
+        return out
+
+
+def build_skeleton(nodes: Sequence[TraceNode], hole_width: Mapping[GroupHole, int]) -> Skeleton:
+    chunks: list[bytes] = []
+    offsets: dict[GroupHole, list[int]] = {hole: [] for hole in hole_width}
+    position = 0
+    for node in nodes:
+        head, width = _node_head(node, hole_width)
+        prefix = varint(len(head) + width)
+        chunks += (prefix, head, bytes(width))
+        if node.group is not None:
+            offsets[node.group].append(position + len(prefix) + len(head))
+        position += len(prefix) + len(head) + width
+    body = np.frombuffer(b"".join(chunks), dtype=np.uint8)
+    holes = tuple((hole, np.asarray(offs, dtype=np.int64)) for hole, offs in offsets.items() if offs)
+    return Skeleton(body, holes)

@@ -1,0 +1,174 @@
+"""The `stg` command line. Same names as plan.yaml and the Python API.
+
+Exit codes: 0 success; 1 a trace set failed validation; 2 bad input (one line on stderr
+naming the field and the reason, no traceback, no partial output).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Iterator, Optional
+
+import typer
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from stg.errors import StgError
+
+app = typer.Typer(
+    help="Synthesize per-rank Chakra execution traces of distributed training from a model description.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+err = Console(stderr=True)
+
+
+@contextmanager
+def _user_errors() -> Iterator[None]:
+    try:
+        yield
+    except StgError as error:
+        err.print(f"[red]error:[/red] {error}", highlight=False, soft_wrap=True)
+        raise typer.Exit(2)
+
+
+@contextmanager
+def _progress(description: str, quiet: bool):
+    """A progress callback(done, total); a live bar only when stderr is a terminal."""
+    if quiet or not err.is_terminal:
+        yield None
+        return
+    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
+    with Progress(*columns, console=err, transient=True) as bar:
+        task = bar.add_task(description, total=None)
+        yield lambda done, total: bar.update(task, completed=done, total=total)
+
+
+@app.command()
+def models(as_json: bool = typer.Option(False, "--json", help="Print a JSON list of {name, family, layers, params}.")):
+    """List the model zoo with parameter counts."""
+    from model_zoo import load_model, zoo_names
+
+    rows = [load_model(name).describe() for name in zoo_names()]
+    if as_json:
+        typer.echo(json.dumps(rows, indent=1))
+        return
+    table = Table("name", "family", "layers", "params")
+    for row in rows:
+        table.add_row(row["name"], row["family"], str(row["layers"]), f"{row['params']:,}")
+    Console().print(table)
+
+
+@app.command()
+def generate(
+    model: str = typer.Argument(..., help="A zoo name (see `stg models`) or a path to a model YAML."),
+    out: Path = typer.Option(..., "--out", "-o", help="Output directory; replaced atomically if it holds an earlier trace set."),
+    plan_file: Optional[Path] = typer.Option(None, "--plan", help="A plan YAML with the same keys as these options; options given here override it."),
+    dp: Optional[int] = typer.Option(None, help="Data-parallel degree. [default: 1]"),
+    tp: Optional[int] = typer.Option(None, help="Tensor-parallel degree (not implemented yet: must be 1)."),
+    pp: Optional[int] = typer.Option(None, help="Pipeline-parallel degree (not implemented yet: must be 1)."),
+    cp: Optional[int] = typer.Option(None, help="Context-parallel degree (not implemented yet: must be 1)."),
+    ep: Optional[int] = typer.Option(None, help="Expert-parallel degree (not implemented yet: must be 1)."),
+    zero: Optional[int] = typer.Option(None, help="ZeRO stage (not implemented yet: must be 0)."),
+    micro_batch: Optional[int] = typer.Option(None, help="Sequences per rank per forward/backward. [default: 1]"),
+    global_batch: Optional[int] = typer.Option(None, help="Sequences per optimizer step over all ranks; micro-batches per rank = global / (micro * dp). [default: micro-batch * dp]"),
+    seq: Optional[int] = typer.Option(None, help="Sequence length in tokens. [default: 2048]"),
+    attention_flops: Optional[str] = typer.Option(None, help="Count causal attention's score matrices as 'causal' (the unmasked half, as FlashAttention runs and Megatron-LM counts) or 'full' (the whole square, as PyTorch's FlopCounterMode). [default: causal]"),
+    bucket_mb: Optional[float] = typer.Option(None, help="Gradient bucket size in MiB for the data-parallel all-reduce. [default: 25, PyTorch DDP's]"),
+    device: Optional[str] = typer.Option(None, help="Device spec for compute durations: h100, h200, a100, b200, mi300x. [default: h100]"),
+    quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress bar and no summary line."),
+):
+    """Write OUT/workload.<rank>.et for every rank, OUT/workload.json (communicator groups) and OUT/summary.json."""
+    from stg.api import generate as run
+    from stg.plan import Plan
+
+    given = dict(dp=dp, tp=tp, pp=pp, cp=cp, ep=ep, zero=zero, micro_batch=micro_batch, global_batch=global_batch,
+                 seq=seq, attention_flops=attention_flops, bucket_mb=bucket_mb, device=device)
+    with _user_errors():
+        overrides = {k: v for k, v in given.items() if v is not None}
+        plan = Plan.from_yaml(plan_file, overrides) if plan_file else Plan.from_dict(overrides)
+        with _progress("writing ranks", quiet) as progress:
+            summary = run(model, plan, out, progress)
+    if not quiet:
+        totals = summary["totals"]
+        err.print(
+            f"{summary['world_size']} ranks, {summary['microbatches']} micro-batches/rank, "
+            f"{totals['flops'] / 1e15:.3f} PFLOP per step -> {out}", highlight=False,
+        )
+
+
+@app.command()
+def validate(
+    out: Path = typer.Argument(..., help="A trace set directory written by `stg generate`."),
+    replay: bool = typer.Option(True, help="Also replay all ranks together to prove the set runs to completion."),
+):
+    """Check a trace set: per-rank structure and attribute types, identical collective sequences
+    within every group, every send matched by a receive, and (replay) no deadlock."""
+    from stg.chakra.validate import validate as check
+
+    if not (out / "workload.json").is_file():
+        err.print(f"[red]error:[/red] {out}: not a trace set (no workload.json)", highlight=False)
+        raise typer.Exit(2)
+    with _progress("loading ranks", False) as progress:
+        problems = check(out, replay=replay, progress=progress)
+    if problems:
+        for problem in problems[:50]:
+            err.print(str(problem), highlight=False, soft_wrap=True)
+        if len(problems) > 50:
+            err.print(f"... and {len(problems) - 50} more", highlight=False)
+        err.print(f"[red]invalid:[/red] {len(problems)} problem(s) in {out}", highlight=False)
+        raise typer.Exit(1)
+    ranks = len(list(out.glob("workload.*.et")))
+    typer.echo(f"ok: {ranks} ranks in {out} are consistent" + (" and replay to completion" if replay else ""))
+
+
+@app.command()
+def inspect(
+    file: Path = typer.Argument(..., help="One rank's .et file."),
+    as_json: bool = typer.Option(False, "--json", help="One JSON object per node (JSON Lines)."),
+    limit: Optional[int] = typer.Option(None, help="Show at most this many nodes."),
+):
+    """Print the nodes of one rank's trace, one a line."""
+    from stg.chakra.reader import TraceFormatError, format_node, iter_nodes, node_to_dict
+
+    if not file.is_file():
+        err.print(f"[red]error:[/red] {file}: no such file", highlight=False)
+        raise typer.Exit(2)
+    try:
+        for count, node in enumerate(iter_nodes(file)):
+            if limit is not None and count >= limit:
+                break
+            typer.echo(json.dumps(node_to_dict(node)) if as_json else format_node(node))
+    except TraceFormatError as error:
+        err.print(f"[red]error:[/red] {error}", highlight=False)
+        raise typer.Exit(2)
+    except BrokenPipeError:
+        sys.stderr.close()
+
+
+@app.command()
+def describe(
+    model: str = typer.Argument(..., help="A zoo name or a path to a model YAML."),
+    layers: int = typer.Option(1, help="How many repeated blocks to print (the embedding and head are always shown)."),
+):
+    """Print a model's forward graph (one op a line, symbolic shapes and FLOPs) and its parameter count."""
+    from model_zoo import load_model
+
+    with _user_errors():
+        loaded = load_model(model)
+        graph = loaded.graph
+    last = loaded.layers + 1
+    lines = str(graph).splitlines()
+    for op, line in zip(graph.ops, lines):
+        if op.layer <= layers or op.layer == last:
+            typer.echo(line)
+    typer.echo(f"# {loaded.name}: {loaded.layers} blocks, {loaded.params:,} parameters")
+
+
+def main() -> None:  # pragma: no cover - console entry
+    app()

@@ -1,0 +1,119 @@
+"""FLOPs and bytes of every op kind, derived from the shapes of its tensors.
+
+One function, `op_cost`, serves the global graph and every sharded graph: a strategy changes
+the (local) shapes, and the costs follow. FLOPs are floating-point operations (a multiply-add
+is 2). Bytes are the memory traffic of a straightforward kernel: every input read once and
+every output written once, transient (on-chip) tensors excluded; the exceptions say why.
+
+Per-element FLOP counts of the non-contraction ops are conventional operation counts, stated
+next to each entry; they are small next to the contractions of any real model.
+"""
+
+from __future__ import annotations
+
+from enum import Enum
+from typing import Any, Mapping, Sequence
+
+import sympy
+
+from stg.graph import OpKind, Tensor
+
+
+class Pointwise(Enum):
+    """Elementwise functions: (FLOPs per output element forward, backward)."""
+
+    ADD = ("add", 1, 0)  # the gradient passes through unchanged: no backward op
+    GELU = ("gelu", 8, 13)  # tanh form: x^3, 3 mul, add, tanh, add, mul; backward adds the derivative
+    SILU = ("silu", 4, 8)  # x*sigmoid(x): exp, add, div, mul
+    SWIGLU = ("swiglu", 5, 10)  # silu(gate) * up, one fused kernel with two inputs
+    ROPE = ("rope", 3, 3)  # rotate pairs: 2 mul + 1 add per element, the same backward
+
+    def __init__(self, label: str, forward_flops: int, backward_flops: int):
+        self.label = label
+        self.forward_flops = forward_flops
+        self.backward_flops = backward_flops
+
+
+class NormKind(Enum):
+    """Normalisations: (FLOPs per element forward, input-gradient backward)."""
+
+    LAYER_NORM = ("layernorm", 8, 16)  # mean, sub, square, mean, rsqrt-mul, scale, shift
+    RMS_NORM = ("rmsnorm", 4, 8)  # square, mean, rsqrt-mul, scale
+
+    def __init__(self, label: str, forward_flops: int, backward_flops: int):
+        self.label = label
+        self.forward_flops = forward_flops
+        self.backward_flops = backward_flops
+
+
+SOFTMAX_FLOPS = 5  # max, subtract, exp, sum, divide
+SOFTMAX_GRAD_FLOPS = 4  # y * (dy - sum(dy * y)): mul, sum, sub, mul
+CROSS_ENTROPY_FLOPS = 5  # a softmax over the vocabulary, then log and pick the label
+CROSS_ENTROPY_GRAD_FLOPS = 3  # softmax recomputed from saved max/sum, minus one-hot, scale
+REDUCE_FLOPS = 1  # one add per input element
+EMBEDDING_GRAD_FLOPS = 1  # scatter-add: one add per gradient element
+# AdamW per parameter: m = b1*m + (1-b1)*g (3), v = b2*v + (1-b2)*g^2 (4), bias corrections
+# m/c1, v/c2 (2), sqrt, +eps, divide (3), decay p*(1-lr*wd) (1), p -= lr*u (2).
+ADAMW_FLOPS = 15
+
+
+def _memory(tensors: Sequence[Tensor]) -> sympy.Expr:
+    return sympy.Add(*(t.memory_bytes for t in tensors))
+
+
+def einsum_sizes(spec: str, inputs: Sequence[Tensor]) -> dict[str, sympy.Expr]:
+    """Size of every index letter of an einsum `ab,bc->ac` (operands already checked)."""
+    operands = spec.split("->")[0].split(",")
+    sizes: dict[str, sympy.Expr] = {}
+    for letters, tensor in zip(operands, inputs):
+        sizes.update(zip(letters, tensor.shape))
+    return sizes
+
+
+def op_cost(
+    kind: OpKind, attrs: Mapping[str, Any], inputs: Sequence[Tensor], outputs: Sequence[Tensor]
+) -> tuple[sympy.Expr, sympy.Expr]:
+    """(FLOPs, bytes) of one op from its tensors' shapes."""
+    traffic = _memory(inputs) + _memory(outputs)
+    out_numel = sympy.Add(*(t.numel for t in outputs))
+    if kind is OpKind.EINSUM:
+        # 2 x the product of all index sizes; `density` < 1 skips masked blocks (causal attention).
+        product = sympy.Mul(*einsum_sizes(attrs["spec"], inputs).values())
+        return 2 * product * attrs.get("density", 1), traffic
+    if kind is OpKind.POINTWISE:
+        return attrs["fn"].forward_flops * outputs[0].numel, traffic
+    if kind is OpKind.POINTWISE_GRAD:
+        return attrs["fn"].backward_flops * inputs[0].numel, traffic
+    if kind is OpKind.SOFTMAX:
+        return SOFTMAX_FLOPS * outputs[0].numel, traffic
+    if kind is OpKind.SOFTMAX_GRAD:
+        return SOFTMAX_GRAD_FLOPS * outputs[0].numel, traffic
+    if kind is OpKind.NORM:
+        return attrs["norm"].forward_flops * outputs[0].numel, traffic
+    if kind is OpKind.NORM_GRAD:
+        return attrs["norm"].backward_flops * outputs[0].numel, traffic
+    if kind is OpKind.REDUCE:
+        # one add per element; with two inputs (a norm weight's gradient) a multiply first
+        return REDUCE_FLOPS * len(inputs) * inputs[0].numel, traffic
+    if kind is OpKind.EMBEDDING:
+        # reads only the looked-up rows (as many as output elements), not the whole table
+        ids, out = inputs[1], outputs[0]
+        return sympy.Integer(0), ids.memory_bytes + 2 * out.memory_bytes
+    if kind is OpKind.EMBEDDING_GRAD:
+        # reads the gradient and ids, read-modify-writes the touched rows of the table gradient
+        grad, ids = inputs
+        return EMBEDDING_GRAD_FLOPS * grad.numel, ids.memory_bytes + 3 * grad.memory_bytes
+    if kind is OpKind.CROSS_ENTROPY:
+        return CROSS_ENTROPY_FLOPS * inputs[0].numel, traffic
+    if kind is OpKind.CROSS_ENTROPY_GRAD:
+        return CROSS_ENTROPY_GRAD_FLOPS * out_numel, traffic
+    if kind is OpKind.OPTIMIZER:
+        # inputs: gradient and states, all read; output: the new weight. The states are
+        # updated in place, so they are written back as well.
+        return ADAMW_FLOPS * outputs[0].numel, traffic + _memory(inputs[1:])
+    if kind is OpKind.COLLECTIVE:
+        # a collective moves its (local) input; see stg/redistribute.py for comm_size semantics
+        return sympy.Integer(0), inputs[0].nbytes
+    if kind is OpKind.SLICE:
+        return sympy.Integer(0), sympy.Integer(0)
+    raise AssertionError(f"no cost rule for {kind}")

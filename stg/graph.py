@@ -1,0 +1,208 @@
+"""The IR: tensors with symbolic shapes, ops whose FLOPs and bytes derive from those shapes.
+
+A Graph is an immutable list of ops in program (topological) order over a table of tensors.
+`print(graph)` shows one op a line, fx-style; `graph.verify()` checks the invariants every
+pass relies on. Ops are built by `GraphBuilder` (stg/builder.py), which derives their costs
+from the shapes with the rules in stg/costs.py, so a graph never holds a hand-typed FLOP count.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+from enum import Enum
+from functools import cached_property
+from typing import Any, Iterator, Mapping
+
+import sympy
+
+from stg.errors import GraphError
+
+
+class DType(Enum):
+    BF16 = ("bf16", 2)
+    FP16 = ("fp16", 2)
+    FP32 = ("fp32", 4)
+    INT32 = ("int32", 4)
+    INT64 = ("int64", 8)
+
+    def __init__(self, label: str, nbytes: int):
+        self.label = label
+        self.nbytes = nbytes
+
+    @classmethod
+    def parse(cls, text: str) -> "DType":
+        for member in cls:
+            if member.label == text:
+                return member
+        raise ValueError(f"unknown dtype {text!r}; expected one of {[m.label for m in cls]}")
+
+
+class Role(Enum):
+    INPUT = "input"  # data fed to the step: token ids, labels
+    WEIGHT = "weight"
+    ACTIVATION = "activation"
+    GRADIENT = "gradient"
+    OPTIMIZER_STATE = "optimizer_state"
+
+
+class OpKind(Enum):
+    EINSUM = "einsum"
+    POINTWISE = "pointwise"
+    POINTWISE_GRAD = "pointwise_grad"
+    REDUCE = "reduce"  # sum over the dimensions the output lacks (bias and norm-weight gradients)
+    SOFTMAX = "softmax"
+    SOFTMAX_GRAD = "softmax_grad"
+    NORM = "norm"
+    NORM_GRAD = "norm_grad"
+    EMBEDDING = "embedding"
+    EMBEDDING_GRAD = "embedding_grad"
+    CROSS_ENTROPY = "cross_entropy"
+    CROSS_ENTROPY_GRAD = "cross_entropy_grad"
+    OPTIMIZER = "optimizer"
+    COLLECTIVE = "collective"
+    SLICE = "slice"  # a replicated tensor viewed as one rank's shard: no traffic, no node
+
+
+class Phase(Enum):
+    """When an op runs in a training step; the letters are the pipeline-schedule vocabulary."""
+
+    FORWARD = "F"
+    BACKWARD_INPUT = "B"
+    BACKWARD_WEIGHT = "W"
+    STEP = "S"  # once per step, after the last micro-batch: gradient sync and optimizer
+
+
+@dataclass(frozen=True)
+class Tensor:
+    """A tensor of one micro-batch. `dims` names the logical axis of every dimension.
+
+    `transient` tensors live on chip inside a fused kernel (FlashAttention's scores and
+    probabilities): they cost FLOPs but no memory traffic and no memory.
+    """
+
+    name: str
+    shape: tuple[sympy.Expr, ...]
+    dims: tuple[str, ...]
+    dtype: DType
+    role: Role
+    transient: bool = False
+
+    def __post_init__(self):
+        if len(self.shape) != len(self.dims):
+            raise GraphError(
+                f"tensor {self.name}: shape {list(self.shape)} has {len(self.shape)} dimensions "
+                f"but {len(self.dims)} logical axis names {list(self.dims)}"
+            )
+        object.__setattr__(self, "shape", tuple(sympy.sympify(d) for d in self.shape))
+
+    @property
+    def numel(self) -> sympy.Expr:
+        return sympy.Mul(*self.shape)
+
+    @property
+    def nbytes(self) -> sympy.Expr:
+        return self.numel * self.dtype.nbytes
+
+    @property
+    def memory_bytes(self) -> sympy.Expr:
+        return sympy.Integer(0) if self.transient else self.nbytes
+
+    def __str__(self) -> str:
+        return f"[{', '.join(map(str, self.shape))}] {self.dtype.label}"
+
+
+@dataclass(frozen=True)
+class Op:
+    """One operation. `layer` is its block in the model's sequence (0 = embeddings,
+    1..L = repeated blocks, L+1 = output head and loss), what pipeline stages split on."""
+
+    name: str
+    kind: OpKind
+    inputs: tuple[str, ...]
+    outputs: tuple[str, ...]
+    flops: sympy.Expr
+    bytes: sympy.Expr
+    phase: Phase
+    layer: int
+    attrs: Mapping[str, Any] = field(default_factory=dict)
+
+    def label(self) -> str:
+        """The op's printed head, e.g. `einsum[bsh,hf->bsf]`."""
+        detail = self.attrs.get("spec") or self.attrs.get("fn") or self.attrs.get("norm")
+        detail = getattr(detail, "label", detail)
+        return self.kind.value if detail is None else f"{self.kind.value}[{detail}]"
+
+
+@dataclass(frozen=True)
+class Graph:
+    tensors: Mapping[str, Tensor]
+    ops: tuple[Op, ...]
+
+    @cached_property
+    def producer(self) -> Mapping[str, Op]:
+        return {out: op for op in self.ops for out in op.outputs}
+
+    @cached_property
+    def consumers(self) -> Mapping[str, tuple[Op, ...]]:
+        users: dict[str, list[Op]] = {}
+        for op in self.ops:
+            for name in dict.fromkeys(op.inputs):
+                users.setdefault(name, []).append(op)
+        return {name: tuple(ops) for name, ops in users.items()}
+
+    def tensors_with(self, role: Role) -> Iterator[Tensor]:
+        return (t for t in self.tensors.values() if t.role is role)
+
+    @property
+    def weights(self) -> list[Tensor]:
+        """The model's parameters (not the updated copies an optimizer op produces)."""
+        return [t for t in self.tensors_with(Role.WEIGHT) if t.name not in self.producer]
+
+    def parameter_count(self) -> sympy.Expr:
+        return sympy.Add(*(w.numel for w in self.weights))
+
+    def total(self, what: str = "flops", *, phases: tuple[Phase, ...] | None = None) -> sympy.Expr:
+        """Sum of `flops` or `bytes` over ops, optionally only some phases."""
+        return sympy.Add(
+            *(getattr(op, what) for op in self.ops if phases is None or op.phase in phases)
+        )
+
+    def verify(self) -> None:
+        """Raise GraphError naming the op and tensor on the first broken invariant."""
+        produced: set[str] = set()
+        seen_ops: set[str] = set()
+        for op in self.ops:
+            if op.name in seen_ops:
+                raise GraphError(f"op {op.name}: name used twice")
+            seen_ops.add(op.name)
+            for name in op.inputs:
+                if name not in self.tensors:
+                    raise GraphError(f"op {op.name}: input {name} is not a tensor of the graph")
+                if self.tensors[name].role in (Role.INPUT, Role.WEIGHT, Role.OPTIMIZER_STATE):
+                    continue
+                if name not in produced:
+                    raise GraphError(
+                        f"op {op.name}: input {name} is used before it is produced (cycle or misordered ops)"
+                    )
+            for name in op.outputs:
+                if name not in self.tensors:
+                    raise GraphError(f"op {op.name}: output {name} is not a tensor of the graph")
+                if name in produced:
+                    raise GraphError(f"op {op.name}: output {name} is produced twice")
+                produced.add(name)
+        used = {name for op in self.ops for name in op.inputs}
+        for weight in self.weights:
+            if weight.name not in used:
+                raise GraphError(f"weight {weight.name} {weight} is never used by any op")
+
+    def __str__(self) -> str:
+        lines = []
+        for op in self.ops:
+            outs = ", ".join(f"%{o}: {self.tensors[o]}" for o in op.outputs)
+            args = ", ".join(f"%{i}" for i in op.inputs)
+            lines.append(f"{outs} = {op.label()}({args})  # {op.phase.value} flops={op.flops}")
+        return "\n".join(lines)
+
+    def kinds(self) -> Counter:
+        return Counter(op.kind for op in self.ops)

@@ -1,0 +1,163 @@
+"""Device mesh, placements and layouts: the vocabulary of every parallelism strategy.
+
+A DeviceMesh is named axes with sizes and one fixed rank <-> coordinate rule: the last axis
+varies fastest. stg's standard order is pp, dp, ep, cp, tp (tp fastest, as in Megatron), so
+rank = tp + T*(cp + C*(ep + E*(dp + D*pp))). Groups along some axes are derived, never stored.
+
+A Layout says, per mesh axis, how a tensor sits on it: Shard(d) splits dimension d, Partial
+holds a partial sum, and any axis not named replicates it (PyTorch DTensor's vocabulary).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Iterator, Mapping, Sequence
+
+import sympy
+
+from stg.errors import LayoutError
+
+MESH_ORDER = ("pp", "dp", "ep", "cp", "tp")
+
+
+@dataclass(frozen=True)
+class Shard:
+    dim: int
+
+    def __str__(self) -> str:
+        return f"S({self.dim})"
+
+
+@dataclass(frozen=True)
+class Replicate:
+    def __str__(self) -> str:
+        return "R"
+
+
+@dataclass(frozen=True)
+class Partial:
+    def __str__(self) -> str:
+        return "P"
+
+
+Placement = Shard | Replicate | Partial
+
+
+def axis_symbol(axis: str) -> sympy.Symbol:
+    """The symbol of a mesh axis' size, so sharded shapes read `B/dp`."""
+    return sympy.Symbol(axis, positive=True, integer=True)
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Placements on the mesh axes that do not replicate, in mesh order."""
+
+    placements: tuple[tuple[str, Placement], ...] = ()
+
+    @classmethod
+    def of(cls, mapping: Mapping[str, Placement], order: Sequence[str]) -> "Layout":
+        return cls(tuple((ax, mapping[ax]) for ax in order if ax in mapping and mapping[ax] != Replicate()))
+
+    def get(self, axis: str) -> Placement:
+        return dict(self.placements).get(axis, Replicate())
+
+    def as_dict(self) -> dict[str, Placement]:
+        return dict(self.placements)
+
+    def axes_sharding(self, dim: int) -> tuple[str, ...]:
+        return tuple(ax for ax, p in self.placements if p == Shard(dim))
+
+    @property
+    def partial_axes(self) -> tuple[str, ...]:
+        return tuple(ax for ax, p in self.placements if isinstance(p, Partial))
+
+    def local_shape(self, shape: Sequence[sympy.Expr]) -> tuple[sympy.Expr, ...]:
+        return tuple(
+            dim / sympy.Mul(*(axis_symbol(ax) for ax in self.axes_sharding(i))) for i, dim in enumerate(shape)
+        )
+
+    def describe(self, shape: Sequence[sympy.Expr]) -> str:
+        """DESIGN.md's notation: `B@dp S@tp P(tp)`; `R` when fully replicated."""
+        parts = [f"{shape[i]}@{'*'.join(self.axes_sharding(i))}" for i in range(len(shape)) if self.axes_sharding(i)]
+        if self.partial_axes:
+            parts.append(f"P({','.join(self.partial_axes)})")
+        return " ".join(parts) or "R"
+
+    def __str__(self) -> str:
+        return " ".join(f"{p}@{ax}" for ax, p in self.placements) or "R"
+
+
+REPLICATED = Layout()
+
+
+@dataclass(frozen=True)
+class DeviceMesh:
+    """Named axes (slowest first) and their sizes."""
+
+    axes: tuple[tuple[str, int], ...]
+
+    def __post_init__(self):
+        for name, size in self.axes:
+            if not isinstance(size, int) or size < 1:
+                raise LayoutError(f"mesh axis {name}: size must be a positive integer, got {size!r}")
+
+    @classmethod
+    def standard(cls, **sizes: int) -> "DeviceMesh":
+        """A mesh in stg's standard order; axes not given have size 1."""
+        unknown = set(sizes) - set(MESH_ORDER)
+        if unknown:
+            raise LayoutError(f"unknown mesh axes {sorted(unknown)}; known: {list(MESH_ORDER)}")
+        return cls(tuple((ax, sizes.get(ax, 1)) for ax in MESH_ORDER))
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return tuple(name for name, _ in self.axes)
+
+    @property
+    def sizes(self) -> dict[str, int]:
+        return dict(self.axes)
+
+    @property
+    def size(self) -> int:
+        return math.prod(self.sizes.values())
+
+    def stride(self, axis: str) -> int:
+        names = self.names
+        return math.prod(size for _, size in self.axes[names.index(axis) + 1 :])
+
+    def coords(self, rank: int) -> dict[str, int]:
+        return {name: (rank // self.stride(name)) % size for name, size in self.axes}
+
+    def rank(self, coords: Mapping[str, int]) -> int:
+        return sum(coords.get(name, 0) * self.stride(name) for name in self.names)
+
+    def group(self, rank: int, axes: Sequence[str]) -> list[int]:
+        """Ranks that share `rank`'s coordinates off `axes`, ordered by their coordinates on `axes`."""
+        base = rank - sum(self.coords(rank)[ax] * self.stride(ax) for ax in axes)
+        members = [base]
+        for ax in sorted(axes, key=self.names.index):
+            members = [m + k * self.stride(ax) for m in members for k in range(self.sizes[ax])]
+        return sorted(members)
+
+    def group_index(self, rank: int, axes: Sequence[str]) -> int:
+        """Which group of kind `axes` holds `rank`: the mixed-radix number of its other coordinates."""
+        index = 0
+        coords = self.coords(rank)
+        for name, size in self.axes:
+            if name not in axes:
+                index = index * size + coords[name]
+        return index
+
+    def groups(self, axes: Sequence[str]) -> Iterator[list[int]]:
+        """Every group of kind `axes`, in group_index order."""
+        others = [(name, size) for name, size in self.axes if name not in axes]
+        for flat in range(math.prod(size for _, size in others)):
+            coords, rest = {}, flat
+            for name, size in reversed(others):
+                coords[name] = rest % size
+                rest //= size
+            yield self.group(self.rank(coords), axes)
+
+    def __str__(self) -> str:
+        return " x ".join(f"{name}={size}" for name, size in self.axes)

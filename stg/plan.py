@@ -1,0 +1,128 @@
+"""The parallelism plan: the same names in the CLI, in plan.yaml and in the Python API.
+
+    Plan(dp=8, micro_batch=1, global_batch=1024, seq=8192)
+
+Batch vocabulary (Megatron-LM's): `micro_batch` is what one data-parallel rank runs in one
+forward/backward; `global_batch` is the samples of one optimizer step over all ranks; the
+number of micro-batches each rank runs (gradient accumulation) is
+global_batch / (micro_batch * dp), which must be a whole number.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, fields
+from enum import Enum
+from pathlib import Path
+from typing import Any, Mapping
+
+import sympy
+import yaml
+
+from stg.device import DEFAULT_DEVICE, DEVICES
+from stg.errors import PlanError
+from stg.mesh import DeviceMesh
+
+
+class AttentionFlops(Enum):
+    """How the FLOPs of causal attention's score matrices are counted."""
+
+    CAUSAL = "causal"  # the unmasked half: what FlashAttention runs, what Megatron-LM counts
+    FULL = "full"  # the whole square: what PyTorch's FlopCounterMode reports
+
+    @property
+    def fraction(self) -> sympy.Rational:
+        return sympy.Rational(1, 2) if self is AttentionFlops.CAUSAL else sympy.Integer(1)
+
+
+# parallel degrees that later strategies bring; refused until they exist, never ignored
+_NOT_YET = {"tp": "tensor parallelism", "pp": "pipeline parallelism", "cp": "context parallelism",
+            "ep": "expert parallelism"}
+
+
+@dataclass(frozen=True)
+class Plan:
+    dp: int = 1
+    tp: int = 1
+    pp: int = 1
+    cp: int = 1
+    ep: int = 1
+    zero: int = 0
+    micro_batch: int = 1
+    global_batch: int | None = None  # default: micro_batch * dp (no gradient accumulation)
+    seq: int = 2048
+    attention_flops: AttentionFlops = AttentionFlops.CAUSAL
+    bucket_mb: float = 25.0  # gradient bucket size, MiB (PyTorch DDP's bucket_cap_mb default)
+    device: str = DEFAULT_DEVICE
+
+    def __post_init__(self):
+        for name in ("dp", "tp", "pp", "cp", "ep", "micro_batch", "seq"):
+            _positive_int(name, getattr(self, name))
+        if self.global_batch is None:
+            object.__setattr__(self, "global_batch", self.micro_batch * self.dp)
+        _positive_int("global_batch", self.global_batch)
+        if isinstance(self.attention_flops, str):
+            try:
+                object.__setattr__(self, "attention_flops", AttentionFlops(self.attention_flops))
+            except ValueError:
+                raise PlanError(
+                    f"attention_flops: must be one of {[a.value for a in AttentionFlops]}, got {self.attention_flops!r}"
+                ) from None
+        if isinstance(self.bucket_mb, bool) or not isinstance(self.bucket_mb, (int, float)) or self.bucket_mb <= 0:
+            raise PlanError(f"bucket_mb: must be a positive number of MiB, got {self.bucket_mb!r}")
+        if self.device not in DEVICES:
+            raise PlanError(f"device: unknown device {self.device!r}; known: {', '.join(DEVICES)}")
+        if self.zero != 0:
+            raise PlanError(f"zero={self.zero}: ZeRO/FSDP sharding is not implemented yet (only zero=0)")
+        for name, what in _NOT_YET.items():
+            if getattr(self, name) != 1:
+                raise PlanError(f"{name}={getattr(self, name)}: {what} is not implemented yet (only {name}=1)")
+        per_step = self.micro_batch * self.dp
+        if self.global_batch % per_step:
+            raise PlanError(
+                f"global_batch={self.global_batch} is not a multiple of micro_batch*dp = "
+                f"{self.micro_batch}*{self.dp} = {per_step}"
+            )
+
+    @property
+    def microbatches(self) -> int:
+        """Micro-batches each rank runs per optimizer step (gradient accumulation steps)."""
+        return self.global_batch // (self.micro_batch * self.dp)
+
+    @property
+    def world_size(self) -> int:
+        return self.mesh().size
+
+    def mesh(self) -> DeviceMesh:
+        return DeviceMesh.standard(pp=self.pp, dp=self.dp, ep=self.ep, cp=self.cp, tp=self.tp)
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any], where: str = "plan") -> "Plan":
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise PlanError(f"{where}: unknown key(s) {unknown}; known: {sorted(known)}")
+        return cls(**data)
+
+    @classmethod
+    def from_yaml(cls, path: str | Path, overrides: Mapping[str, Any] | None = None) -> "Plan":
+        """A plan file, with `overrides` (e.g. options given on the command line) on top."""
+        path = Path(path)
+        try:
+            data = yaml.safe_load(path.read_text())
+        except OSError as err:
+            raise PlanError(f"plan file {path}: cannot read ({err.strerror})") from None
+        except yaml.YAMLError as err:
+            raise PlanError(f"plan file {path}: not valid YAML ({str(err).splitlines()[0]})") from None
+        if not isinstance(data, dict):
+            raise PlanError(f"plan file {path}: expected a mapping of plan keys")
+        return cls.from_dict({**data, **(overrides or {})}, where=f"plan file {path}")
+
+    def to_dict(self) -> dict[str, Any]:
+        data = asdict(self)
+        data["attention_flops"] = self.attention_flops.value
+        return data
+
+
+def _positive_int(name: str, value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise PlanError(f"{name}: must be a positive integer, got {value!r}")
