@@ -5,8 +5,25 @@
     summary = generate(model, Plan(dp=8, global_batch=64, seq=4096), out="out/")
 """
 
-from model_zoo import Model, load_model
-from stg.api import Workload, __version__, build, generate
-from stg.plan import AttentionFlops, Plan
+from importlib import import_module
 
-__all__ = ["AttentionFlops", "Model", "Plan", "Workload", "__version__", "build", "generate", "load_model"]
+__version__ = "0.1.0"
+
+# Imported on first use (PEP 562): model_zoo builds on stg's IR, and stg's API re-exports
+# model_zoo's loader, so eager imports here would be circular.
+_EXPORTS = {
+    "load_model": "model_zoo",
+    "Model": "model_zoo",
+    "Plan": "stg.plan",
+    "AttentionFlops": "stg.plan",
+    "Workload": "stg.api",
+    "build": "stg.api",
+    "generate": "stg.api",
+}
+__all__ = [*_EXPORTS, "__version__"]
+
+
+def __getattr__(name: str):
+    if name in _EXPORTS:
+        return getattr(import_module(_EXPORTS[name]), name)
+    raise AttributeError(f"module 'stg' has no attribute {name!r}")

@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
-from typing import Any, Callable, Mapping
+from typing import Any, Mapping
 
 import sympy
 
@@ -29,7 +29,7 @@ from stg.plan import Plan
 from stg.sharding import ShardedGraph, shard
 from stg.symbols import ATTN_FRACTION, B, S
 
-__version__ = "0.1.0"
+from stg import __version__
 
 
 @dataclass(frozen=True)

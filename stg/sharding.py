@@ -17,7 +17,6 @@ from typing import Callable, Mapping, Sequence
 
 from stg.builder import GraphBuilder
 from stg.costs import Pointwise
-from stg.errors import LayoutError
 from stg.graph import Graph, Op, OpKind, Phase, Role, Tensor
 from stg.mesh import REPLICATED, Layout, Partial, Placement, Replicate, Shard
 from stg.redistribute import plan_redistribution
@@ -213,7 +212,6 @@ def _along_last_dim(op, ins, lays, outs, sharder):
 
 def _embedding(op, ins, lays, outs, sharder):
     table, ids = ins
-    out_tensor = outs[0]
     need_ids = lays[1].as_dict()
     out = {}
     for axis in sharder.mesh_axes:
@@ -230,7 +228,6 @@ def _embedding(op, ins, lays, outs, sharder):
 def _embedding_grad(op, ins, lays, outs, sharder):
     grad, ids = ins
     (table_name,) = op.attrs["grad_of"]
-    table = sharder.tensor(table_name)
     table_layout = sharder.layouts[table_name]
     need_grad, need_ids, out = lays[0].as_dict(), lays[1].as_dict(), {}
     for axis in sharder.mesh_axes:

@@ -1,0 +1,3 @@
+from stg.cli import app
+
+app(prog_name="stg")

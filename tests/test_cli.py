@@ -1,0 +1,146 @@
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import yaml
+from typer.testing import CliRunner
+
+from stg.cli import app
+
+runner = CliRunner()
+TINY = ["--seq", "32"]
+
+
+def run(*args):
+    return runner.invoke(app, [str(a) for a in args])
+
+
+def write_model(tmp_path, spec):
+    path = tmp_path / "model.yaml"
+    path.write_text(yaml.safe_dump(spec))
+    return path
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["nope"], "unknown model 'nope'"),
+        (["llama3-8b", "--dp", "3", "--global-batch", "32"], "global_batch=32 is not a multiple of micro_batch*dp = 1*3 = 3"),
+        (["llama3-8b", "--dp", "0"], "dp: must be a positive integer, got 0"),
+        (["llama3-8b", "--seq", "-5"], "seq: must be a positive integer, got -5"),
+        (["gpt3-175b", "--seq", "4096"], "seq=4096 exceeds model gpt3-175b's max_positions=2048"),
+        (["llama3-8b", "--attention-flops", "half"], "attention_flops: must be one of"),
+        (["llama3-8b", "--device", "tpu9"], "device: unknown device 'tpu9'"),
+        (["llama3-8b", "--tp", "2"], "tp=2: tensor parallelism is not implemented yet"),
+    ],
+)
+def test_bad_input_is_one_line_exit_2_and_no_output(tmp_path, args, message):
+    out = tmp_path / "out"
+    result = run("generate", *args, "-o", out)
+    assert result.exit_code == 2, result.output
+    assert message in result.output
+    assert "Traceback" not in result.output
+    assert result.output.strip().count("\n") == 0
+    assert not out.exists()
+    assert os.listdir(tmp_path) == []  # not even a temporary directory left behind
+
+
+def test_malformed_and_incomplete_model_yaml(tmp_path, tiny_llama):
+    broken = tmp_path / "broken.yaml"
+    broken.write_text("name: x\nfamily: llama\nlayers: [\n")
+    result = run("generate", broken, "-o", tmp_path / "o")
+    assert result.exit_code == 2 and "not valid YAML" in result.output
+    incomplete = write_model(tmp_path, {k: v for k, v in tiny_llama.items() if k != "hidden"})
+    result = run("generate", incomplete, "-o", tmp_path / "o")
+    assert result.exit_code == 2 and "missing field 'hidden'" in result.output
+    negative = write_model(tmp_path, {**tiny_llama, "ffn": -1})
+    result = run("generate", negative, "-o", tmp_path / "o")
+    assert result.exit_code == 2 and "ffn must be a positive integer, got -1" in result.output
+
+
+def test_unwritable_output(tmp_path, tiny_llama):
+    model = write_model(tmp_path, tiny_llama)
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    result = run("generate", model, "-o", blocker / "out", *TINY)
+    assert result.exit_code == 2 and "cannot write there" in result.output
+    result = run("generate", model, "-o", blocker, *TINY)
+    assert result.exit_code == 2 and "is not a directory" in result.output
+    foreign = tmp_path / "foreign"
+    foreign.mkdir()
+    (foreign / "precious.txt").write_text("keep me")
+    result = run("generate", model, "-o", foreign, *TINY)
+    assert result.exit_code == 2 and "refusing to replace it" in result.output
+    assert (foreign / "precious.txt").read_text() == "keep me"
+
+
+def test_plan_file_and_overrides(tmp_path, tiny_llama):
+    model = write_model(tmp_path, tiny_llama)
+    plan = tmp_path / "plan.yaml"
+    plan.write_text("dp: 2\nglobal_batch: 8\nseq: 32\n")
+    out = tmp_path / "out"
+    assert run("generate", model, "--plan", plan, "-o", out, "-q").exit_code == 0
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["world_size"] == 2 and summary["microbatches"] == 4
+    assert run("generate", model, "--plan", plan, "--dp", "4", "-o", out, "-q").exit_code == 0
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["world_size"] == 4 and summary["microbatches"] == 2  # replaced in place
+    plan.write_text("dp: 2\nbatch: 8\n")
+    result = run("generate", model, "--plan", plan, "-o", out)
+    assert result.exit_code == 2 and "unknown key(s) ['batch']" in result.output
+
+
+def test_two_runs_are_byte_identical(tmp_path, tiny_gpt):
+    model = write_model(tmp_path, tiny_gpt)
+    for name in ("a", "b"):
+        assert run("generate", model, "-o", tmp_path / name, "--dp", "4", "--global-batch", "8", *TINY, "-q").exit_code == 0
+    files = sorted(p.name for p in (tmp_path / "a").iterdir())
+    assert len(files) == 6
+    for name in files:
+        assert (tmp_path / "a" / name).read_bytes() == (tmp_path / "b" / name).read_bytes(), name
+
+
+def test_validate_passes_generated_and_fails_broken(tmp_path, tiny_llama):
+    model = write_model(tmp_path, tiny_llama)
+    out = tmp_path / "out"
+    assert run("generate", model, "-o", out, "--dp", "2", *TINY, "-q").exit_code == 0
+    result = run("validate", out)
+    assert result.exit_code == 0 and "ok: 2 ranks" in result.output
+    # drop rank 1's last collective: the group's sequences no longer match
+    from stg.chakra.reader import read_trace, write_trace
+
+    trace = read_trace(out / "workload.1.et")
+    last_coll = max(n.id for n in trace.nodes if n.type == 7)
+    kept = [n for n in trace.nodes if n.id != last_coll]
+    for node in kept:
+        node.data_deps[:] = [d for d in node.data_deps if d != last_coll]
+    write_trace(out / "workload.1.et", trace.metadata, kept)
+    result = run("validate", out)
+    assert result.exit_code == 1
+    assert "rank 1" in result.output and "group 1" in result.output
+
+
+def test_models_and_inspect_and_describe(tmp_path, tiny_llama):
+    result = run("models", "--json")
+    rows = json.loads(result.output)
+    assert {"name": "llama3-8b", "params": 8_030_261_248}.items() <= next(r for r in rows if r["name"] == "llama3-8b").items()
+    model = write_model(tmp_path, tiny_llama)
+    out = tmp_path / "out"
+    run("generate", model, "-o", out, *TINY, "-q")
+    lines = run("inspect", out / "workload.0.et", "--json", "--limit", "3").output.splitlines()
+    assert [json.loads(line)["id"] for line in lines] == [0, 1, 2]
+    text = run("describe", model).output
+    assert "einsum[bsh,hf->bsf]" in text and "parameters" in text
+    assert run("inspect", tmp_path / "missing.et").exit_code == 2
+
+
+def test_console_script_reports_errors_without_traceback(tmp_path):
+    result = subprocess.run(
+        [sys.executable, "-m", "stg", "generate", "llama3-8b", "--dp", "3", "--global-batch", "4", "-o", str(tmp_path / "o")],
+        capture_output=True, text=True,
+    )
+    assert result.returncode == 2
+    assert result.stderr.startswith("error: global_batch=4 is not a multiple")
+    assert "Traceback" not in result.stderr

@@ -1,0 +1,83 @@
+import pytest
+import sympy
+
+from stg.builder import GraphBuilder
+from stg.costs import NormKind, Pointwise
+from stg.errors import GraphError
+from stg.graph import DType, OpKind
+
+B, S, H, F = sympy.symbols("B S H F", positive=True, integer=True)
+
+
+def mlp():
+    g = GraphBuilder()
+    x = g.input("x", [B, S, H], ["batch", "seq", "embed"], DType.BF16)
+    w1 = g.weight("w1", [H, F], ["embed", "mlp"])
+    w2 = g.weight("w2", [F, H], ["mlp", "embed"])
+    h = g.einsum("h", "bsh,hf->bsf", x, w1)
+    a = g.pointwise("a", Pointwise.GELU, h)
+    g.einsum("y", "bsf,fh->bsh", a, w2)
+    return g.build()
+
+
+def test_einsum_costs_twice_the_product_of_index_sizes():
+    graph = mlp()
+    assert graph.producer["h"].flops == 2 * B * S * H * F
+    # bf16: read x and w1, write h
+    assert graph.producer["h"].bytes == sympy.expand(2 * (B * S * H + H * F + B * S * F))
+    assert graph.producer["a"].flops == Pointwise.GELU.forward_flops * B * S * F
+
+
+def test_print_is_one_op_a_line_with_symbolic_shapes():
+    text = str(mlp())
+    assert text.splitlines() == [
+        "%h: [B, S, F] bf16 = einsum[bsh,hf->bsf](%x, %w1)  # F flops=2*B*F*H*S",
+        "%a: [B, S, F] bf16 = pointwise[gelu](%h)  # F flops=8*B*F*S",
+        "%y: [B, S, H] bf16 = einsum[bsf,fh->bsh](%a, %w2)  # F flops=2*B*F*H*S",
+    ]
+
+
+def test_parameter_count_and_verify():
+    graph = mlp()
+    graph.verify()
+    assert graph.parameter_count() == 2 * H * F
+
+
+def test_einsum_operands_that_disagree_name_the_op_and_dims():
+    g = GraphBuilder()
+    x = g.input("x", [B, H], ["batch", "embed"], DType.BF16)
+    w = g.weight("w", [F, H], ["mlp", "embed"])
+    with pytest.raises(GraphError, match=r"op y: einsum index 'h' is H in one operand but F in w"):
+        g.einsum("y", "bh,hf->bf", x, w)
+    with pytest.raises(GraphError, match="has 3 indices but tensor x has shape"):
+        g.einsum("z", "bsh,fh->bf", x, w)
+
+
+def test_unused_weight_fails_verify():
+    g = GraphBuilder()
+    x = g.input("x", [B, H], ["batch", "embed"], DType.BF16)
+    w = g.weight("w", [H, F], ["embed", "mlp"])
+    g.weight("orphan", [H], ["embed"])
+    g.einsum("y", "bh,hf->bf", x, w)
+    with pytest.raises(GraphError, match="weight orphan .* is never used"):
+        g.build().verify()
+
+
+def test_broadcast_must_match_by_logical_axis():
+    g = GraphBuilder()
+    x = g.input("x", [B, H], ["batch", "embed"], DType.BF16)
+    bias = g.weight("bias", [F], ["mlp"])
+    with pytest.raises(GraphError, match="do not broadcast"):
+        g.pointwise("y", Pointwise.ADD, x, bias)
+
+
+def test_norm_and_softmax_costs_per_element():
+    g = GraphBuilder()
+    x = g.input("x", [B, H], ["batch", "embed"], DType.BF16)
+    w = g.weight("w", [H], ["embed"])
+    n = g.norm("n", NormKind.RMS_NORM, x, w)
+    g.softmax("p", n)
+    graph = g.build()
+    assert graph.producer["n"].flops == 4 * B * H
+    assert graph.producer["p"].flops == 5 * B * H
+    assert graph.kinds()[OpKind.NORM] == 1

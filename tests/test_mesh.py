@@ -1,0 +1,63 @@
+import pytest
+
+from stg.errors import LayoutError
+from stg.groups import GroupIds, ordinal_to_id
+from stg.mesh import DeviceMesh, Layout, Partial, Shard
+
+
+def test_rank_order_is_tp_fastest_then_cp_ep_dp_pp():
+    mesh = DeviceMesh.standard(pp=2, dp=2, ep=1, cp=2, tp=2)
+    # rank = tp + 2*(cp + 2*(dp + 2*pp))
+    assert mesh.coords(0) == {"pp": 0, "dp": 0, "ep": 0, "cp": 0, "tp": 0}
+    assert mesh.coords(1)["tp"] == 1
+    assert mesh.coords(2)["cp"] == 1
+    assert mesh.coords(4)["dp"] == 1
+    assert mesh.coords(8)["pp"] == 1
+    for rank in range(mesh.size):
+        assert mesh.rank(mesh.coords(rank)) == rank
+
+
+def test_groups_are_derived_from_coordinates():
+    mesh = DeviceMesh.standard(dp=2, tp=4, pp=2)
+    assert mesh.group(13, ["tp"]) == [12, 13, 14, 15]
+    assert mesh.group(13, ["dp"]) == [9, 13]
+    assert mesh.group(13, ["dp", "tp"]) == list(range(8, 16))
+    groups = list(mesh.groups(["dp"]))
+    assert len(groups) == 8 and sorted(r for g in groups for r in g) == list(range(16))
+    for index, members in enumerate(groups):
+        assert all(mesh.group_index(r, ["dp"]) == index for r in members)
+
+
+def test_bad_mesh_sizes():
+    with pytest.raises(LayoutError, match="size must be a positive integer"):
+        DeviceMesh((("dp", 0),))
+    with pytest.raises(LayoutError, match="unknown mesh axes"):
+        DeviceMesh.standard(xp=2)
+
+
+def test_group_ids_skip_multiples_of_500():
+    ids = [ordinal_to_id(n) for n in range(2000)]
+    assert ids[:3] == [1, 2, 3]
+    assert all(i % 500 for i in ids)
+    assert len(set(ids)) == len(ids)
+
+
+def test_group_ids_cover_every_group_once():
+    mesh = DeviceMesh.standard(dp=4, tp=2)
+    ids = GroupIds.for_kinds(mesh, [("tp",), ("dp",)])
+    table = dict(ids.table())
+    assert sorted(table) == list(range(1, 7))  # 4 tp groups, 2 dp groups
+    for rank in range(mesh.size):
+        for kind in ids.kinds:
+            assert rank in table[ids.id(rank, kind)]
+
+
+def test_layout_local_shape_and_notation():
+    import sympy
+
+    B, S, H = sympy.symbols("B S H", positive=True)
+    layout = Layout.of({"dp": Shard(0), "tp": Shard(1)}, ["dp", "tp"])
+    dp, tp = sympy.symbols("dp tp", positive=True, integer=True)
+    assert layout.local_shape((B, S, H)) == (B / dp, S / tp, H)
+    assert layout.describe((B, S, H)) == "B@dp S@tp"
+    assert Layout.of({"tp": Partial()}, ["tp"]).describe((B,)) == "P(tp)"
