@@ -51,8 +51,15 @@ class Model:
 
     @cached_property
     def graph(self) -> Graph:
-        """Forward graph of one micro-batch, sizes symbolic."""
-        graph = FAMILIES[self.family][1](self.config)
+        """Forward graph of one micro-batch, sizes symbolic (fused attention)."""
+        return self.forward_graph(flash_attention=True)
+
+    def forward_graph(self, flash_attention: bool = True) -> Graph:
+        """Forward graph of one micro-batch; without flash attention the attention scores
+        and probabilities are materialised (and saved for the backward)."""
+        if flash_attention and "graph" in self.__dict__:
+            return self.__dict__["graph"]
+        graph = FAMILIES[self.family][1](self.config, flash_attention)
         graph.verify()
         return graph
 

@@ -28,9 +28,9 @@ H, F, A, AKV, DH, V, P = sympy.symbols("H F A Akv Dh V P", positive=True, intege
 FAMILY_DEFAULTS: dict[str, dict[str, Any]] = {
     # GPT-2/3: LayerNorm with bias, GELU MLP of 4h, learned positions, biases on every linear,
     # output layer tied to the token embedding.
-    "gpt": dict(norm="layernorm", mlp="gelu", bias=True, positions="learned", tied_embeddings=True),
+    "gpt": dict(norm="layernorm", mlp="gelu", bias=True, positions="learned", tied_embeddings=True, dropout=0.1),
     # Llama: RMSNorm, SwiGLU MLP, rotary positions, no biases, untied output layer.
-    "llama": dict(norm="rmsnorm", mlp="swiglu", bias=False, positions="rope", tied_embeddings=False),
+    "llama": dict(norm="rmsnorm", mlp="swiglu", bias=False, positions="rope", tied_embeddings=False, dropout=0.0),
 }
 
 
@@ -51,6 +51,7 @@ class TransformerConfig:
     bias: bool | None = None
     positions: str | None = None
     tied_embeddings: bool | None = None
+    dropout: float | None = None  # probability; > 0 adds GPT-2's embedding, attention and residual dropout
 
     @classmethod
     def from_dict(cls, spec: dict) -> "TransformerConfig":
@@ -83,6 +84,8 @@ class TransformerConfig:
             raise ModelSpecError(f"{where}: kv_heads={self.kv_heads_count} does not divide heads={self.heads}")
         if self.positions == "learned" and self.max_positions is None:
             raise ModelSpecError(f"{where}: learned positions need max_positions")
+        if not isinstance(self.dropout, (int, float)) or isinstance(self.dropout, bool) or not 0 <= self.dropout < 1:
+            raise ModelSpecError(f"{where}: dropout must be a probability in [0, 1), got {self.dropout!r}")
         choices = {"norm": ("layernorm", "rmsnorm"), "mlp": ("gelu", "swiglu"), "positions": ("learned", "rope")}
         for key, allowed in choices.items():
             if getattr(self, key) not in allowed:
@@ -107,35 +110,52 @@ class TransformerConfig:
         return sizes
 
 
-def build_transformer(config: TransformerConfig) -> Graph:
-    """Forward graph of one micro-batch of B sequences of S tokens, loss included."""
+def build_transformer(config: TransformerConfig, flash_attention: bool = True) -> Graph:
+    """Forward graph of one micro-batch of B sequences of S tokens, loss included.
+
+    Tensors that re-enter the residual stream are anchored with the tag "residual", so that a
+    plan can lay the stream out its own way (sequence parallelism splits it on seq). With
+    `flash_attention` the score and probability matrices stay on chip: FLOPs, no memory.
+    The attention core's ops carry `attention_core` (what selective recompute re-runs).
+    """
     g = GraphBuilder()
     bias = config.bias
+    dropout = config.dropout > 0
     norm = NormKind.LAYER_NORM if config.norm == "layernorm" else NormKind.RMS_NORM
     groups = A / AKV
+    core = {"attention_core": True}
 
     def norm_op(name: str, x: str) -> str:
         weight = g.weight(f"{name}.weight", [H], ["embed"])
         b = g.weight(f"{name}.bias", [H], ["embed"]) if config.norm == "layernorm" else None
         return g.norm(name, norm, x, weight, b)
 
-    def linear(name: str, spec: str, x: str, shape: list, dims: list[str], bias_shape: list, bias_dims: list[str]) -> str:
+    def linear(name: str, spec: str, x: str, shape: list, dims: list[str], bias_shape: list,
+               bias_dims: list[str], residual: bool = False) -> str:
+        """x @ W (+ b). A `residual` output is anchored to the residual stream's layout
+        before its bias and dropout, where Megatron reduces a row-parallel output."""
         weight = g.weight(f"{name}.weight", shape, dims)
-        if not bias:
+        if not bias and not residual:
             return g.einsum(name, spec, x, weight)
-        product = g.einsum(f"{name}.matmul", spec, x, weight)
-        return g.pointwise(name, Pointwise.ADD, product, g.weight(f"{name}.bias", bias_shape, bias_dims))
+        out = g.einsum(f"{name}.matmul", spec, x, weight)
+        if residual:
+            out = g.constrain(f"{name}.matmul.residual" if bias else name, out, "residual")
+        if bias:
+            out = g.pointwise(name, Pointwise.ADD, out, g.weight(f"{name}.bias", bias_shape, bias_dims))
+        return g.dropout(f"{name}.dropout", out) if residual and dropout else out
 
     # -- layer 0: embeddings -------------------------------------------------------------------
     g.layer = 0
     ids = g.input("tokens", [B, S], ["batch", "seq"])
     labels = g.input("labels", [B, S], ["batch", "seq"])
     table = g.weight("embed.weight", [V, H], ["vocab", "embed"])
-    x = g.embedding("embed", table, ids)
+    x = g.constrain("embed.out", g.embedding("embed", table, ids), "residual")
     if config.positions == "learned":
         positions = g.input("positions", [S], ["seq"])
         pos_table = g.weight("pos_embed.weight", [P, H], ["positions", "embed"])
         x = g.pointwise("embed_sum", Pointwise.ADD, x, g.embedding("pos_embed", pos_table, positions))
+    if dropout:
+        x = g.dropout("embed.dropout", x)
 
     # -- layers 1..L -----------------------------------------------------------------------------
     for i in range(1, config.layers + 1):
@@ -151,12 +171,14 @@ def build_transformer(config: TransformerConfig) -> Graph:
         if config.positions == "rope":
             q = g.pointwise(f"{p}.attn.q_rope", Pointwise.ROPE, q)
             k = g.pointwise(f"{p}.attn.k_rope", Pointwise.ROPE, k)
-        # the score and probability matrices stay on chip (fused attention): FLOPs, no traffic
-        scores = g.einsum(f"{p}.attn.scores", "bsngd,btnd->bngst", q, k, density=ATTN_FRACTION, transient=True)
-        probs = g.softmax(f"{p}.attn.probs", scores)
-        context = g.einsum(f"{p}.attn.context", "bngst,btnd->bsngd", probs, v, density=ATTN_FRACTION)
+        scores = g.einsum(f"{p}.attn.scores", "bsngd,btnd->bngst", q, k, density=ATTN_FRACTION,
+                          transient=flash_attention, **core)
+        probs = g.softmax(f"{p}.attn.probs", scores, **core)
+        if dropout:
+            probs = g.dropout(f"{p}.attn.probs_dropout", probs, **core)
+        context = g.einsum(f"{p}.attn.context", "bngst,btnd->bsngd", probs, v, density=ATTN_FRACTION, **core)
         out = linear(f"{p}.attn.out", "bsngd,ngdh->bsh", context, [AKV, groups, DH, H],
-                     ["kv_heads", "q_per_kv", "head_dim", "embed"], [H], ["embed"])
+                     ["kv_heads", "q_per_kv", "head_dim", "embed"], [H], ["embed"], residual=True)
         x = g.pointwise(f"{p}.attn_residual", Pointwise.ADD, x, out)
 
         h = norm_op(f"{p}.mlp_norm", x)
@@ -167,7 +189,7 @@ def build_transformer(config: TransformerConfig) -> Graph:
         else:
             up = linear(f"{p}.mlp.up", "bsh,hf->bsf", h, [H, F], ["embed", "mlp"], [F], ["mlp"])
             act = g.pointwise(f"{p}.mlp.act", Pointwise.GELU, up)
-        down = linear(f"{p}.mlp.down", "bsf,fh->bsh", act, [F, H], ["mlp", "embed"], [H], ["embed"])
+        down = linear(f"{p}.mlp.down", "bsf,fh->bsh", act, [F, H], ["mlp", "embed"], [H], ["embed"], residual=True)
         x = g.pointwise(f"{p}.mlp_residual", Pointwise.ADD, x, down)
 
     # -- layer L+1: output head and loss ---------------------------------------------------------

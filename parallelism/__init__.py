@@ -1,26 +1,41 @@
 """Parallelism strategies. Each module maps logical axes to mesh axes and does nothing else:
-collectives come from stg/redistribute.py, never from a strategy."""
+collectives come from stg/redistribute.py, never from a strategy.
+
+`sharding_spec(plan)` merges them into what the sharding pass needs: the layouts of the
+weights, optimizer states and inputs, and of the anchors the model and autodiff place (the
+residual stream, stored gradients, stored parameters).
+"""
 
 from __future__ import annotations
 
 from typing import Callable
 
-from parallelism import data
+from parallelism import context, data, tensor, zero
 from stg.plan import Plan
+from stg.sharding import LayoutRules, ShardingSpec
 
-# name -> rules(plan): logical axis -> mesh axes that split it
-STRATEGIES: dict[str, Callable[[Plan], dict[str, tuple[str, ...]]]] = {
+# name -> rules(plan): {target: {logical axis: mesh axes}}; targets: data, params, residual
+STRATEGIES: dict[str, Callable[[Plan], dict[str, dict[str, tuple[str, ...]]]]] = {
     "data": data.rules,
+    "context": context.rules,
+    "tensor": tensor.rules,
 }
 
 
-def logical_rules(plan: Plan) -> dict[str, tuple[str, ...]]:
-    """The rules of every strategy, restricted to the mesh axes the plan actually splits."""
-    in_play = {axis for axis, size in plan.mesh().axes if size > 1}
-    merged: dict[str, tuple[str, ...]] = {}
+def sharding_spec(plan: Plan) -> ShardingSpec:
+    in_play = tuple(axis for axis, size in plan.mesh().axes if size > 1)
+    merged: dict[str, dict[str, tuple[str, ...]]] = {"data": {}, "params": {}, "residual": {}}
     for strategy in STRATEGIES.values():
-        for logical, axes in strategy(plan).items():
-            kept = tuple(a for a in axes if a in in_play)
-            if kept:
-                merged[logical] = merged.get(logical, ()) + kept
-    return merged
+        for target, split in strategy(plan).items():
+            for logical, axes in split.items():
+                kept = tuple(a for a in axes if a in in_play)
+                if kept:
+                    merged[target][logical] = merged[target].get(logical, ()) + kept
+    # the residual stream is laid out like the data, plus sequence parallelism's split
+    residual = {k: merged["data"].get(k, ()) + merged["residual"].get(k, ())
+                for k in {**merged["data"], **merged["residual"]}}
+    stored = zero.layouts(plan, merged["params"], in_play)
+    anchors = {"residual": LayoutRules(residual), "param": stored["param"]}
+    if stored["grad"] is not None:
+        anchors["grad"] = stored["grad"]
+    return ShardingSpec(in_play, stored["params"], stored["states"], LayoutRules(merged["data"]), anchors)

@@ -11,5 +11,5 @@ from __future__ import annotations
 from stg.plan import Plan
 
 
-def rules(plan: Plan) -> dict[str, tuple[str, ...]]:
-    return {"batch": ("dp",)}
+def rules(plan: Plan) -> dict[str, dict[str, tuple[str, ...]]]:
+    return {"data": {"batch": ("dp",)}}

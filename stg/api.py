@@ -17,15 +17,18 @@ from typing import Any, Mapping
 import sympy
 
 from model_zoo import Model, load_model
-from parallelism import logical_rules
+from parallelism import sharding_spec
 from stg.autodiff import training_graph
 from stg.device import device_spec
 from stg.emit import Progress, write_trace_set
 from stg.errors import PlanError
 from stg.groups import GroupIds
+from stg.graph import DType
 from stg.lower import Evaluator, RankProgram, check_divisibility, lower
+from stg.memory import Memory, memory
 from stg.mesh import DeviceMesh, axis_symbol
 from stg.plan import Plan
+from stg.recompute import recompute
 from stg.sharding import ShardedGraph, shard
 from stg.symbols import ATTN_FRACTION, B, S
 
@@ -39,6 +42,7 @@ class Workload:
     mesh: DeviceMesh
     sharded: ShardedGraph
     programs: tuple[RankProgram, ...]
+    memory: tuple[Memory, ...]  # per rank class
     bindings: Mapping[sympy.Symbol, Any]
 
     def class_of(self, rank: int) -> int:
@@ -55,7 +59,8 @@ class Workload:
         classes = []
         for index, program in enumerate(self.programs):
             ranks = [r for r in range(world) if self.class_of(r) == index]
-            classes.append({"class": index, "ranks": _ranges(ranks), "count": len(ranks), **program.stats.to_dict()})
+            classes.append({"class": index, "ranks": _ranges(ranks), "count": len(ranks), **program.stats.to_dict(),
+                            "memory": self.memory[index].to_dict()})
         per_rank = [self.class_of(r) for r in range(world)]
         return {
             "stg_version": __version__,
@@ -106,8 +111,8 @@ def build(model: Model | str | Path | Mapping, plan: Plan | Mapping) -> Workload
     plan = plan if isinstance(plan, Plan) else Plan.from_dict(plan)
     _check_fits(model, plan)
     mesh = plan.mesh()
-    in_play = tuple(axis for axis, size in mesh.axes if size > 1)
-    sharded = shard(training_graph(model.graph), logical_rules(plan), in_play)
+    train = training_graph(model.forward_graph(plan.flash_attention), DType.parse(plan.grad_dtype))
+    sharded = shard(recompute(train, plan.recompute, last_block=model.layers), sharding_spec(plan))
     bindings = {
         **model.sizes,
         B: plan.micro_batch * plan.dp,
@@ -116,11 +121,12 @@ def build(model: Model | str | Path | Mapping, plan: Plan | Mapping) -> Workload
         **{axis_symbol(axis): size for axis, size in mesh.axes},
     }
     check_divisibility(sharded, bindings)
+    evaluate = Evaluator(bindings)
     program = lower(
-        sharded, Evaluator(bindings), device_spec(plan.device),
+        sharded, evaluate, device_spec(plan.device),
         microbatches=plan.microbatches, bucket_bytes=int(plan.bucket_mb * 2**20),
     )
-    return Workload(model, plan, mesh, sharded, (program,), bindings)
+    return Workload(model, plan, mesh, sharded, (program,), (memory(sharded, evaluate),), bindings)
 
 
 def generate(

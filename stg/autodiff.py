@@ -8,6 +8,7 @@ A tensor used several times gets its gradient contributions summed by explicit a
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Callable
 
 from stg.builder import GraphBuilder, broadcast_dims
@@ -25,11 +26,13 @@ def grad_name(tensor: str) -> str:
 
 
 class _Backward:
-    def __init__(self, forward: Graph):
+    def __init__(self, forward: Graph, grad_dtype: DType | None):
         self.forward = forward
+        self.grad_dtype = grad_dtype
         self.g = GraphBuilder(forward)
         self.contributions: dict[str, list[str]] = {}
         self.needs_grad = _needs_grad(forward)
+        self.stored_grads: dict[str, str] = {}  # weight -> its gradient as accumulated and stored
 
     # -- bookkeeping ------------------------------------------------------------------------
     def _is_weight(self, name: str) -> bool:
@@ -37,8 +40,9 @@ class _Backward:
 
     def _grad_tensor(self, of: str, name: str) -> Tensor:
         src = self.forward.tensors[of]
-        role = Role.GRADIENT if self._is_weight(of) else Role.ACTIVATION
-        return Tensor(name, src.shape, src.dims, src.dtype, role, src.transient)
+        if self._is_weight(of):
+            return Tensor(name, src.shape, src.dims, self.grad_dtype or src.dtype, Role.GRADIENT)
+        return Tensor(name, src.shape, src.dims, src.dtype, Role.ACTIVATION, src.transient)
 
     def _phase(self, of: str) -> Phase:
         return Phase.BACKWARD_WEIGHT if self._is_weight(of) else Phase.BACKWARD_INPUT
@@ -97,7 +101,8 @@ class _Backward:
             return
         targets = [x for x in op.inputs if x in self.needs_grad]
         if targets:
-            self.emit(op, OpKind.POINTWISE_GRAD, (dout, *op.inputs), targets, {"fn": fn})
+            saved = op.inputs if fn.reads_input else ()
+            self.emit(op, OpKind.POINTWISE_GRAD, (dout, *saved), targets, {"fn": fn})
 
     def softmax(self, op: Op, dout: str) -> None:
         self.emit(op, OpKind.SOFTMAX_GRAD, (dout, op.outputs[0]), [op.inputs[0]])
@@ -115,9 +120,18 @@ class _Backward:
         if table in self.needs_grad:
             self.emit(op, OpKind.EMBEDDING_GRAD, (dout, ids), [table])
 
-    def cross_entropy(self, op: Op, dout: str | None) -> None:
+    def dropout(self, op: Op, dout: str) -> None:
+        self.emit(op, OpKind.POINTWISE_GRAD, (dout, op.outputs[1]), [op.inputs[0]], {"fn": Pointwise.DROPOUT})
+
+    def constrain(self, op: Op, dout: str) -> None:
+        # the gradient of an anchored tensor is anchored the same way (the residual stream's
+        # gradient flows in the residual stream's layout)
+        self.emit(op, OpKind.CONSTRAIN, (dout,), [op.inputs[0]], {"tag": op.attrs["tag"]})
+
+    def cross_entropy(self, op: Op) -> None:
+        """The seed of the backward: d(mean loss)/d(logits) from logits and the statistics."""
         logits, labels = op.inputs
-        self.emit(op, OpKind.CROSS_ENTROPY_GRAD, (logits, labels), [logits])
+        self.emit(op, OpKind.CROSS_ENTROPY_GRAD, (logits, op.outputs[0], labels), [logits])
 
     RULES: dict[OpKind, Callable] = {
         OpKind.EINSUM: einsum,
@@ -125,36 +139,52 @@ class _Backward:
         OpKind.SOFTMAX: softmax,
         OpKind.NORM: norm,
         OpKind.EMBEDDING: embedding,
-        OpKind.CROSS_ENTROPY: cross_entropy,
+        OpKind.DROPOUT: dropout,
+        OpKind.CONSTRAIN: constrain,
     }
 
     def run(self) -> Graph:
-        for op in reversed(self.forward.ops):
-            if op.kind is OpKind.CROSS_ENTROPY:
-                self.cross_entropy(op, None)  # the loss is the seed: d(loss)/d(loss) = 1
-                continue
-            dout = self.grad_of(op.outputs[0], op.layer)
-            if dout is not None:
-                self.RULES[op.kind](self, op, dout)
-        self._optimizer()
-        return self.g.build()
-
-    def _optimizer(self) -> None:
-        first_use = {}
+        first_use: dict[str, Op] = {}
         for op in self.forward.ops:
             for name in op.inputs:
-                first_use.setdefault(name, op.layer)
+                first_use.setdefault(name, op)
+        finished_by: dict[str, list[str]] = {}  # op name -> weights whose gradient it completes
         for weight in self.forward.weights:
-            layer = first_use[weight.name]
-            grad = self.grad_of(weight.name, layer)
-            states = [
-                self.g.state(f"{weight.name}.{s}", weight.shape, weight.dims, OPTIMIZER_STATE_DTYPE)
-                for s in OPTIMIZER_STATES
-            ]
-            # the states update in place; the op's one output is the new (bf16) weight
-            updated = [Tensor(f"{weight.name}.next", weight.shape, weight.dims, weight.dtype, Role.WEIGHT)]
-            self.g.add_op(f"{weight.name}.adamw", OpKind.OPTIMIZER, (grad, *states), updated,
-                          {"fn": "adamw"}, phase=Phase.STEP, layer=layer)
+            finished_by.setdefault(first_use[weight.name].name, []).append(weight.name)
+        for op in reversed(self.forward.ops):
+            if op.kind is OpKind.CROSS_ENTROPY:
+                self.cross_entropy(op)
+            elif (dout := self.grad_of(op.outputs[0], op.layer)) is not None:
+                self.RULES[op.kind](self, op, dout)
+            for weight in finished_by.get(op.name, ()):
+                self._store_grad(weight, op.layer)
+        for weight in self.forward.weights:
+            self._optimizer(weight, first_use[weight.name].layer)
+        return self.g.build()
+
+    def _store_grad(self, weight: str, layer: int) -> None:
+        """A weight's gradient is complete once the backward passes its first use: anchor it to
+        the layout gradients are stored in (ZeRO-2/3 reduce-scatter it here, per micro-batch)."""
+        grad = self.grad_of(weight, layer)
+        name = f"{grad_name(weight)}.stored"
+        self.g.add_op(name, OpKind.CONSTRAIN, (grad,), (replace(self.g.tensors[grad], name=name),),
+                      {"tag": "grad"}, phase=Phase.BACKWARD_WEIGHT, layer=layer)
+        self.stored_grads[weight] = name
+
+    def _optimizer(self, weight: Tensor, layer: int) -> None:
+        grad = self.stored_grads[weight.name]
+        states = [
+            self.g.state(f"{weight.name}.{s}", weight.shape, weight.dims, OPTIMIZER_STATE_DTYPE)
+            for s in OPTIMIZER_STATES
+        ]
+        # the states update in place; the op's one output is the new (bf16) weight
+        updated = Tensor(f"{weight.name}.next", weight.shape, weight.dims, weight.dtype, Role.WEIGHT)
+        self.g.add_op(f"{weight.name}.adamw", OpKind.OPTIMIZER, (grad, *states), [updated],
+                      {"fn": "adamw"}, phase=Phase.STEP, layer=layer)
+        # the new parameters go back to the layout they are stored in (ZeRO-1/2 gather them)
+        stored = replace(updated, name=f"{weight.name}.next.stored")
+        self.g.add_op(stored.name, OpKind.CONSTRAIN, (updated.name,), [stored], {"tag": "param"},
+                      phase=Phase.STEP, layer=layer)
 
 
 def _needs_grad(forward: Graph) -> set[str]:
@@ -165,8 +195,9 @@ def _needs_grad(forward: Graph) -> set[str]:
     return needs
 
 
-def training_graph(forward: Graph) -> Graph:
-    """Forward, backward (B and W ops apart) and the AdamW step of one training step."""
-    graph = _Backward(forward).run()
+def training_graph(forward: Graph, grad_dtype: DType | None = None) -> Graph:
+    """Forward, backward (B and W ops apart) and the AdamW step of one training step.
+    Weight gradients are `grad_dtype` (default: the weight's own dtype)."""
+    graph = _Backward(forward, grad_dtype).run()
     graph.verify()
     return graph

@@ -35,7 +35,8 @@ class GraphBuilder:
         return self._tensor(Tensor(name, tuple(shape), tuple(dims), dtype, Role.OPTIMIZER_STATE))
 
     # -- forward ops --------------------------------------------------------------------------
-    def einsum(self, name: str, spec: str, a: str, b: str, *, density: Any = 1, transient: bool = False) -> str:
+    def einsum(self, name: str, spec: str, a: str, b: str, *, density: Any = 1, transient: bool = False,
+               **attrs) -> str:
         """A contraction written as einsum indices, e.g. `bsh,hf->bsf`. `density` < 1 counts
         only part of the output (causal attention computes half of the score matrix)."""
         ta, tb = self.tensors[a], self.tensors[b]
@@ -68,7 +69,9 @@ class GraphBuilder:
             Role.ACTIVATION,
             transient,
         )
-        attrs = {"spec": spec} if density == 1 else {"spec": spec, "density": sympy.sympify(density)}
+        attrs = {"spec": spec, **attrs}
+        if density != 1:
+            attrs["density"] = sympy.sympify(density)
         self.add_op(name, OpKind.EINSUM, (a, b), (out,), attrs)
         return name
 
@@ -81,10 +84,10 @@ class GraphBuilder:
         self.add_op(name, OpKind.POINTWISE, inputs, (out,), {"fn": fn})
         return name
 
-    def softmax(self, name: str, x: str) -> str:
+    def softmax(self, name: str, x: str, **attrs) -> str:
         src = self.tensors[x]
         out = Tensor(name, src.shape, src.dims, src.dtype, Role.ACTIVATION, src.transient)
-        self.add_op(name, OpKind.SOFTMAX, (x,), (out,))
+        self.add_op(name, OpKind.SOFTMAX, (x,), (out,), attrs)
         return name
 
     def norm(self, name: str, norm: NormKind, x: str, weight: str, bias: str | None = None) -> str:
@@ -104,9 +107,29 @@ class GraphBuilder:
         self.add_op(name, OpKind.EMBEDDING, (table, ids), (out,))
         return name
 
+    def dropout(self, name: str, x: str, **attrs) -> str:
+        """Dropout; its 1-byte mask is an output because the backward reads it."""
+        src = self.tensors[x]
+        out = Tensor(name, src.shape, src.dims, src.dtype, Role.ACTIVATION, src.transient)
+        mask = Tensor(f"{name}.mask", src.shape, src.dims, DType.UINT8, Role.ACTIVATION, src.transient)
+        self.add_op(name, OpKind.DROPOUT, (x,), (out, mask), attrs)
+        return name
+
+    def constrain(self, name: str, x: str, tag: str, **attrs) -> str:
+        """Anchor `x` to the layout the plan gives `tag` (e.g. 'residual'); no cost, no node."""
+        src = self.tensors[x]
+        out = Tensor(name, src.shape, src.dims, src.dtype, src.role, src.transient)
+        self.add_op(name, OpKind.CONSTRAIN, (x,), (out,), {"tag": tag, **attrs})
+        return name
+
     def cross_entropy(self, name: str, logits: str, labels: str) -> str:
-        out = Tensor(name, (), (), DType.FP32, Role.ACTIVATION)
-        self.add_op(name, OpKind.CROSS_ENTROPY, (logits, labels), (out,))
+        """Mean token loss in two ops: per-token statistics (max, sum of exp, target logit),
+        which a vocabulary split leaves as partial sums, then the loss from them."""
+        src = self.tensors[logits]
+        stats = Tensor(f"{name}.stats", src.shape[:-1] + (3,), src.dims[:-1] + ("loss_stats",), DType.FP32,
+                       Role.ACTIVATION)
+        self.add_op(stats.name, OpKind.CROSS_ENTROPY, (logits, labels), (stats,))
+        self.add_op(name, OpKind.LOSS, (stats.name,), (Tensor(name, (), (), DType.FP32, Role.ACTIVATION),))
         return name
 
     # -- the general entry point --------------------------------------------------------------

@@ -70,11 +70,15 @@ def generate(
     out: Path = typer.Option(..., "--out", "-o", help="Output directory; replaced atomically if it holds an earlier trace set."),
     plan_file: Optional[Path] = typer.Option(None, "--plan", help="A plan YAML with the same keys as these options; options given here override it."),
     dp: Optional[int] = typer.Option(None, help="Data-parallel degree. [default: 1]"),
-    tp: Optional[int] = typer.Option(None, help="Tensor-parallel degree (not implemented yet: must be 1)."),
+    tp: Optional[int] = typer.Option(None, help="Tensor-parallel degree (Megatron: heads, MLP and vocabulary split). [default: 1]"),
+    sp: Optional[bool] = typer.Option(None, "--sp/--no-sp", help="Sequence parallelism: the residual stream split on the sequence over tp. [default: on when tp > 1]"),
+    cp: Optional[int] = typer.Option(None, help="Context-parallel degree: the sequence split over cp, keys and values all-gathered. [default: 1]"),
     pp: Optional[int] = typer.Option(None, help="Pipeline-parallel degree (not implemented yet: must be 1)."),
-    cp: Optional[int] = typer.Option(None, help="Context-parallel degree (not implemented yet: must be 1)."),
     ep: Optional[int] = typer.Option(None, help="Expert-parallel degree (not implemented yet: must be 1)."),
-    zero: Optional[int] = typer.Option(None, help="ZeRO stage (not implemented yet: must be 0)."),
+    zero: Optional[int] = typer.Option(None, help="ZeRO stage over dp (x cp): 0 none, 1 optimizer states, 2 + gradients, 3 + parameters (FSDP). [default: 0]"),
+    recompute: Optional[str] = typer.Option(None, help="Activation recomputation: none, selective (the attention core) or full (each layer). [default: none]"),
+    flash_attention: Optional[bool] = typer.Option(None, "--flash-attention/--no-flash-attention", help="Fused attention: scores and probabilities stay on chip (no memory traffic, not saved). [default: on]"),
+    grad_dtype: Optional[str] = typer.Option(None, help="Dtype of weight gradients, their accumulation and reduction: bf16 or fp32. [default: bf16]"),
     micro_batch: Optional[int] = typer.Option(None, help="Sequences per rank per forward/backward. [default: 1]"),
     global_batch: Optional[int] = typer.Option(None, help="Sequences per optimizer step over all ranks; micro-batches per rank = global / (micro * dp). [default: micro-batch * dp]"),
     seq: Optional[int] = typer.Option(None, help="Sequence length in tokens. [default: 2048]"),
@@ -87,8 +91,10 @@ def generate(
     from stg.api import generate as run
     from stg.plan import Plan
 
-    given = dict(dp=dp, tp=tp, pp=pp, cp=cp, ep=ep, zero=zero, micro_batch=micro_batch, global_batch=global_batch,
-                 seq=seq, attention_flops=attention_flops, bucket_mb=bucket_mb, device=device)
+    given = dict(dp=dp, tp=tp, sp=sp, cp=cp, pp=pp, ep=ep, zero=zero, recompute=recompute,
+                 flash_attention=flash_attention, grad_dtype=grad_dtype, micro_batch=micro_batch,
+                 global_batch=global_batch, seq=seq, attention_flops=attention_flops, bucket_mb=bucket_mb,
+                 device=device)
     with _user_errors():
         overrides = {k: v for k, v in given.items() if v is not None}
         plan = Plan.from_yaml(plan_file, overrides) if plan_file else Plan.from_dict(overrides)

@@ -20,18 +20,21 @@ from stg.graph import OpKind, Tensor
 
 
 class Pointwise(Enum):
-    """Elementwise functions: (FLOPs per output element forward, backward)."""
+    """Elementwise functions: (FLOPs per output element forward, backward, whether the
+    backward reads the forward inputs -- what decides if they are saved)."""
 
-    ADD = ("add", 1, 0)  # the gradient passes through unchanged: no backward op
-    GELU = ("gelu", 8, 13)  # tanh form: x^3, 3 mul, add, tanh, add, mul; backward adds the derivative
-    SILU = ("silu", 4, 8)  # x*sigmoid(x): exp, add, div, mul
-    SWIGLU = ("swiglu", 5, 10)  # silu(gate) * up, one fused kernel with two inputs
-    ROPE = ("rope", 3, 3)  # rotate pairs: 2 mul + 1 add per element, the same backward
+    ADD = ("add", 1, 0, False)  # the gradient passes through unchanged: no backward op
+    GELU = ("gelu", 8, 13, True)  # tanh form: x^3, 3 mul, add, tanh, add, mul
+    SILU = ("silu", 4, 8, True)  # x*sigmoid(x): exp, add, div, mul
+    SWIGLU = ("swiglu", 5, 10, True)  # silu(gate) * up, one fused kernel with two inputs
+    ROPE = ("rope", 3, 3, False)  # a rotation: linear, so its backward rotates back, no inputs
+    DROPOUT = ("dropout", 2, 1, False)  # draw and scale; backward multiplies by the saved mask
 
-    def __init__(self, label: str, forward_flops: int, backward_flops: int):
+    def __init__(self, label: str, forward_flops: int, backward_flops: int, reads_input: bool):
         self.label = label
         self.forward_flops = forward_flops
         self.backward_flops = backward_flops
+        self.reads_input = reads_input
 
 
 class NormKind(Enum):
@@ -46,6 +49,7 @@ class NormKind(Enum):
         self.backward_flops = backward_flops
 
 
+LOSS_FLOPS = 3  # per token: log(sum of exp) + max - target logit
 SOFTMAX_FLOPS = 5  # max, subtract, exp, sum, divide
 SOFTMAX_GRAD_FLOPS = 4  # y * (dy - sum(dy * y)): mul, sum, sub, mul
 CROSS_ENTROPY_FLOPS = 5  # a softmax over the vocabulary, then log and pick the label
@@ -105,6 +109,10 @@ def op_cost(
         return EMBEDDING_GRAD_FLOPS * grad.numel, ids.memory_bytes + 3 * grad.memory_bytes
     if kind is OpKind.CROSS_ENTROPY:
         return CROSS_ENTROPY_FLOPS * inputs[0].numel, traffic
+    if kind is OpKind.LOSS:
+        return LOSS_FLOPS * inputs[0].numel / inputs[0].shape[-1], traffic
+    if kind is OpKind.DROPOUT:
+        return Pointwise.DROPOUT.forward_flops * inputs[0].numel, traffic
     if kind is OpKind.CROSS_ENTROPY_GRAD:
         return CROSS_ENTROPY_GRAD_FLOPS * out_numel, traffic
     if kind is OpKind.OPTIMIZER:
@@ -114,6 +122,6 @@ def op_cost(
     if kind is OpKind.COLLECTIVE:
         # a collective moves its (local) input; see stg/redistribute.py for comm_size semantics
         return sympy.Integer(0), inputs[0].nbytes
-    if kind is OpKind.SLICE:
+    if kind in (OpKind.SLICE, OpKind.CONSTRAIN):
         return sympy.Integer(0), sympy.Integer(0)
     raise AssertionError(f"no cost rule for {kind}")

@@ -23,6 +23,7 @@ class DType(Enum):
     BF16 = ("bf16", 2)
     FP16 = ("fp16", 2)
     FP32 = ("fp32", 4)
+    UINT8 = ("uint8", 1)  # dropout masks
     INT32 = ("int32", 4)
     INT64 = ("int64", 8)
 
@@ -57,11 +58,16 @@ class OpKind(Enum):
     NORM_GRAD = "norm_grad"
     EMBEDDING = "embedding"
     EMBEDDING_GRAD = "embedding_grad"
-    CROSS_ENTROPY = "cross_entropy"
+    DROPOUT = "dropout"  # outputs the kept values and the mask the backward reads
+    CROSS_ENTROPY = "cross_entropy"  # per-token statistics (max, sum of exp, target logit)
     CROSS_ENTROPY_GRAD = "cross_entropy_grad"
+    LOSS = "loss"  # mean loss from the per-token statistics
     OPTIMIZER = "optimizer"
     COLLECTIVE = "collective"
     SLICE = "slice"  # a replicated tensor viewed as one rank's shard: no traffic, no node
+    # A layout anchor (JAX's with_sharding_constraint): the tensor must have the layout its
+    # tag's rules give (the residual stream, stored gradients, stored parameters). No node.
+    CONSTRAIN = "constrain"
 
 
 class Phase(Enum):
@@ -129,7 +135,7 @@ class Op:
 
     def label(self) -> str:
         """The op's printed head, e.g. `einsum[bsh,hf->bsf]`."""
-        detail = self.attrs.get("spec") or self.attrs.get("fn") or self.attrs.get("norm")
+        detail = self.attrs.get("spec") or self.attrs.get("fn") or self.attrs.get("norm") or self.attrs.get("tag")
         detail = getattr(detail, "label", detail)
         return self.kind.value if detail is None else f"{self.kind.value}[{detail}]"
 

@@ -25,7 +25,7 @@ import sympy
 
 from stg.device import DeviceSpec
 from stg.errors import LayoutError
-from stg.graph import Op, OpKind, Phase
+from stg.graph import Op, OpKind, Phase, Role
 from stg.mesh import axis_symbol
 from stg.redistribute import Collective
 from stg.sharding import ShardedGraph
@@ -74,6 +74,7 @@ class ClassStats:
     recv_bytes: int = 0
     nodes: Counter = field(default_factory=Counter)  # by node type name
     matmul_flops: int = 0  # einsum FLOPs of forward and backward (excludes the optimizer)
+    recompute_flops: int = 0  # forward work re-run in the backward (counted in phase B too)
 
     def to_dict(self) -> dict:
         fb = sum(v for k, v in self.flops_by_phase.items() if k != Phase.STEP.value)
@@ -83,6 +84,7 @@ class ClassStats:
             "flops_optimizer": self.flops_by_phase.get(Phase.STEP.value, 0),
             "flops_by_phase": {k: self.flops_by_phase[k] for k in sorted(self.flops_by_phase)},
             "matmul_flops_forward_backward": self.matmul_flops,
+            "flops_recompute": self.recompute_flops,
             "compute_bytes": self.compute_bytes,
             "comm_bytes": dict(sorted(self.comm_bytes.items())),
             "comm_count": dict(sorted(self.comm_count.items())),
@@ -140,6 +142,17 @@ def check_divisibility(sharded: ShardedGraph, bindings: Mapping[sympy.Symbol, in
                 )
 
 
+def _unit(op: Op, graph) -> tuple | None:
+    """The coalescing unit of a collective that moves parameters or gradients (FSDP's unit:
+    one block, one phase); None for activation traffic, which runs where it stands."""
+    if op.kind is not OpKind.COLLECTIVE:
+        return None
+    role = graph.tensors[op.inputs[0]].role
+    if role not in (Role.WEIGHT, Role.GRADIENT):
+        return None
+    return (role, op.phase, op.layer, op.attrs["collective"], op.attrs["axes"])
+
+
 class _ProgramBuilder:
     def __init__(self, sharded: ShardedGraph, evaluate: Evaluator, device: DeviceSpec, bucket_bytes: int):
         self.graph = sharded.graph
@@ -149,6 +162,8 @@ class _ProgramBuilder:
         self.nodes: list[TraceNode] = []
         self.last_compute: int | None = None
         self.last_collective: dict[tuple[str, ...], int] = {}
+        self.alias: dict[str, str] = {}  # a view (slice, anchor) -> the tensor it views
+        self.prefetch: dict[Phase, int | None] = {}  # compute running when the last unit gather went out
         self.stats = ClassStats()
 
     def _add(self, **kwargs) -> int:
@@ -157,13 +172,18 @@ class _ProgramBuilder:
         self.stats.nodes[node.type.name] += 1
         return node.id
 
+    def producer(self, tensor: str, where: dict[str, int]) -> int | None:
+        while tensor in self.alias:
+            tensor = self.alias[tensor]
+        return where.get(tensor)
+
     def _is_comm(self, node_id: int | None) -> bool:
         return node_id is not None and self.nodes[node_id].type is not NodeType.COMP_NODE
 
     def compute(self, op: Op, label: str, where: dict[str, int]) -> None:
         flops, nbytes = self.ev(op.flops), self.ev(op.bytes)
         deps = [self.last_compute] if self.last_compute is not None else []
-        deps += sorted({where[i] for i in op.inputs if self._is_comm(where.get(i))})
+        deps += sorted({p for i in op.inputs if self._is_comm(p := self.producer(i, where))})
         node = self._add(
             name=f"{label} {op.name}", type=NodeType.COMP_NODE, deps=tuple(deps), flops=flops, nbytes=nbytes,
             duration_us=round(self.device.duration_us(flops, nbytes)), op_type=op.label(),
@@ -173,73 +193,100 @@ class _ProgramBuilder:
             where[out] = node
         self.stats.flops_by_phase[op.phase.value] += flops
         self.stats.compute_bytes += nbytes
+        if op.attrs.get("recompute"):
+            self.stats.recompute_flops += flops
         if op.kind is OpKind.EINSUM and op.phase is not Phase.STEP:
             self.stats.matmul_flops += flops
 
-    def collective(self, name: str, collective: Collective, axes: tuple[str, ...], nbytes: int, producers) -> int:
-        deps = set(p for p in producers if p is not None)
+    def collective(self, name: str, members: list[Op], where: dict[str, int], extra_deps=()) -> int:
+        first = members[0]
+        axes, collective = first.attrs["axes"], first.attrs["collective"]
+        deps = {p for op in members if (p := self.producer(op.inputs[0], where)) is not None} | set(extra_deps)
         if axes in self.last_collective:
             deps.add(self.last_collective[axes])
+        nbytes = sum(self.ev(op.bytes) for op in members)
         node = self._add(
-            name=name, type=NodeType.COMM_COLL_NODE, deps=tuple(sorted(deps)), collective=collective,
-            comm_bytes=nbytes, group=GroupHole(axes),
+            name=name, type=NodeType.COMM_COLL_NODE, deps=tuple(sorted(d for d in deps if d is not None)),
+            collective=collective, comm_bytes=nbytes, group=GroupHole(axes),
         )
         self.last_collective[axes] = node
+        for op in members:
+            where[op.outputs[0]] = node
         self.stats.comm_bytes[collective.name] += nbytes
         self.stats.comm_count[collective.name] += 1
         return node
 
+    def _bucket_name(self, label: str, members: list[Op]) -> str:
+        extra = f" +{len(members) - 1}" if len(members) > 1 else ""
+        return f"{label} {members[0].name}{extra}"
+
     def op(self, op: Op, label: str, where: dict[str, int]) -> None:
-        if op.kind is OpKind.SLICE:
-            where[op.outputs[0]] = where.get(op.inputs[0])  # a view: same producer
+        if op.kind in (OpKind.SLICE, OpKind.CONSTRAIN):
+            self.alias[op.outputs[0]] = op.inputs[0]  # a view: no node, same producer
         elif op.kind is OpKind.COLLECTIVE:
-            where[op.outputs[0]] = self.collective(
-                f"{label} {op.name}", op.attrs["collective"], op.attrs["axes"], self.ev(op.bytes), [where.get(op.inputs[0])]
-            )
+            self.collective(f"{label} {op.name}", [op], where)
         else:
             self.compute(op, label, where)
 
-    def gradient_buckets(self, step_ops: list[Op], where: dict[str, int]) -> None:
-        """Coalesce the step's collectives on gradients finished in the micro-batches."""
-        ready = [op for op in step_ops if op.kind is OpKind.COLLECTIVE and op.inputs[0] in where]
-        ready.sort(key=lambda op: where[op.inputs[0]])
+    def micro_batch(self, ops: list[Op], units: dict[tuple, list[Op]], mb: int) -> dict[str, int]:
+        """One forward/backward. Parameter gathers of a unit go out together before its first
+        use, one unit ahead of compute (FSDP's prefetch); gradient reductions of a unit go out
+        together once its last gradient is done."""
+        where: dict[str, int] = {}
+        for op in ops:
+            label = f"{mb}{op.phase.value}"
+            unit = _unit(op, self.graph)
+            if unit is None:
+                self.op(op, label, where)
+                continue
+            members = units[unit]
+            if unit[0] is Role.WEIGHT and op is members[0]:
+                self.collective(self._bucket_name(label, members), members, where,
+                                       [self.prefetch.get(op.phase)])
+                self.prefetch[op.phase] = self.last_compute
+            elif unit[0] is Role.GRADIENT and op is members[-1]:
+                self.collective(self._bucket_name(label, members), members, where)
+        return where
+
+    def buckets(self, ops: list[Op], where: dict[str, int], order) -> None:
+        """PyTorch DDP's bucketing: consecutive collectives of one kind, up to bucket_bytes."""
         bucket: list[Op] = []
-
-        def flush():
-            if not bucket:
-                return
-            first = bucket[0]
-            node = self.collective(
-                f"S grad_bucket{self.stats.comm_count[first.attrs['collective'].name]} {first.name} +{len(bucket) - 1}",
-                first.attrs["collective"], first.attrs["axes"], sum(self.ev(op.bytes) for op in bucket),
-                [where[op.inputs[0]] for op in bucket],
-            )
-            for op in bucket:
-                where[op.outputs[0]] = node
-            bucket.clear()
-
-        for op in ready:
-            if bucket and (op.attrs["collective"], op.attrs["axes"]) != (bucket[0].attrs["collective"], bucket[0].attrs["axes"]):
-                flush()
+        size = 0
+        for op in sorted(ops, key=order):
+            if bucket and _unit(op, self.graph)[3:] != _unit(bucket[0], self.graph)[3:]:
+                self.collective(self._bucket_name("S", bucket), bucket, where)
+                bucket, size = [], 0
             bucket.append(op)
-            if sum(self.ev(o.bytes) for o in bucket) >= self.bucket_bytes:
-                flush()
-        flush()
-        return {op.name for op in ready}
+            size += self.ev(op.bytes)
+            if size >= self.bucket_bytes:
+                self.collective(self._bucket_name("S", bucket), bucket, where)
+                bucket, size = [], 0
+        if bucket:
+            self.collective(self._bucket_name("S", bucket), bucket, where)
+
+    def step(self, ops: list[Op], where: dict[str, int]) -> None:
+        """Gradient reductions (bucketed in the order the last micro-batch finished the
+        gradients, so they overlap its backward), the optimizer, then the gathers of the new
+        parameters (bucketed)."""
+        colls = [op for op in ops if op.kind is OpKind.COLLECTIVE]
+        finished = [op for op in colls if self.producer(op.inputs[0], where) is not None]
+        self.buckets(finished, where, order=lambda op: self.producer(op.inputs[0], where))
+        later = [op for op in colls if op not in finished]
+        for op in ops:
+            if op.kind is not OpKind.COLLECTIVE:
+                self.op(op, "S", where)
+        self.buckets(later, where, order=lambda op: self.producer(op.inputs[0], where))
 
     def build(self, microbatches: int) -> list[TraceNode]:
-        ops = self.graph.ops
-        micro = [op for op in ops if op.phase is not Phase.STEP]
-        step = [op for op in ops if op.phase is Phase.STEP]
+        micro = [op for op in self.graph.ops if op.phase is not Phase.STEP]
+        units: dict[tuple, list[Op]] = {}
+        for op in micro:
+            if (unit := _unit(op, self.graph)) is not None:
+                units.setdefault(unit, []).append(op)
         where: dict[str, int] = {}
         for mb in range(microbatches):
-            where = {}
-            for op in micro:
-                self.op(op, f"{mb}{op.phase.value}", where)
-        bucketed = self.gradient_buckets(step, where)
-        for op in step:
-            if op.name not in bucketed:
-                self.op(op, "S", where)
+            where = self.micro_batch(micro, units, mb)
+        self.step([op for op in self.graph.ops if op.phase is Phase.STEP], where)
         return self.nodes
 
 

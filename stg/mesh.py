@@ -21,12 +21,15 @@ from stg.errors import LayoutError
 MESH_ORDER = ("pp", "dp", "ep", "cp", "tp")
 
 
+FLAT = -1  # Shard(FLAT): the flattened tensor split evenly, padded (ZeRO / FSDP flat buffers)
+
+
 @dataclass(frozen=True)
 class Shard:
     dim: int
 
     def __str__(self) -> str:
-        return f"S({self.dim})"
+        return "S(flat)" if self.dim == FLAT else f"S({self.dim})"
 
 
 @dataclass(frozen=True)
@@ -72,14 +75,24 @@ class Layout:
     def partial_axes(self) -> tuple[str, ...]:
         return tuple(ax for ax, p in self.placements if isinstance(p, Partial))
 
+    @property
+    def flat_axes(self) -> tuple[str, ...]:
+        return self.axes_sharding(FLAT)
+
     def local_shape(self, shape: Sequence[sympy.Expr]) -> tuple[sympy.Expr, ...]:
+        """One rank's shape. A flat shard holds numel/n elements; it is charged to dimension 0
+        (padding makes any size divide, so it is never a divisibility error)."""
+        flat = sympy.Mul(*(axis_symbol(ax) for ax in self.flat_axes))
         return tuple(
-            dim / sympy.Mul(*(axis_symbol(ax) for ax in self.axes_sharding(i))) for i, dim in enumerate(shape)
+            dim / sympy.Mul(*(axis_symbol(ax) for ax in self.axes_sharding(i))) / (flat if i == 0 else 1)
+            for i, dim in enumerate(shape)
         )
 
     def describe(self, shape: Sequence[sympy.Expr]) -> str:
         """DESIGN.md's notation: `B@dp S@tp P(tp)`; `R` when fully replicated."""
         parts = [f"{shape[i]}@{'*'.join(self.axes_sharding(i))}" for i in range(len(shape)) if self.axes_sharding(i)]
+        if self.flat_axes:
+            parts.append(f"flat@{'*'.join(self.flat_axes)}")
         if self.partial_axes:
             parts.append(f"P({','.join(self.partial_axes)})")
         return " ".join(parts) or "R"

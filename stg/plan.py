@@ -34,9 +34,17 @@ class AttentionFlops(Enum):
         return sympy.Rational(1, 2) if self is AttentionFlops.CAUSAL else sympy.Integer(1)
 
 
+class Recompute(Enum):
+    """Activation recomputation (Korthikanti et al. 2022)."""
+
+    NONE = "none"
+    SELECTIVE = "selective"  # re-run the attention core (scores, softmax, dropout, context)
+    FULL = "full"  # keep each layer's input only; re-run the whole layer before its backward
+
+
 # parallel degrees that later strategies bring; refused until they exist, never ignored
-_NOT_YET = {"tp": "tensor parallelism", "pp": "pipeline parallelism", "cp": "context parallelism",
-            "ep": "expert parallelism"}
+_NOT_YET = {"pp": "pipeline parallelism", "ep": "expert parallelism"}
+GRAD_DTYPES = ("bf16", "fp32")
 
 
 @dataclass(frozen=True)
@@ -47,6 +55,10 @@ class Plan:
     cp: int = 1
     ep: int = 1
     zero: int = 0
+    sp: bool | None = None  # sequence parallelism; default: on when tp > 1 (as Megatron)
+    recompute: Recompute = Recompute.NONE
+    flash_attention: bool = True  # attention scores stay on chip (no memory traffic, not saved)
+    grad_dtype: str = "bf16"  # weight gradients: accumulation and reduction dtype
     micro_batch: int = 1
     global_batch: int | None = None  # default: micro_batch * dp (no gradient accumulation)
     seq: int = 2048
@@ -71,8 +83,23 @@ class Plan:
             raise PlanError(f"bucket_mb: must be a positive number of MiB, got {self.bucket_mb!r}")
         if self.device not in DEVICES:
             raise PlanError(f"device: unknown device {self.device!r}; known: {', '.join(DEVICES)}")
-        if self.zero != 0:
-            raise PlanError(f"zero={self.zero}: ZeRO/FSDP sharding is not implemented yet (only zero=0)")
+        if isinstance(self.zero, bool) or self.zero not in (0, 1, 2, 3):
+            raise PlanError(f"zero: must be a ZeRO stage 0, 1, 2 or 3, got {self.zero!r}")
+        if self.sp is None:
+            object.__setattr__(self, "sp", self.tp > 1)
+        if not isinstance(self.sp, bool) or not isinstance(self.flash_attention, bool):
+            raise PlanError(f"sp and flash_attention: must be true or false, got {self.sp!r}, {self.flash_attention!r}")
+        if self.sp and self.tp == 1:
+            raise PlanError("sp: sequence parallelism splits the sequence over tp, so it needs tp > 1")
+        if isinstance(self.recompute, str):
+            try:
+                object.__setattr__(self, "recompute", Recompute(self.recompute))
+            except ValueError:
+                raise PlanError(
+                    f"recompute: must be one of {[r.value for r in Recompute]}, got {self.recompute!r}"
+                ) from None
+        if self.grad_dtype not in GRAD_DTYPES:
+            raise PlanError(f"grad_dtype: must be one of {list(GRAD_DTYPES)}, got {self.grad_dtype!r}")
         for name, what in _NOT_YET.items():
             if getattr(self, name) != 1:
                 raise PlanError(f"{name}={getattr(self, name)}: {what} is not implemented yet (only {name}=1)")
@@ -120,6 +147,7 @@ class Plan:
     def to_dict(self) -> dict[str, Any]:
         data = asdict(self)
         data["attention_flops"] = self.attention_flops.value
+        data["recompute"] = self.recompute.value
         return data
 
 

@@ -12,16 +12,47 @@ size, are recomputed from what one rank holds: right by construction.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from typing import Callable, Mapping, Sequence
 
 from stg.builder import GraphBuilder
 from stg.costs import Pointwise
 from stg.graph import Graph, Op, OpKind, Phase, Role, Tensor
-from stg.mesh import REPLICATED, Layout, Partial, Placement, Replicate, Shard
-from stg.redistribute import plan_redistribution
+from stg.mesh import FLAT, REPLICATED, Layout, Partial, Placement, Replicate, Shard
+from stg.redistribute import Collective, plan_redistribution
 
-Rules = Mapping[str, Sequence[str]]  # logical axis -> mesh axes that split it
+@dataclass(frozen=True)
+class LayoutRules:
+    """Logical axis -> the mesh axes that split it; `flat` mesh axes split the flattened
+    tensor (ZeRO / FSDP). A mesh axis splits at most one dimension."""
+
+    split: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
+    flat: tuple[str, ...] = ()
+
+    def layout(self, tensor: Tensor, mesh_axes: Sequence[str]) -> Layout:
+        placements: dict[str, Placement] = {}
+        for dim, logical in enumerate(tensor.dims):
+            for axis in self.split.get(logical, ()):
+                if axis in mesh_axes and axis not in placements:
+                    placements[axis] = Shard(dim)
+        for axis in self.flat:
+            if axis in mesh_axes and axis not in placements:
+                placements[axis] = Shard(FLAT)
+        return Layout.of(placements, mesh_axes)
+
+
+@dataclass(frozen=True)
+class ShardingSpec:
+    """What a plan asks of the sharding pass: layouts of the leaves, and of each anchor tag."""
+
+    mesh_axes: tuple[str, ...]  # the mesh axes in play (size > 1), in mesh order
+    params: LayoutRules = LayoutRules()  # weights as stored
+    states: LayoutRules = LayoutRules()  # optimizer states
+    data: LayoutRules = LayoutRules()  # inputs: tokens, labels, positions
+    anchors: Mapping[str, LayoutRules] = field(default_factory=dict)  # CONSTRAIN tag -> rules
+
+    def leaf_rules(self, tensor: Tensor) -> LayoutRules:
+        return {Role.WEIGHT: self.params, Role.OPTIMIZER_STATE: self.states}.get(tensor.role, self.data)
 
 
 @dataclass(frozen=True)
@@ -29,28 +60,19 @@ class ShardedGraph:
     graph: Graph  # local shapes, collectives inserted
     layouts: Mapping[str, Layout]  # every tensor's layout on the mesh
     global_tensors: Mapping[str, Tensor]  # every tensor's global shape
-    mesh_axes: tuple[str, ...]  # the mesh axes in play (size > 1), in mesh order
+    mesh_axes: tuple[str, ...]
 
     def describe(self, tensor: str) -> str:
         return self.layouts[tensor].describe(self.global_tensors[tensor].shape)
 
 
-def leaf_layout(tensor: Tensor, rules: Rules, mesh_axes: Sequence[str]) -> Layout:
-    """Shard every dimension whose logical axis the rules map; one mesh axis splits one dim."""
-    placements: dict[str, Placement] = {}
-    for dim, logical in enumerate(tensor.dims):
-        for axis in rules.get(logical, ()):
-            if axis in mesh_axes and axis not in placements:
-                placements[axis] = Shard(dim)
-    return Layout.of(placements, mesh_axes)
-
-
 def project(layout: Layout, source: Tensor, target: Tensor) -> Layout:
     """`layout` of `source` seen from `target`, dimensions matched by logical axis name;
-    an axis splitting a dimension that target lacks replicates target."""
+    an axis splitting a dimension that target lacks replicates target. Flat shards and
+    partial sums carry over."""
     placements = []
     for axis, placement in layout.placements:
-        if isinstance(placement, Shard):
+        if isinstance(placement, Shard) and placement.dim != FLAT:
             logical = source.dims[placement.dim]
             if logical in target.dims:
                 placements.append((axis, Shard(target.dims.index(logical))))
@@ -70,16 +92,22 @@ def without(layout: Layout, *, partial: bool = True, dims: Sequence[int] = ()) -
     )
 
 
+def unflattened(layout: Layout) -> Layout:
+    """Compute cannot use a flat shard: such a tensor is gathered first (ZeRO-3 parameters)."""
+    return without(layout, partial=False, dims=[FLAT])
+
+
 class _Sharder:
-    def __init__(self, graph: Graph, rules: Rules, mesh_axes: Sequence[str], optimizer_rules: Rules | None):
+    def __init__(self, graph: Graph, spec: ShardingSpec):
         self.src = graph
-        self.mesh_axes = tuple(mesh_axes)
-        self.rules = rules
-        self.optimizer_rules = optimizer_rules if optimizer_rules is not None else rules
+        self.spec = spec
+        self.mesh_axes = spec.mesh_axes
         self.layouts: dict[str, Layout] = {}
         self.global_tensors: dict[str, Tensor] = {}
         self.g = GraphBuilder()
-        self.memo: dict[tuple[str, Layout, str], str] = {}
+        self.rebound: dict[str, str] = {}  # a tensor -> the copy its consumers read instead
+        self.memo: dict[tuple, str] = {}  # (tensor, layout, phase group or None) -> redistributed copy
+        self.copies: dict[str, list[tuple[Layout, str | None]]] = {}  # tensor -> its copies' keys
 
     def tensor(self, name: str) -> Tensor:
         return self.global_tensors[name]
@@ -87,50 +115,93 @@ class _Sharder:
     def define(self, tensor: Tensor, layout: Layout) -> None:
         self.global_tensors[tensor.name] = tensor
         self.layouts[tensor.name] = layout
-        local = Tensor(tensor.name, layout.local_shape(tensor.shape), tensor.dims, tensor.dtype, tensor.role, tensor.transient)
-        self.g.tensors[tensor.name] = local
+        self.g.tensors[tensor.name] = replace(tensor, shape=layout.local_shape(tensor.shape))
 
     def run(self) -> ShardedGraph:
         for tensor in self.src.tensors.values():
             if tensor.name not in self.src.producer:
-                rules = self.optimizer_rules if tensor.role is Role.OPTIMIZER_STATE else self.rules
-                self.define(tensor, leaf_layout(tensor, rules, self.mesh_axes))
+                self.define(tensor, self.spec.leaf_rules(tensor).layout(tensor, self.mesh_axes))
         for op in self.src.ops:
-            ins = [self.tensor(i) for i in op.inputs]
+            names = [self.rebound.get(i, i) for i in op.inputs]
+            ins = [self.tensor(i) for i in names]
             outs = [self.src.tensors[o] for o in op.outputs]
-            needed, produced = _RULES[op.kind](op, ins, [self.layouts[i] for i in op.inputs], outs, self)
-            inputs = tuple(self.redistribute(name, layout, op) for name, layout in zip(op.inputs, needed))
+            lays = [self.layouts[i] for i in names]
+            if op.kind not in (OpKind.OPTIMIZER, OpKind.CONSTRAIN):
+                lays = [unflattened(layout) for layout in lays]
+            needed, produced = _RULES[op.kind](op, ins, lays, outs, self)
+            inputs = tuple(self.redistribute(name, layout, op) for name, layout in zip(names, needed))
             for tensor, layout in zip(outs, produced):
                 self.define(tensor, layout)
             local_outs = [self.g.tensors.pop(o.name) for o in outs]  # add_op registers them again
             self.g.add_op(op.name, op.kind, inputs, local_outs, dict(op.attrs), phase=op.phase, layer=op.layer)
+            self.reduce_final_gradients(op)
         return ShardedGraph(self.g.build(), self.layouts, self.global_tensors, self.mesh_axes)
+
+    def reduce_final_gradients(self, op: Op) -> None:
+        """An activation's gradient that comes out as a partial sum over an axis that splits its
+        tensor, and is not one of several contributions still to be added, is reduce-scattered
+        at once to its tensor's split (DTensor's rule: a gradient is placed like its tensor),
+        so the ops after it run on shards --
+        context parallelism's dK and dV are reduce-scattered where they are made, as in
+        Llama 3. Contributions are summed first and reduced once (Megatron's fused QKV), and
+        weight gradients wait for their anchor (data parallelism syncs them once per step)."""
+        for out, target in zip(op.outputs, op.attrs.get("grad_of", ())):
+            tensor, forward = self.src.tensors[out], self.layouts.get(target)
+            if tensor.role is not Role.ACTIVATION or forward is None or not self.layouts[out].partial_axes:
+                continue
+            if any(user.attrs.get("grad_of") == (target,) and user.kind is OpKind.POINTWISE
+                   for user in self.src.consumers.get(out, ())):
+                continue
+            # only onto a split of the tensor (a reduce-scatter: less work after it); a partial
+            # sum over an axis the tensor is whole on goes on to the weight gradients as it is
+            split = project(unflattened(forward), self.tensor(target), tensor).as_dict()
+            current = self.layouts[out].as_dict()
+            scatter = {ax: split[ax] for ax in self.layouts[out].partial_axes if isinstance(split.get(ax), Shard)}
+            if scatter:
+                self.rebound[out] = self.redistribute(out, Layout.of({**current, **scatter}, self.mesh_axes), op)
+
+    def reduced_layout(self, name: str, phase: Phase) -> Layout | None:
+        """The layout of a copy of `name` with its partial sums reduced, if one was made."""
+        for layout, group in self.copies.get(name, ()):
+            if not layout.partial_axes and group in (None, _phase_group(phase)):
+                return layout
+        return None
 
     def redistribute(self, name: str, layout: Layout, consumer: Op) -> str:
         current = self.layouts[name]
         if current == layout:
             return name
-        phase_group = {Phase.FORWARD: "F", Phase.STEP: "S"}.get(consumer.phase, "B")
-        key = (name, layout, phase_group)
+        tensor = self.tensor(name)
+        steps = plan_redistribution(name, tensor.shape, current, layout, self.mesh_axes)
+        # A gathered copy is redundant memory: the backward gathers again rather than keep it
+        # (Megatron's sequence parallel, FSDP's parameters). A reduced value is unique: kept.
+        gathers = any(step.collective is Collective.ALL_GATHER for step in steps)
+        phase_group = _phase_group(consumer.phase)
+        key = (name, layout, phase_group if gathers else None)
         if key in self.memo:
             return self.memo[key]
-        tensor = self.tensor(name)
         result = name
-        for step in plan_redistribution(name, tensor.shape, current, layout, self.mesh_axes):
+        for step in steps:
             kind = "slice" if step.collective is None else step.collective.name.lower()
             out_name = f"{name}.{kind}[{','.join(step.axes)}]" + ("" if phase_group == "F" else f".{phase_group}")
-            out = Tensor(out_name, tensor.shape, tensor.dims, tensor.dtype, tensor.role, tensor.transient)
-            self.global_tensors[out_name] = out
+            while out_name in self.layouts:  # the same tensor brought to another layout
+                out_name += "'"
+            self.global_tensors[out_name] = replace(tensor, name=out_name)
             self.layouts[out_name] = step.layout
-            local = Tensor(out_name, step.after, tensor.dims, tensor.dtype, tensor.role, tensor.transient)
             attrs = {"detail": kind, "axes": step.axes}
             if step.collective is not None:
                 attrs["collective"] = step.collective
             op_kind = OpKind.COLLECTIVE if step.collective is not None else OpKind.SLICE
+            local = replace(tensor, name=out_name, shape=step.after)
             self.g.add_op(out_name, op_kind, (result,), [local], attrs, phase=consumer.phase, layer=consumer.layer)
             result = out_name
         self.memo[key] = result
+        self.copies.setdefault(name, []).append(key[1:])
         return result
+
+
+def _phase_group(phase: Phase) -> str:
+    return {Phase.FORWARD: "F", Phase.STEP: "S"}.get(phase, "B")
 
 
 # -- per-kind rules: (op, input tensors, their layouts, output tensors, sharder)
@@ -140,53 +211,66 @@ class _Sharder:
 def _einsum(op, ins, lays, outs, sharder):
     spec = op.attrs["spec"]
     (ia, ib), iout = spec.split("->")[0].split(","), spec.split("->")[1]
-    ta, tb = ins
-    need_a, need_b, out = lays[0].as_dict(), lays[1].as_dict(), {}
-    weight_b = tb.role is Role.WEIGHT
+    need = [lays[0].as_dict(), lays[1].as_dict()]
+    out = {}
     for axis in sharder.mesh_axes:
-        pa, pb = need_a.get(axis, Replicate()), need_b.get(axis, Replicate())
-        # a partial sum may pass through a contraction only if the other side is whole
-        if isinstance(pa, Partial) and isinstance(pb, Partial):
-            need_b.pop(axis)
-            pb = Replicate()
+        pa, pb = (n.get(axis, Replicate()) for n in need)
+        # a partial sum passes through a contraction only if the other side is whole; else it
+        # is reduced, scattered along the other side's split when it has that index
         if isinstance(pa, Partial) and pb != Replicate():
-            need_a.pop(axis)
-            pa = Replicate()
+            pa = _reduced(need[0], axis, ia, ib, pb)
         if isinstance(pb, Partial) and pa != Replicate():
-            need_b.pop(axis)
-            pb = Replicate()
+            pb = _reduced(need[1], axis, ib, ia, pa)
         if isinstance(pa, Partial) or isinstance(pb, Partial):
             out[axis] = Partial()
             continue
-        la = ia[pa.dim] if isinstance(pa, Shard) else None
-        lb = ib[pb.dim] if isinstance(pb, Shard) else None
-        if la and lb and la != lb:
-            # conflict on one axis: keep the weight (or the first operand) and gather the other
-            if weight_b:
-                need_a.pop(axis)
-                la = None
-            else:
-                need_b.pop(axis)
-                lb = None
-        letter = la or lb
-        if letter is None:
-            continue
-        for idx, need in ((ia, need_a), (ib, need_b)):
-            if letter in idx:
-                need[axis] = Shard(idx.index(letter))  # a replicated side slices locally
-        out[axis] = Shard(iout.index(letter)) if letter in iout else Partial()
+        letters = [ia[pa.dim] if isinstance(pa, Shard) else None, ib[pb.dim] if isinstance(pb, Shard) else None]
+        if all(letters) and letters[0] != letters[1]:
+            # one axis cannot split two indices: one operand is gathered
+            letters[_gathered_operand(letters, iout, ins)] = None
+        letter = letters[0] or letters[1]
+        for idx, n in zip((ia, ib), need):
+            n.pop(axis, None)
+            if letter is not None and letter in idx:
+                n[axis] = Shard(idx.index(letter))  # a replicated side slices locally
+        if letter is not None:
+            out[axis] = Shard(iout.index(letter)) if letter in iout else Partial()
     order = sharder.mesh_axes
-    return [Layout.of(need_a, order), Layout.of(need_b, order)], [Layout.of(out, order)]
+    return [Layout.of(need[0], order), Layout.of(need[1], order)], [Layout.of(out, order)]
+
+
+def _reduced(need: dict, axis: str, mine: str, other: str, other_placement: Placement) -> Placement:
+    letter = other[other_placement.dim] if isinstance(other_placement, Shard) else None
+    if letter is not None and letter in mine:
+        need[axis] = Shard(mine.index(letter))
+    else:
+        need.pop(axis)
+    return need.get(axis, Replicate())
+
+
+def _gathered_operand(letters: list[str], out_letters: str, ins: list[Tensor]) -> int:
+    """Which operand gives up its split when both are split on one axis along different
+    indices: keep the one whose index survives into the output (the result stays split, no
+    partial sums); on a tie keep the weight (weights are stationary); else keep the first."""
+    survives = [letter in out_letters for letter in letters]
+    if survives[0] != survives[1]:
+        return 0 if survives[1] else 1
+    weights = [t.role is Role.WEIGHT for t in ins]
+    if weights[0] != weights[1]:
+        return 0 if weights[1] else 1
+    return 1
 
 
 def _elementwise(op, ins, lays, outs, sharder):
     """The output follows the first input; the others are brought to it. Partial sums pass
     only through a linear op (an add, a one-input sum) and only when every input is partial;
     otherwise they are reduced to the layout of the first input that is whole."""
-    linear = (op.kind is OpKind.POINTWISE and op.attrs["fn"] is Pointwise.ADD) or (
-        op.kind is OpKind.REDUCE and len(ins) == 1
-    )
+    linear = len(ins) == 1 and op.kind in (OpKind.REDUCE, OpKind.POINTWISE_GRAD) or (
+        op.kind is OpKind.POINTWISE and op.attrs["fn"] is Pointwise.ADD
+    )  # a one-input gradient op exists only for a linear function (rotary embedding)
     anchor = ins[0]
+    if linear and lays[0].partial_axes and (reduced := sharder.reduced_layout(op.inputs[0], op.phase)):
+        lays = [reduced, *lays[1:]]  # the partial sum was already reduced for another consumer: reuse it
     target = {}
     for axis in sharder.mesh_axes:
         seen = [project(Layout(((axis, l.get(axis)),)), t, anchor).get(axis) for l, t in zip(lays, ins)]
@@ -228,7 +312,7 @@ def _embedding(op, ins, lays, outs, sharder):
 def _embedding_grad(op, ins, lays, outs, sharder):
     grad, ids = ins
     (table_name,) = op.attrs["grad_of"]
-    table_layout = sharder.layouts[table_name]
+    table_layout = unflattened(sharder.layouts[table_name])
     need_grad, need_ids, out = lays[0].as_dict(), lays[1].as_dict(), {}
     for axis in sharder.mesh_axes:
         pt = table_layout.get(axis)
@@ -246,18 +330,37 @@ def _embedding_grad(op, ins, lays, outs, sharder):
 
 
 def _cross_entropy(op, ins, lays, outs, sharder):
-    logits, labels = ins
-    target = without(lays[0], dims=[len(logits.shape) - 1])
-    needed = [target, project(target, logits, labels)]
+    """Vocabulary-parallel cross-entropy (Megatron): logits may stay split on the vocabulary;
+    the per-token statistics then come out as partial sums over that split."""
+    logits, labels = ins[0], ins[-1]
+    layout = without(lays[0])
+    vocab_dim = len(logits.shape) - 1
+    needed_labels = project(without(layout, dims=[vocab_dim]), logits, labels)
     if op.kind is OpKind.CROSS_ENTROPY_GRAD:
-        return needed, [target]
-    # the mean loss over tokens split across ranks is a partial sum
-    return needed, [Layout.of({ax: Partial() for ax, _ in target.placements}, sharder.mesh_axes)]
+        # reads the reduced statistics; the gradient keeps the logits' split
+        stats = project(without(layout, dims=[vocab_dim]), logits, ins[1])
+        return [layout, stats, needed_labels], [layout]
+    stats = project(layout, logits, outs[0])
+    split = {ax: Partial() for ax in layout.axes_sharding(vocab_dim)}
+    return [layout, needed_labels], [Layout.of({**stats.as_dict(), **split}, sharder.mesh_axes)]
+
+
+def _loss(op, ins, lays, outs, sharder):
+    """The mean over tokens: whole statistics in, a partial sum over the token splits out."""
+    layout = without(lays[0], dims=[len(ins[0].shape) - 1])
+    return [layout], [Layout.of({ax: Partial() for ax, _ in layout.placements}, sharder.mesh_axes)]
 
 
 def _optimizer(op, ins, lays, outs, sharder):
-    state_layout = lays[1]  # states are laid out by the optimizer rules (ZeRO shards them)
-    return [project(state_layout, ins[1], t) for t in ins], [state_layout]
+    """The step runs on the states' layout (ZeRO shards them); the gradient is brought to it."""
+    states = lays[1]
+    return [project(states, ins[1], t) for t in ins], [states]
+
+
+def _constrain(op, ins, lays, outs, sharder):
+    rules = sharder.spec.anchors.get(op.attrs["tag"])
+    layout = lays[0] if rules is None else rules.layout(ins[0], sharder.mesh_axes)
+    return [layout], [layout]
 
 
 def _passthrough(op, ins, lays, outs, sharder):
@@ -277,17 +380,19 @@ _RULES: dict[OpKind, Callable] = {
     OpKind.EMBEDDING_GRAD: _embedding_grad,
     OpKind.CROSS_ENTROPY: _cross_entropy,
     OpKind.CROSS_ENTROPY_GRAD: _cross_entropy,
+    OpKind.LOSS: _loss,
+    OpKind.DROPOUT: _elementwise,
+    OpKind.CONSTRAIN: _constrain,
     OpKind.OPTIMIZER: _optimizer,
     OpKind.COLLECTIVE: _passthrough,
     OpKind.SLICE: _passthrough,
 }
 
 
-def shard(graph: Graph, rules: Rules, mesh_axes: Sequence[str], optimizer_rules: Rules | None = None) -> ShardedGraph:
+def shard(graph: Graph, spec: ShardingSpec) -> ShardedGraph:
     """Lay every tensor of `graph` out on the mesh axes in play and insert the collectives."""
-    if not mesh_axes:
-        layouts = {name: REPLICATED for name in graph.tensors}
-        return ShardedGraph(graph, layouts, dict(graph.tensors), ())
-    sharded = _Sharder(graph, rules, mesh_axes, optimizer_rules).run()
+    if not spec.mesh_axes:
+        return ShardedGraph(graph, {name: REPLICATED for name in graph.tensors}, dict(graph.tensors), ())
+    sharded = _Sharder(graph, spec).run()
     sharded.graph.verify()
     return sharded

@@ -42,8 +42,9 @@ def test_every_weight_gets_one_optimizer_step(tiny_gpt):
 def test_tied_embedding_gradient_sums_both_uses(tiny_gpt):
     train = training_graph(load_model(tiny_gpt).graph)
     step = train.producer["embed.weight.next"]
-    grad = step.inputs[0]
-    adder = train.producer[grad]
+    stored = train.producer[step.inputs[0]]
+    assert stored.kind is OpKind.CONSTRAIN and stored.attrs["tag"] == "grad"
+    adder = train.producer[stored.inputs[0]]
     assert adder.kind is OpKind.POINTWISE and adder.phase is Phase.BACKWARD_WEIGHT
     producers = {train.producer[i].kind for i in adder.inputs}
     assert producers == {OpKind.EINSUM, OpKind.EMBEDDING_GRAD}

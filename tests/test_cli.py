@@ -33,7 +33,11 @@ def write_model(tmp_path, spec):
         (["gpt3-175b", "--seq", "4096"], "seq=4096 exceeds model gpt3-175b's max_positions=2048"),
         (["llama3-8b", "--attention-flops", "half"], "attention_flops: must be one of"),
         (["llama3-8b", "--device", "tpu9"], "device: unknown device 'tpu9'"),
-        (["llama3-8b", "--tp", "2"], "tp=2: tensor parallelism is not implemented yet"),
+        (["llama3-8b", "--pp", "2"], "pp=2: pipeline parallelism is not implemented yet"),
+        (["llama3-8b", "--tp", "3"], "tp=3 does not divide kv_heads dimension Akv=8"),
+        (["llama3-8b", "--sp"], "sp: sequence parallelism splits the sequence over tp, so it needs tp > 1"),
+        (["llama3-8b", "--zero", "4"], "zero: must be a ZeRO stage 0, 1, 2 or 3, got 4"),
+        (["llama3-8b", "--recompute", "some"], "recompute: must be one of"),
     ],
 )
 def test_bad_input_is_one_line_exit_2_and_no_output(tmp_path, args, message):
