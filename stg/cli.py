@@ -109,6 +109,46 @@ def generate(
 
 
 @app.command()
+def summary(
+    out: Path = typer.Argument(..., help="A trace set directory written by `stg generate`."),
+    rank: Optional[int] = typer.Option(None, help="Only this rank (default: one line per rank class)."),
+    as_json: bool = typer.Option(False, "--json", help="Print JSON: one object per rank class (or for --rank)."),
+):
+    """Per rank: FLOPs, bytes per collective type, send/recv bytes and memory
+    {weights, gradients, optimizer_states, activations, peak}, from OUT/summary.json."""
+    path = out / "summary.json"
+    if not path.is_file():
+        err.print(f"[red]error:[/red] {out}: not a trace set (no summary.json)", highlight=False)
+        raise typer.Exit(2)
+    data = json.loads(path.read_text())
+    classes = data["rank_classes"]
+    if rank is not None:
+        if not 0 <= rank < data["world_size"]:
+            err.print(f"[red]error:[/red] rank: {rank} is not in 0..{data['world_size'] - 1}", highlight=False)
+            raise typer.Exit(2)
+        classes = [{**classes[data["rank_class"][rank]], "rank": rank}]
+    if as_json:
+        typer.echo(json.dumps(classes if rank is None else classes[0], indent=1))
+        return
+    # one column per rank class, one row per figure
+    gib = 2**30
+    heads = [f"rank {c['rank']}" if "rank" in c else "ranks " + ", ".join(
+        f"{a}-{b}" if a != b else f"{a}" for a, b in c["ranks"]) for c in classes]
+    table = Table("per step, per rank", *heads)
+    kinds = sorted({k for c in classes for k in c["comm_bytes"]})
+    rows = [("TFLOP", lambda c: f"{c['flops'] / 1e12:,.3f}")]
+    rows += [(f"{k} GiB (count)", lambda c, k=k: f"{c['comm_bytes'].get(k, 0) / gib:,.3f} ({c['comm_count'].get(k, 0)})")
+             for k in kinds]
+    rows += [("send / recv GiB", lambda c: f"{c['send_bytes'] / gib:,.3f} / {c['recv_bytes'] / gib:,.3f}")]
+    rows += [(f"memory {k} GiB", lambda c, k=k: f"{c['memory'][k] / gib:,.2f}")
+             for k in ("weights", "gradients", "optimizer_states", "activations", "peak")]
+    for label, cell in rows:
+        table.add_row(label, *(cell(c) for c in classes))
+    Console().print(table)
+    typer.echo(f"{data['model']['name']} on {data['world_size']} ranks, {data['microbatches']} micro-batches per rank")
+
+
+@app.command()
 def validate(
     out: Path = typer.Argument(..., help="A trace set directory written by `stg generate`."),
     replay: bool = typer.Option(True, help="Also replay all ranks together to prove the set runs to completion."),

@@ -19,6 +19,7 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass, field
 from enum import IntEnum
+from functools import cached_property
 from typing import Mapping
 
 import sympy
@@ -100,7 +101,7 @@ class RankProgram:
     nodes: tuple[TraceNode, ...]
     stats: ClassStats
 
-    @property
+    @cached_property
     def holes(self) -> list[GroupHole]:
         return sorted({n.group for n in self.nodes if n.group is not None}, key=lambda h: h.axes)
 

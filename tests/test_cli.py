@@ -148,3 +148,16 @@ def test_console_script_reports_errors_without_traceback(tmp_path):
     assert result.returncode == 2
     assert result.stderr.startswith("error: global_batch=4 is not a multiple")
     assert "Traceback" not in result.stderr
+
+
+def test_summary_command(tmp_path, tiny_llama):
+    model = write_model(tmp_path, tiny_llama)
+    out = tmp_path / "out"
+    assert run("generate", model, "-o", out, "--dp", "2", "--tp", "2", "--zero", "1", *TINY, "-q").exit_code == 0
+    one = json.loads(run("summary", out, "--rank", "3", "--json").output)
+    assert one["rank"] == 3 and set(one["memory"]) == {"weights", "gradients", "optimizer_states", "activations", "peak"}
+    assert one["comm_bytes"]["REDUCE_SCATTER"] > 0
+    text = run("summary", out).output
+    assert "memory peak GiB" in text and "REDUCE_SCATTER" in text
+    assert run("summary", out, "--rank", "9").exit_code == 2
+    assert run("summary", tmp_path).exit_code == 2

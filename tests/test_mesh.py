@@ -61,3 +61,14 @@ def test_layout_local_shape_and_notation():
     assert layout.local_shape((B, S, H)) == (B / dp, S / tp, H)
     assert layout.describe((B, S, H)) == "B@dp S@tp"
     assert Layout.of({"tp": Partial()}, ["tp"]).describe((B,)) == "P(tp)"
+
+
+@pytest.mark.parametrize("count", [1, 9, 10, 499, 900, 5000, 123_456])
+def test_group_ids_of_a_set_have_one_width(count):
+    """Every rank of a class then patches the same byte layout (one skeleton per class)."""
+    from stg.groups import first_ordinal
+
+    first = first_ordinal(count)
+    ids = [ordinal_to_id(first + i) for i in (0, count // 2, count - 1)]
+    assert len({len(str(i)) for i in ids}) == 1
+    assert all(i % 500 for i in ids) and ids[0] >= 1

@@ -91,14 +91,13 @@ def _node_head(node: TraceNode, hole_width: Mapping[GroupHole, int]) -> tuple[by
 @dataclass(frozen=True)
 class Skeleton:
     body: np.ndarray  # uint8: every node record, holes zero-filled
-    holes: tuple[tuple[GroupHole, np.ndarray], ...]  # per hole kind: byte offsets of its holes
+    holes: tuple[tuple[GroupHole, np.ndarray], ...]  # per hole kind: [holes, width] byte positions
 
     def stamp(self, values: Mapping[GroupHole, bytes]) -> np.ndarray:
         """This rank's node stream: the skeleton with its values written into the holes."""
         out = self.body.copy()
-        for hole, offsets in self.holes:
-            value = np.frombuffer(values[hole], dtype=np.uint8)
-            out[offsets[:, None] + np.arange(len(value))] = value
+        for hole, positions in self.holes:
+            out[positions] = np.frombuffer(values[hole], dtype=np.uint8)  # broadcast over the holes
         return out
 
 
@@ -114,5 +113,8 @@ def build_skeleton(nodes: Sequence[TraceNode], hole_width: Mapping[GroupHole, in
             offsets[node.group].append(position + len(prefix) + len(head))
         position += len(prefix) + len(head) + width
     body = np.frombuffer(b"".join(chunks), dtype=np.uint8)
-    holes = tuple((hole, np.asarray(offs, dtype=np.int64)) for hole, offs in offsets.items() if offs)
+    holes = tuple(
+        (hole, np.asarray(offs, dtype=np.int64)[:, None] + np.arange(hole_width[hole]))
+        for hole, offs in offsets.items() if offs
+    )
     return Skeleton(body, holes)

@@ -1,0 +1,82 @@
+"""ZeRO against Rajbhandari et al. 2019 ("ZeRO: Memory Optimizations Toward Training Trillion
+Parameter Models"): Figure 1's model-state memory and section 7's communication volume."""
+
+import pytest
+
+from stg import Plan, build
+
+# A Llama-style model of 7,499,681,792 parameters: the paper's 7.5B example.
+MODEL_7B5 = dict(name="dense-7.5b", family="llama", layers=32, hidden=4096, ffn=12944, heads=32, vocab=32000)
+PSI = 7_499_681_792
+
+
+def model_states(zero: int, dp: int = 64) -> int:
+    memory = build(MODEL_7B5, Plan(dp=dp, zero=zero, seq=128)).memory[0]
+    return memory.weights + memory.gradients + memory.optimizer_states
+
+
+@pytest.mark.parametrize(
+    "zero, formula, paper_gb",
+    [
+        (0, lambda psi, nd: 16 * psi, 120.0),  # (2 + 2 + K) psi with K = 12
+        (1, lambda psi, nd: 4 * psi + 12 * psi / nd, 31.4),
+        (2, lambda psi, nd: 2 * psi + 14 * psi / nd, 16.6),
+        (3, lambda psi, nd: 16 * psi / nd, 1.9),
+    ],
+)
+def test_model_state_memory_matches_figure_1(zero, formula, paper_gb):
+    from model_zoo import load_model
+
+    assert load_model(MODEL_7B5).params == PSI
+    got = model_states(zero)
+    # flat shards are padded: at most one element per tensor per state over the formula
+    tensors = len(load_model(MODEL_7B5).graph.weights)
+    assert formula(PSI, 64) <= got <= formula(PSI, 64) + 16 * tensors
+    assert round(got / 1e9, 1) == paper_gb
+
+
+def ring_traffic(stats: dict, n: int) -> float:
+    """Bytes one rank sends in ring collectives: all-reduce 2(n-1)/n of its buffer,
+    reduce-scatter (n-1)/n of its input, all-gather (n-1) of its shard."""
+    sizes = stats["comm_bytes"]
+    return (2 * sizes.get("ALL_REDUCE", 0) * (n - 1) / n + sizes.get("REDUCE_SCATTER", 0) * (n - 1) / n
+            + sizes.get("ALL_GATHER", 0) * (n - 1))
+
+
+@pytest.mark.parametrize("zero, psi_multiple", [(0, 2), (1, 2), (2, 2), (3, 3)])
+def test_communication_per_step(tiny_llama, zero, psi_multiple):
+    """Stages 0-2 move 2 psi elements per rank per step, stage 3 moves 3 psi (sec. 7): one
+    all-gather of the parameters in the forward, one in the backward, one reduce-scatter.
+    stg does not gather the embedding table for its backward, which does not read it."""
+    from model_zoo import load_model
+
+    dp = 4
+    workload = build(tiny_llama, Plan(dp=dp, zero=zero, seq=32))  # one micro-batch
+    stats = workload.summary()["rank_classes"][0]
+    psi = load_model(tiny_llama).params
+    elements = psi_multiple * psi
+    if zero == 3:
+        elements -= tiny_llama["vocab"] * tiny_llama["hidden"]
+    assert ring_traffic(stats, dp) == pytest.approx(elements * 2 * (dp - 1) / dp, rel=1e-12)
+
+
+def test_zero3_gathers_each_layer_before_forward_and_backward(tiny_llama):
+    workload = build(tiny_llama, Plan(dp=2, zero=3, seq=32))
+    gathers = [n for n in workload.programs[0].nodes if n.collective is not None and n.collective.name == "ALL_GATHER"]
+    forward = [n for n in gathers if n.name.startswith("0F ")]
+    backward = [n for n in gathers if n.name.startswith(("0B ", "0W "))]
+    units = tiny_llama["layers"] + 2  # embedding, each block, the head
+    assert len(forward) == units  # one coalesced gather per FSDP unit
+    assert len(backward) == units - 1  # the embedding's backward does not read the table
+    scatters = [n for n in workload.programs[0].nodes if n.collective is not None and n.collective.name == "REDUCE_SCATTER"]
+    assert len(scatters) == units
+
+
+def test_zero2_scatters_every_micro_batch_zero1_once(tiny_llama):
+    counts = {}
+    for zero in (1, 2):
+        workload = build(tiny_llama, Plan(dp=2, zero=zero, global_batch=6, seq=32))  # 3 micro-batches
+        counts[zero] = workload.summary()["rank_classes"][0]["comm_count"]["REDUCE_SCATTER"]
+    units = tiny_llama["layers"] + 2
+    assert counts[2] == 3 * units
+    assert counts[1] < counts[2]
