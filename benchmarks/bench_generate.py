@@ -29,14 +29,13 @@ def run(model_name: str, dp: int, seq: int, microbatches: int, scratch: Path, **
     workload = build(model, plan)
     built = time.perf_counter()
     out = Path(tempfile.mkdtemp(dir=scratch)) / "set"
-    write_trace_set(out, workload.programs, workload.class_of, workload.mesh.size, workload.group_ids,
-                    workload.summary())
+    write_trace_set(out, workload, workload.summary())
     written = time.perf_counter()
     size = sum(p.stat().st_size for p in out.iterdir())
     shutil.rmtree(out.parent)
     return {
         "ranks": plan.world_size,
-        "nodes/rank": len(workload.programs[0].nodes),
+        "nodes/rank": max(len(p.nodes) for p in workload.programs),
         "build s": built - start,
         "write s": written - built,
         "ranks/s": plan.world_size / (written - built),

@@ -24,7 +24,11 @@ from stg.emit import Progress, write_trace_set
 from stg.errors import PlanError
 from stg.groups import GroupIds
 from stg.graph import DType
-from stg.lower import Evaluator, RankProgram, check_divisibility, lower
+from parallelism.pipeline import cut, stage_plan
+from stg.chakra.writer import fixed_varint, rank_width
+from stg.lower import Evaluator, Pipeline, check_divisibility, lower
+from stg.program import GroupHole, RankProgram
+from stg.schedule import SPLIT_BACKWARD, make_schedule
 from stg.memory import Memory, memory
 from stg.mesh import DeviceMesh, axis_symbol
 from stg.plan import Plan
@@ -46,13 +50,24 @@ class Workload:
     bindings: Mapping[sympy.Symbol, Any]
 
     def class_of(self, rank: int) -> int:
-        # every rank runs the same program under data parallelism; pipeline stages will
-        # make the class the rank's pp coordinate
-        return 0
+        """Ranks of one pipeline stage run the same program up to their groups and peers."""
+        return (rank // self.mesh.stride("pp")) % self.plan.pp
+
+    def hole_values(self, rank: int, holes) -> dict:
+        """The bytes that stamp `rank` from its class skeleton: group ids, rank numbers."""
+        width = rank_width(self.mesh.size)
+        values = {}
+        for hole in holes:
+            if isinstance(hole, GroupHole):
+                values[hole] = str(self.group_ids.id(rank, hole.axes)).encode()
+            else:
+                peer = rank if hole.stage is None else rank + (hole.stage - self.class_of(rank)) * self.mesh.stride("pp")
+                values[hole] = fixed_varint(peer, width)
+        return values
 
     @cached_property
     def group_ids(self) -> GroupIds:
-        return GroupIds.for_kinds(self.mesh, (h.axes for p in self.programs for h in p.holes))
+        return GroupIds.for_kinds(self.mesh, (h.axes for p in self.programs for h in p.holes if isinstance(h, GroupHole)))
 
     def summary(self) -> dict:
         world = self.mesh.size
@@ -122,11 +137,30 @@ def build(model: Model | str | Path | Mapping, plan: Plan | Mapping) -> Workload
     }
     check_divisibility(sharded, bindings)
     evaluate = Evaluator(bindings)
-    program = lower(
-        sharded, evaluate, device_spec(plan.device),
-        microbatches=plan.microbatches, bucket_bytes=int(plan.bucket_mb * 2**20),
-    )
-    return Workload(model, plan, mesh, sharded, (program,), (memory(sharded, evaluate),), bindings)
+    pipeline = _pipeline(model, plan, sharded)
+    programs, memories = [], []
+    for rank in range(plan.pp):  # one rank class per pipeline stage
+        programs.append(lower(sharded, evaluate, device_spec(plan.device), pipeline=pipeline,
+                              bucket_bytes=int(plan.bucket_mb * 2**20), rank=rank))
+        memories.append(memory(sharded, evaluate, pipeline.stages, pipeline.schedule[rank], rank))
+    return Workload(model, plan, mesh, sharded, tuple(programs), tuple(memories), bindings)
+
+
+TAG_LIMIT = 400_000_000  # below ASTRA-sim's 500,000,000 limit on comm_tag
+
+
+def _pipeline(model: Model, plan: Plan, sharded: ShardedGraph) -> Pipeline:
+    if plan.pp == 1:
+        return Pipeline.single_stage(plan.microbatches)
+    if getattr(model.config, "tied_embeddings", False):
+        raise PlanError(f"pp={plan.pp}: model {model.name} ties its output layer to the embedding, which would "
+                        "span the first and last stage; not supported yet (set tied_embeddings: false)")
+    stages = stage_plan(plan, model.layers)
+    schedule = make_schedule(plan.schedule, plan.pp, plan.microbatches, plan.vpp)
+    edges = tuple(cut(sharded.graph, stages))
+    if plan.microbatches * len(edges) >= TAG_LIMIT:
+        raise PlanError(f"microbatches={plan.microbatches}: too many for unique send/recv tags below {TAG_LIMIT:,}")
+    return Pipeline(stages, schedule, plan.schedule in SPLIT_BACKWARD, edges)
 
 
 def generate(
@@ -138,6 +172,5 @@ def generate(
     """Write OUT/workload.<rank>.et, OUT/workload.json and OUT/summary.json; return the summary."""
     workload = build(model, plan)
     summary = workload.summary()
-    write_trace_set(Path(out), workload.programs, workload.class_of, workload.mesh.size,
-                    workload.group_ids, summary, progress)
+    write_trace_set(Path(out), workload, summary, progress)
     return summary

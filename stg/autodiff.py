@@ -33,6 +33,7 @@ class _Backward:
         self.contributions: dict[str, list[str]] = {}
         self.needs_grad = _needs_grad(forward)
         self.stored_grads: dict[str, str] = {}  # weight -> its gradient as accumulated and stored
+        self.layer_of: dict[str, int] = {}  # gradient tensor -> the block of the op that made it
 
     # -- bookkeeping ------------------------------------------------------------------------
     def _is_weight(self, name: str) -> bool:
@@ -59,10 +60,14 @@ class _Backward:
         if not parts:
             return None
         total = parts[0]
+        if len(parts) > 1:
+            # sum where the contributions are made: a pipeline stage then sends one gradient
+            layer = min(self.layer_of.get(part, layer) for part in parts)
         for k, part in enumerate(parts[1:], start=1):
             name = f"{grad_name(tensor)}/sum{k}"
-            self.g.add_op(name, OpKind.POINTWISE, (total, part), (self._grad_tensor(tensor, name),),
-                          {"fn": Pointwise.ADD, "grad_of": (tensor,)}, phase=self._phase(tensor), layer=layer)
+            op = self.g.add_op(name, OpKind.POINTWISE, (total, part), (self._grad_tensor(tensor, name),),
+                               {"fn": Pointwise.ADD, "grad_of": (tensor,)}, phase=self._phase(tensor), layer=layer)
+            self.layer_of[name] = op.layer
             total = name
         self.contributions[tensor] = [total]
         return total
@@ -75,6 +80,7 @@ class _Backward:
         # `grad_of` names the forward tensors whose gradients the outputs are (for layouts)
         attrs = {**(attrs or {}), "grad_of": tuple(targets)}
         self.g.add_op(name, kind, inputs, outs, attrs, phase=phase, layer=op.layer)
+        self.layer_of.update((out.name, op.layer) for out in outs)
 
     # -- rules ---------------------------------------------------------------------------------
     def einsum(self, op: Op, dout: str) -> None:

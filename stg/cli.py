@@ -73,7 +73,10 @@ def generate(
     tp: Optional[int] = typer.Option(None, help="Tensor-parallel degree (Megatron: heads, MLP and vocabulary split). [default: 1]"),
     sp: Optional[bool] = typer.Option(None, "--sp/--no-sp", help="Sequence parallelism: the residual stream split on the sequence over tp. [default: on when tp > 1]"),
     cp: Optional[int] = typer.Option(None, help="Context-parallel degree: the sequence split over cp, keys and values all-gathered. [default: 1]"),
-    pp: Optional[int] = typer.Option(None, help="Pipeline-parallel degree (not implemented yet: must be 1)."),
+    pp: Optional[int] = typer.Option(None, help="Pipeline stages; blocks split evenly (first stage + embedding, last + head). [default: 1]"),
+    vpp: Optional[int] = typer.Option(None, help="Virtual stages (model chunks) per pipeline stage, for --schedule interleaved. [default: 1]"),
+    schedule: Optional[str] = typer.Option(None, help="Pipeline schedule: gpipe, 1f1b, interleaved or zb-h1 (see `stg schedule`). [default: 1f1b]"),
+    layers_per_stage: Optional[str] = typer.Option(None, help="Uneven split: blocks per virtual stage, comma-separated (e.g. 9,10,10,3)."),
     ep: Optional[int] = typer.Option(None, help="Expert-parallel degree (not implemented yet: must be 1)."),
     zero: Optional[int] = typer.Option(None, help="ZeRO stage over dp (x cp): 0 none, 1 optimizer states, 2 + gradients, 3 + parameters (FSDP). [default: 0]"),
     recompute: Optional[str] = typer.Option(None, help="Activation recomputation: none, selective (the attention core) or full (each layer). [default: none]"),
@@ -91,11 +94,13 @@ def generate(
     from stg.api import generate as run
     from stg.plan import Plan
 
-    given = dict(dp=dp, tp=tp, sp=sp, cp=cp, pp=pp, ep=ep, zero=zero, recompute=recompute,
+    given = dict(dp=dp, tp=tp, sp=sp, cp=cp, pp=pp, vpp=vpp, schedule=schedule, ep=ep, zero=zero, recompute=recompute,
                  flash_attention=flash_attention, grad_dtype=grad_dtype, micro_batch=micro_batch,
                  global_batch=global_batch, seq=seq, attention_flops=attention_flops, bucket_mb=bucket_mb,
                  device=device)
     with _user_errors():
+        if layers_per_stage is not None:
+            given["layers_per_stage"] = _int_list("layers_per_stage", layers_per_stage)
         overrides = {k: v for k, v in given.items() if v is not None}
         plan = Plan.from_yaml(plan_file, overrides) if plan_file else Plan.from_dict(overrides)
         with _progress("writing ranks", quiet) as progress:
@@ -106,6 +111,39 @@ def generate(
             f"{summary['world_size']} ranks, {summary['microbatches']} micro-batches/rank, "
             f"{totals['flops'] / 1e15:.3f} PFLOP per step -> {out}", highlight=False,
         )
+
+
+def _int_list(name: str, text: str) -> list[int]:
+    try:
+        return [int(part) for part in text.split(",")]
+    except ValueError:
+        from stg.errors import PlanError
+
+        raise PlanError(f"{name}: expected comma-separated integers, got {text!r}") from None
+
+
+@app.command("schedule")
+def show_schedule(
+    pp: int = typer.Option(..., help="Pipeline stages."),
+    microbatches: int = typer.Option(..., help="Micro-batches per step."),
+    schedule: str = typer.Option("1f1b", help="gpipe, 1f1b, interleaved or zb-h1."),
+    vpp: int = typer.Option(1, help="Virtual stages per stage (interleaved)."),
+):
+    """Print a pipeline schedule as a step-by-stage grid of actions (3F1: micro-batch 3,
+    forward, chunk 1; B input gradient; W weight gradient), its unit-cost makespan and bubble."""
+    from stg.errors import PlanError
+    from stg.schedule import SPLIT_BACKWARD, grid, make_schedule, simulate
+
+    with _user_errors():
+        for name, value in (("pp", pp), ("microbatches", microbatches), ("vpp", vpp)):
+            if value < 1:
+                raise PlanError(f"{name}: must be a positive integer, got {value}")
+        plan = make_schedule(schedule, pp, microbatches, vpp)
+    typer.echo(grid(plan))
+    makespan, busy = simulate(plan, lambda a: 1.0 / vpp, vpp, schedule in SPLIT_BACKWARD)
+    ideal = busy[0]
+    typer.echo(f"unit costs (F = B = W = 1 per stage, free communication): makespan {makespan:g}, "
+               f"bubble {(makespan - ideal) / ideal:.1%} of the ideal {ideal:g}")
 
 
 @app.command()

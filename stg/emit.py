@@ -12,12 +12,11 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
-from typing import Callable, Mapping, Sequence
+from typing import Callable, Mapping
 
 from stg.chakra.writer import Skeleton, build_skeleton, metadata_record
 from stg.errors import OutputError
 from stg.groups import GroupIds
-from stg.lower import RankProgram
 
 Progress = Callable[[int, int], None]
 
@@ -63,26 +62,21 @@ def write_groups(path: Path, group_ids: GroupIds) -> None:
         f.write("\n}\n")
 
 
-def write_trace_set(
-    out: Path,
-    programs: Sequence[RankProgram],
-    class_of: Callable[[int], int],
-    world: int,
-    group_ids: GroupIds,
-    summary: Mapping,
-    progress: Progress | None = None,
-) -> None:
+def write_trace_set(out: Path, workload, summary: Mapping, progress: Progress | None = None) -> None:
+    """`workload` (stg.api.Workload) gives the class programs, each rank's class and the
+    values that stamp it."""
     out = Path(out)
     tmp = _prepare(out)
+    world = workload.mesh.size
     try:
-        write_groups(tmp / "workload.json", group_ids)
+        write_groups(tmp / "workload.json", workload.group_ids)
         write_json(tmp / "summary.json", summary)
         header = metadata_record()
         skeletons: dict[tuple[int, tuple[int, ...]], Skeleton] = {}
         for rank in range(world):
-            cls = class_of(rank)
-            program = programs[cls]
-            values = {hole: str(group_ids.id(rank, hole.axes)).encode() for hole in program.holes}
+            cls = workload.class_of(rank)
+            program = workload.programs[cls]
+            values = workload.hole_values(rank, program.holes)
             widths = tuple(len(v) for v in values.values())
             key = (cls, widths)
             if key not in skeletons:

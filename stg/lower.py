@@ -6,20 +6,24 @@ which mesh axes), filled in per rank by byte patching when the files are written
 (stg/chakra/writer.py); nothing here runs per rank.
 
 Order (DESIGN.md, "Chakra output"): all orderings go into data deps. Compute nodes form one
-chain in program order (one compute stream); each collective follows its input's producer
-and the previous collective on the same group (one NCCL stream per communicator, and the
-k-th collectives of a group's members are paired); consumers follow the collectives they read.
-Gradient synchronisation runs once per step: the weight-gradient collectives are coalesced
-into buckets in the order the last micro-batch finishes the gradients (PyTorch DDP's
-bucketing), so they overlap the rest of that backward, and the optimizer follows them.
+chain in program order (one compute stream); collectives and sends form another (ASTRA-sim
+runs one at a time per rank and pairs the k-th collectives of a group's members, so ranks of
+a class must issue them in one order: a rank free to pick the next ready one can deadlock
+against a peer that picked another group's -- the replay found such a case); each follows
+its input's producer, and consumers follow what they read.
+
+Collectives that move parameters or gradients are coalesced, as frameworks do:
+- in the step, gradient reductions go in buckets of `bucket_bytes` in the order the last
+  micro-batch finishes the gradients (PyTorch DDP), so they overlap the rest of that
+  backward; the optimizer follows; the new parameters' gathers go in buckets after it;
+- within a micro-batch (ZeRO-2/3), one collective per block and phase (an FSDP unit): the
+  parameter gather before the block's first use, issued one unit ahead of compute, and the
+  gradient reduce-scatter once the block's last gradient is done.
 """
 
 from __future__ import annotations
 
-from collections import Counter
-from dataclasses import dataclass, field
-from enum import IntEnum
-from functools import cached_property
+from dataclasses import dataclass
 from typing import Mapping
 
 import sympy
@@ -28,82 +32,10 @@ from stg.device import DeviceSpec
 from stg.errors import LayoutError
 from stg.graph import Op, OpKind, Phase, Role
 from stg.mesh import axis_symbol
-from stg.redistribute import Collective
+from parallelism.pipeline import Edge, StagePlan
+from stg.program import ClassStats, GroupHole, NodeType, RankHole, RankProgram, TraceNode
+from stg.schedule import Action, Kind, Schedule, one_f_one_b, virtual_stage
 from stg.sharding import ShardedGraph
-
-
-class NodeType(IntEnum):
-    """Chakra's NodeType numbers, for the four kinds stg emits."""
-
-    COMP_NODE = 4
-    COMM_SEND_NODE = 5
-    COMM_RECV_NODE = 6
-    COMM_COLL_NODE = 7
-
-
-@dataclass(frozen=True)
-class GroupHole:
-    """Stands for 'this rank's communicator group along `axes`' until a rank is stamped."""
-
-    axes: tuple[str, ...]
-
-
-@dataclass(frozen=True)
-class TraceNode:
-    id: int
-    name: str
-    type: NodeType
-    deps: tuple[int, ...]
-    flops: int = 0
-    nbytes: int = 0
-    duration_us: int = 0
-    op_type: str = ""
-    collective: Collective | None = None
-    comm_bytes: int = 0
-    group: GroupHole | None = None
-
-
-@dataclass
-class ClassStats:
-    """Per-rank totals of one rank class for one training step."""
-
-    flops_by_phase: Counter = field(default_factory=Counter)
-    compute_bytes: int = 0
-    comm_bytes: Counter = field(default_factory=Counter)  # by collective name
-    comm_count: Counter = field(default_factory=Counter)
-    send_bytes: int = 0
-    recv_bytes: int = 0
-    nodes: Counter = field(default_factory=Counter)  # by node type name
-    matmul_flops: int = 0  # einsum FLOPs of forward and backward (excludes the optimizer)
-    recompute_flops: int = 0  # forward work re-run in the backward (counted in phase B too)
-
-    def to_dict(self) -> dict:
-        fb = sum(v for k, v in self.flops_by_phase.items() if k != Phase.STEP.value)
-        return {
-            "flops": sum(self.flops_by_phase.values()),
-            "flops_forward_backward": fb,
-            "flops_optimizer": self.flops_by_phase.get(Phase.STEP.value, 0),
-            "flops_by_phase": {k: self.flops_by_phase[k] for k in sorted(self.flops_by_phase)},
-            "matmul_flops_forward_backward": self.matmul_flops,
-            "flops_recompute": self.recompute_flops,
-            "compute_bytes": self.compute_bytes,
-            "comm_bytes": dict(sorted(self.comm_bytes.items())),
-            "comm_count": dict(sorted(self.comm_count.items())),
-            "send_bytes": self.send_bytes,
-            "recv_bytes": self.recv_bytes,
-            "nodes": dict(sorted(self.nodes.items())),
-        }
-
-
-@dataclass(frozen=True)
-class RankProgram:
-    key: tuple
-    nodes: tuple[TraceNode, ...]
-    stats: ClassStats
-
-    @cached_property
-    def holes(self) -> list[GroupHole]:
-        return sorted({n.group for n in self.nodes if n.group is not None}, key=lambda h: h.axes)
 
 
 class Evaluator:
@@ -154,17 +86,36 @@ def _unit(op: Op, graph) -> tuple | None:
     return (role, op.phase, op.layer, op.attrs["collective"], op.attrs["axes"])
 
 
+@dataclass(frozen=True)
+class Pipeline:
+    """What a rank class needs of the pipeline: its schedule and the stage cut."""
+
+    stages: StagePlan
+    schedule: Schedule
+    split_backward: bool
+    edges: tuple[Edge, ...]
+
+    @classmethod
+    def single_stage(cls, microbatches: int) -> "Pipeline":
+        return cls(StagePlan(1, 1, (0,)), one_f_one_b(1, microbatches), False, ())
+
+
 class _ProgramBuilder:
-    def __init__(self, sharded: ShardedGraph, evaluate: Evaluator, device: DeviceSpec, bucket_bytes: int):
+    def __init__(self, sharded: ShardedGraph, evaluate: Evaluator, device: DeviceSpec, bucket_bytes: int,
+                 pipeline: Pipeline, rank: int):
         self.graph = sharded.graph
         self.ev = evaluate
         self.device = device
         self.bucket_bytes = bucket_bytes
+        self.pipeline = pipeline
+        self.rank = rank  # the class's pipeline stage
         self.nodes: list[TraceNode] = []
         self.last_compute: int | None = None
-        self.last_collective: dict[tuple[str, ...], int] = {}
+        self.last_comm: int | None = None  # the rank's previous collective or send
         self.alias: dict[str, str] = {}  # a view (slice, anchor) -> the tensor it views
         self.prefetch: dict[Phase, int | None] = {}  # compute running when the last unit gather went out
+        self.flush_after: dict[str, list[list[Op]]] = {}  # op -> gradient buckets that go out after it
+        self.bucketed: set[str] = set()  # step collectives already sent in those buckets
         self.stats = ClassStats()
 
     def _add(self, **kwargs) -> int:
@@ -203,14 +154,13 @@ class _ProgramBuilder:
         first = members[0]
         axes, collective = first.attrs["axes"], first.attrs["collective"]
         deps = {p for op in members if (p := self.producer(op.inputs[0], where)) is not None} | set(extra_deps)
-        if axes in self.last_collective:
-            deps.add(self.last_collective[axes])
+        deps.add(self.last_comm)
         nbytes = sum(self.ev(op.bytes) for op in members)
         node = self._add(
             name=name, type=NodeType.COMM_COLL_NODE, deps=tuple(sorted(d for d in deps if d is not None)),
             collective=collective, comm_bytes=nbytes, group=GroupHole(axes),
         )
-        self.last_collective[axes] = node
+        self.last_comm = node
         for op in members:
             where[op.outputs[0]] = node
         self.stats.comm_bytes[collective.name] += nbytes
@@ -229,71 +179,144 @@ class _ProgramBuilder:
         else:
             self.compute(op, label, where)
 
-    def micro_batch(self, ops: list[Op], units: dict[tuple, list[Op]], mb: int) -> dict[str, int]:
-        """One forward/backward. Parameter gathers of a unit go out together before its first
-        use, one unit ahead of compute (FSDP's prefetch); gradient reductions of a unit go out
-        together once its last gradient is done."""
-        where: dict[str, int] = {}
+    # -- point to point ----------------------------------------------------------------------
+    def _peer(self, stage: int) -> RankHole:
+        return RankHole(self.pipeline.stages.rank_and_chunk(stage)[0])
+
+    def _tag(self, edge: Edge, microbatch: int) -> int:
+        return microbatch * len(self.pipeline.edges) + edge.index
+
+    def send(self, edge: Edge, microbatch: int, where: dict[str, int]) -> None:
+        nbytes = self.ev(self.graph.tensors[edge.tensor].nbytes)
+        deps = [d for d in (self.producer(edge.tensor, where), self.last_comm) if d is not None]
+        self.last_comm = self._add(
+            name=f"{microbatch} send {edge.tensor}", type=NodeType.COMM_SEND_NODE, deps=tuple(sorted(set(deps))),
+            comm_bytes=nbytes, src=RankHole(), dst=self._peer(edge.target), tag=self._tag(edge, microbatch),
+        )
+        self.stats.send_bytes += nbytes
+
+    def recv(self, edge: Edge, microbatch: int, where: dict[str, int]) -> None:
+        nbytes = self.ev(self.graph.tensors[edge.tensor].nbytes)
+        deps = () if self.last_compute is None else (self.last_compute,)
+        where[edge.tensor] = self._add(
+            name=f"{microbatch} recv {edge.tensor}", type=NodeType.COMM_RECV_NODE, deps=deps,
+            comm_bytes=nbytes, src=self._peer(edge.source), dst=RankHole(), tag=self._tag(edge, microbatch),
+        )
+        self.stats.recv_bytes += nbytes
+
+    # -- one scheduled action ------------------------------------------------------------------
+    def action(self, action: Action, ops: list[Op], units: dict[tuple, list[Op]], where: dict[str, int],
+               final: bool = False) -> None:
+        """Receive what the action reads from other stages, run its ops, send what other
+        stages read of it. Parameter gathers of a unit go out together before its first use,
+        one unit ahead of compute (FSDP's prefetch); gradient reductions of a unit together
+        once its last gradient is done."""
+        stage = virtual_stage(self.rank, action.chunk, self.pipeline.stages.pp)
+        label = f"{action.microbatch}{action.kind.value}{action.chunk}"
+        read = {name for op in ops for name in op.inputs}
+        for edge in self.pipeline.edges:
+            if edge.target == stage and edge.tensor in read and edge.tensor not in where:
+                self.recv(edge, action.microbatch, where)
         for op in ops:
-            label = f"{mb}{op.phase.value}"
             unit = _unit(op, self.graph)
+            members = units.get(unit, ())
             if unit is None:
                 self.op(op, label, where)
-                continue
-            members = units[unit]
-            if unit[0] is Role.WEIGHT and op is members[0]:
-                self.collective(self._bucket_name(label, members), members, where,
-                                       [self.prefetch.get(op.phase)])
+            elif unit[0] is Role.WEIGHT and op is members[0]:
+                self.collective(self._bucket_name(label, members), members, where, [self.prefetch.get(op.phase)])
                 self.prefetch[op.phase] = self.last_compute
             elif unit[0] is Role.GRADIENT and op is members[-1]:
                 self.collective(self._bucket_name(label, members), members, where)
-        return where
+            for bucket in self.flush_after.get(op.name, []) if final else ():
+                self.collective(self._bucket_name("S", bucket), bucket, where)
+        made = {name for op in ops for name in op.outputs}
+        for edge in self.pipeline.edges:
+            if edge.source == stage and edge.tensor in made:
+                self.send(edge, action.microbatch, where)
 
-    def buckets(self, ops: list[Op], where: dict[str, int], order) -> None:
+    def buckets(self, ops: list[Op]) -> list[list[Op]]:
         """PyTorch DDP's bucketing: consecutive collectives of one kind, up to bucket_bytes."""
-        bucket: list[Op] = []
+        buckets: list[list[Op]] = []
         size = 0
-        for op in sorted(ops, key=order):
-            if bucket and _unit(op, self.graph)[3:] != _unit(bucket[0], self.graph)[3:]:
-                self.collective(self._bucket_name("S", bucket), bucket, where)
-                bucket, size = [], 0
-            bucket.append(op)
+        for op in ops:
+            if not buckets or size >= self.bucket_bytes or _unit(op, self.graph)[3:] != _unit(buckets[-1][0], self.graph)[3:]:
+                buckets.append([])
+                size = 0
+            buckets[-1].append(op)
             size += self.ev(op.bytes)
-            if size >= self.bucket_bytes:
-                self.collective(self._bucket_name("S", bucket), bucket, where)
-                bucket, size = [], 0
-        if bucket:
-            self.collective(self._bucket_name("S", bucket), bucket, where)
+        return buckets
+
+    def _made_by(self, tensor: str) -> Op | None:
+        """The op that computes `tensor`, looking through views."""
+        op = self.graph.producer.get(tensor)
+        while op is not None and op.kind in (OpKind.SLICE, OpKind.CONSTRAIN):
+            op = self.graph.producer.get(op.inputs[0])
+        return op
+
+    def plan_gradient_buckets(self, step: list[Op], runs: dict) -> None:
+        """The step's reductions of gradients the micro-batches make go out in buckets as the
+        last backward makes them (PyTorch DDP's overlap): each bucket right after the op that
+        finishes its last gradient, in the last action that runs that op."""
+        position = {op.name: n for n, op in enumerate(self.graph.ops)}
+        run_of = {op.name: key for key, ops in runs.items() for op in ops}
+        ready = [op for op in step if op.kind is OpKind.COLLECTIVE
+                 and (made := self._made_by(op.inputs[0])) is not None and made.phase is not Phase.STEP]
+        by_run: dict[tuple, list[Op]] = {}
+        for op in sorted(ready, key=lambda op: position[self._made_by(op.inputs[0]).name]):
+            by_run.setdefault(run_of[self._made_by(op.inputs[0]).name], []).append(op)
+        for run, ops in by_run.items():
+            for bucket in self.buckets(ops):
+                last = max((self._made_by(op.inputs[0]) for op in bucket), key=lambda op: position[op.name])
+                self.flush_after.setdefault(last.name, []).append(bucket)
+                self.bucketed.update(op.name for op in bucket)
 
     def step(self, ops: list[Op], where: dict[str, int]) -> None:
-        """Gradient reductions (bucketed in the order the last micro-batch finished the
-        gradients, so they overlap its backward), the optimizer, then the gathers of the new
-        parameters (bucketed)."""
-        colls = [op for op in ops if op.kind is OpKind.COLLECTIVE]
-        finished = [op for op in colls if self.producer(op.inputs[0], where) is not None]
-        self.buckets(finished, where, order=lambda op: self.producer(op.inputs[0], where))
-        later = [op for op in colls if op not in finished]
+        """The optimizer, then the gathers of the new parameters, bucketed (the gradient
+        reductions went out during the last backward)."""
         for op in ops:
             if op.kind is not OpKind.COLLECTIVE:
                 self.op(op, "S", where)
-        self.buckets(later, where, order=lambda op: self.producer(op.inputs[0], where))
+        later = [op for op in ops if op.kind is OpKind.COLLECTIVE and op.name not in self.bucketed]
+        for bucket in self.buckets(later):
+            self.collective(self._bucket_name("S", bucket), bucket, where)
 
-    def build(self, microbatches: int) -> list[TraceNode]:
-        micro = [op for op in self.graph.ops if op.phase is not Phase.STEP]
+    def build(self) -> list[TraceNode]:
+        stages = self.pipeline.stages
+        mine = {virtual_stage(self.rank, chunk, stages.pp) for chunk in range(stages.vpp)}
+        runs = {}  # (virtual stage, action kind) -> its ops in program order
         units: dict[tuple, list[Op]] = {}
-        for op in micro:
+        step = []
+        for op in self.graph.ops:
+            stage = stages.virtual_stage(op.layer)
+            if stage not in mine:
+                continue
+            if op.phase is Phase.STEP:
+                step.append(op)
+                continue
+            kind = {Phase.FORWARD: Kind.F, Phase.BACKWARD_INPUT: Kind.B}.get(op.phase, Kind.W)
+            if not self.pipeline.split_backward and kind is Kind.W:
+                kind = Kind.B  # one autograd backward: input and weight gradients in program order
+            runs.setdefault((stage, kind), []).append(op)
             if (unit := _unit(op, self.graph)) is not None:
                 units.setdefault(unit, []).append(op)
-        where: dict[str, int] = {}
-        for mb in range(microbatches):
-            where = self.micro_batch(micro, units, mb)
-        self.step([op for op in self.graph.ops if op.phase is Phase.STEP], where)
+        self.plan_gradient_buckets(step, runs)
+        actions = self.pipeline.schedule[self.rank]
+        last = {(virtual_stage(self.rank, a.chunk, stages.pp), a.kind): n for n, a in enumerate(actions)}
+        where: dict[int, dict[str, int]] = {}
+        for n, action in enumerate(actions):
+            stage = virtual_stage(self.rank, action.chunk, stages.pp)
+            self.action(action, runs.get((stage, action.kind), []), units, where.setdefault(action.microbatch, {}),
+                        final=last[(stage, action.kind)] == n)
+        final: dict[str, int] = {}
+        for microbatch in sorted(where):
+            final.update(where[microbatch])
+        self.step(step, final)
         return self.nodes
 
 
-def lower(sharded: ShardedGraph, evaluate: Evaluator, device: DeviceSpec, *, microbatches: int,
-          bucket_bytes: int, key: tuple = ()) -> RankProgram:
-    """One rank class's program: `microbatches` forward/backward passes, then the step."""
-    builder = _ProgramBuilder(sharded, evaluate, device, bucket_bytes)
-    nodes = builder.build(microbatches)
-    return RankProgram(key, tuple(nodes), builder.stats)
+def lower(sharded: ShardedGraph, evaluate: Evaluator, device: DeviceSpec, *, pipeline: Pipeline,
+          bucket_bytes: int, rank: int = 0) -> RankProgram:
+    """The program of pipeline stage `rank`'s class: its schedule's actions, then the step."""
+    builder = _ProgramBuilder(sharded, evaluate, device, bucket_bytes, pipeline, rank)
+    nodes = builder.build()
+    return RankProgram((rank,), tuple(nodes), builder.stats)

@@ -5,8 +5,10 @@
                     accumulate unsynchronised (ZeRO-0/1), a shard once reduce-scattered (ZeRO-2/3)
   optimizer_states  fp32 master weights and Adam moments (ZeRO-1+: a flat shard)
   activations       what the backward reads of the forward: every tensor a forward op makes
-                    that a backward op consumes, in its local layout, times the micro-batches
-                    in flight (one without pipelining). Transient tensors (fused attention's
+                    that a backward op consumes, in its local layout, held from its forward
+                    until the last backward pass that reads it, at the peak of the pipeline
+                    schedule (1F1B: p - r micro-batches on stage r; GPipe: all m; one without
+                    pipelining). Transient tensors (fused attention's
                     scores) are not kept. A gathered copy is not kept either: the backward
                     gathers again (stg/sharding.py), so the saved tensor is the local shard.
   peak              their sum: the model states plus one step's saved activations (working
@@ -58,18 +60,54 @@ def stored_gradient(sharded: ShardedGraph, grad: str) -> str:
     return grad
 
 
-def memory(sharded: ShardedGraph, evaluate: Evaluator, in_flight: int = 1) -> Memory:
+def memory(sharded: ShardedGraph, evaluate: Evaluator, stages=None, actions=None, rank: int = 0) -> Memory:
+    """Memory of pipeline stage `rank` (its virtual stages under `stages`) running `actions`
+    (its schedule); without them, the whole graph and one micro-batch at a time."""
     graph = sharded.graph
-    leaves = [t for name, t in graph.tensors.items() if name not in graph.producer]
+    own = (lambda layer: True) if stages is None else (
+        lambda layer: stages.rank_and_chunk(stages.virtual_stage(layer))[0] == rank)
+    users = graph.consumers
+    leaves = [t for name, t in graph.tensors.items()
+              if name not in graph.producer and any(own(op.layer) for op in users.get(name, ()))]
     weights = sum(evaluate(t.nbytes) for t in leaves if t.role is Role.WEIGHT)
     states = sum(evaluate(t.nbytes) for t in leaves if t.role is Role.OPTIMIZER_STATE)
-    grads = {stored_gradient(sharded, op.inputs[0]) for op in graph.ops if op.kind is OpKind.OPTIMIZER}
+    grads = {stored_gradient(sharded, op.inputs[0]) for op in graph.ops if op.kind is OpKind.OPTIMIZER and own(op.layer)}
     gradients = sum(evaluate(graph.tensors[g].nbytes) for g in grads)
+    # saved tensors per block: freed after the backward's B pass, or kept until its W pass
     by_layer: Counter = Counter()
-    for name, users in graph.consumers.items():
+    until_w: Counter = Counter()
+    for name, readers in users.items():
         made_by = graph.producer.get(name)
-        if made_by is None or made_by.phase is not Phase.FORWARD:
+        if made_by is None or made_by.phase is not Phase.FORWARD or not own(made_by.layer):
             continue
-        if any(user.phase in _BACKWARD for user in users):
-            by_layer[made_by.layer] += evaluate(graph.tensors[name].memory_bytes)
-    return Memory(weights, gradients, states, in_flight * sum(by_layer.values()), dict(sorted(by_layer.items())))
+        backward = [user for user in readers if user.phase in _BACKWARD]
+        if backward:
+            size = evaluate(graph.tensors[name].memory_bytes)
+            by_layer[made_by.layer] += size
+            if any(user.phase is Phase.BACKWARD_WEIGHT for user in backward):
+                until_w[made_by.layer] += size
+    if actions is None:
+        activations = sum(by_layer.values())
+    else:
+        activations = _peak(actions, by_layer, until_w, stages)
+    return Memory(weights, gradients, states, activations, dict(sorted(by_layer.items())))
+
+
+def _peak(actions, by_layer: Counter, until_w: Counter, stages) -> int:
+    """Most bytes held while running the schedule: a forward adds its chunk's saved tensors,
+    its B pass frees those only B reads, its W pass the rest."""
+    from stg.schedule import Kind
+
+    def per_chunk(counter: Counter) -> Counter:
+        chunks: Counter = Counter()
+        for layer, size in counter.items():
+            chunks[0 if stages is None else stages.rank_and_chunk(stages.virtual_stage(layer))[1]] += size
+        return chunks
+
+    totals, lates = per_chunk(by_layer), per_chunk(until_w)
+    held = peak = 0
+    for action in actions:
+        total, late = totals[action.chunk], lates[action.chunk]
+        held += {Kind.F: total, Kind.B: -(total - late), Kind.W: -late}[action.kind]
+        peak = max(peak, held)
+    return peak

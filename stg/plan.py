@@ -43,7 +43,7 @@ class Recompute(Enum):
 
 
 # parallel degrees that later strategies bring; refused until they exist, never ignored
-_NOT_YET = {"pp": "pipeline parallelism", "ep": "expert parallelism"}
+_NOT_YET = {"ep": "expert parallelism"}
 GRAD_DTYPES = ("bf16", "fp32")
 
 
@@ -54,6 +54,9 @@ class Plan:
     pp: int = 1
     cp: int = 1
     ep: int = 1
+    vpp: int = 1  # virtual stages (model chunks) per pipeline stage, for the interleaved schedule
+    schedule: str = "1f1b"  # pipeline schedule: gpipe, 1f1b, interleaved, zb-h1
+    layers_per_stage: tuple[int, ...] | None = None  # blocks per virtual stage; default: even
     zero: int = 0
     sp: bool | None = None  # sequence parallelism; default: on when tp > 1 (as Megatron)
     recompute: Recompute = Recompute.NONE
@@ -67,18 +70,13 @@ class Plan:
     device: str = DEFAULT_DEVICE
 
     def __post_init__(self):
-        for name in ("dp", "tp", "pp", "cp", "ep", "micro_batch", "seq"):
+        for name in ("dp", "tp", "pp", "cp", "ep", "vpp", "micro_batch", "seq"):
             _positive_int(name, getattr(self, name))
         if self.global_batch is None:
             object.__setattr__(self, "global_batch", self.micro_batch * self.dp)
         _positive_int("global_batch", self.global_batch)
-        if isinstance(self.attention_flops, str):
-            try:
-                object.__setattr__(self, "attention_flops", AttentionFlops(self.attention_flops))
-            except ValueError:
-                raise PlanError(
-                    f"attention_flops: must be one of {[a.value for a in AttentionFlops]}, got {self.attention_flops!r}"
-                ) from None
+        for name, kind in (("attention_flops", AttentionFlops), ("recompute", Recompute)):
+            self._parse_enum(name, kind)
         if isinstance(self.bucket_mb, bool) or not isinstance(self.bucket_mb, (int, float)) or self.bucket_mb <= 0:
             raise PlanError(f"bucket_mb: must be a positive number of MiB, got {self.bucket_mb!r}")
         if self.device not in DEVICES:
@@ -91,13 +89,19 @@ class Plan:
             raise PlanError(f"sp and flash_attention: must be true or false, got {self.sp!r}, {self.flash_attention!r}")
         if self.sp and self.tp == 1:
             raise PlanError("sp: sequence parallelism splits the sequence over tp, so it needs tp > 1")
-        if isinstance(self.recompute, str):
-            try:
-                object.__setattr__(self, "recompute", Recompute(self.recompute))
-            except ValueError:
-                raise PlanError(
-                    f"recompute: must be one of {[r.value for r in Recompute]}, got {self.recompute!r}"
-                ) from None
+        from stg.schedule import SCHEDULES
+
+        if self.schedule not in SCHEDULES:
+            raise PlanError(f"schedule: unknown schedule {self.schedule!r}; known: {', '.join(SCHEDULES)}")
+        if self.vpp > 1 and self.schedule != "interleaved":
+            raise PlanError(f"vpp={self.vpp}: virtual stages need schedule interleaved, not {self.schedule!r}")
+        if self.layers_per_stage is not None:
+            split = self.layers_per_stage
+            if isinstance(split, (str, bytes)) or not all(isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in split):
+                raise PlanError(f"layers_per_stage: must be a list of block counts, got {split!r}")
+            object.__setattr__(self, "layers_per_stage", tuple(split))
+            if len(split) != self.pp * self.vpp:
+                raise PlanError(f"layers_per_stage: {len(split)} entries, but pp*vpp = {self.pp}*{self.vpp} = {self.pp * self.vpp} stages")
         if self.grad_dtype not in GRAD_DTYPES:
             raise PlanError(f"grad_dtype: must be one of {list(GRAD_DTYPES)}, got {self.grad_dtype!r}")
         for name, what in _NOT_YET.items():
@@ -109,6 +113,15 @@ class Plan:
                 f"global_batch={self.global_batch} is not a multiple of micro_batch*dp = "
                 f"{self.micro_batch}*{self.dp} = {per_step}"
             )
+
+    def _parse_enum(self, name: str, kind: type[Enum]) -> None:
+        value = getattr(self, name)
+        if isinstance(value, kind):
+            return
+        try:
+            object.__setattr__(self, name, kind(value))
+        except ValueError:
+            raise PlanError(f"{name}: must be one of {[m.value for m in kind]}, got {value!r}") from None
 
     @property
     def microbatches(self) -> int:
@@ -148,6 +161,8 @@ class Plan:
         data = asdict(self)
         data["attention_flops"] = self.attention_flops.value
         data["recompute"] = self.recompute.value
+        if self.layers_per_stage is not None:
+            data["layers_per_stage"] = list(self.layers_per_stage)
         return data
 
 

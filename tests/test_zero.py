@@ -63,8 +63,8 @@ def test_communication_per_step(tiny_llama, zero, psi_multiple):
 def test_zero3_gathers_each_layer_before_forward_and_backward(tiny_llama):
     workload = build(tiny_llama, Plan(dp=2, zero=3, seq=32))
     gathers = [n for n in workload.programs[0].nodes if n.collective is not None and n.collective.name == "ALL_GATHER"]
-    forward = [n for n in gathers if n.name.startswith("0F ")]
-    backward = [n for n in gathers if n.name.startswith(("0B ", "0W "))]
+    forward = [n for n in gathers if n.name.startswith("0F0 ")]
+    backward = [n for n in gathers if n.name.startswith(("0B0 ", "0W0 "))]
     units = tiny_llama["layers"] + 2  # embedding, each block, the head
     assert len(forward) == units  # one coalesced gather per FSDP unit
     assert len(backward) == units - 1  # the embedding's backward does not read the table

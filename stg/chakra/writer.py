@@ -6,7 +6,8 @@ Skeleton holds one class's whole node stream with the rank-specific fields (comm
 group ids) left as holes of known width, and `Skeleton.stamp` copies it and writes the
 rank's values into the holes with one vectorized numpy scatter per hole kind. A hole's
 width is the length of its value (a group id's decimal digits), so a class has one skeleton
-per combination of widths, usually one or two.
+per combination of widths: one, since group ids of a set share their width and rank
+numbers are written as fixed-width varints.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from typing import Mapping, Sequence
 
 import numpy as np
 
-from stg.lower import GroupHole, NodeType, TraceNode
+from stg.program import Hole, NodeType, TraceNode
 
 SCHEMA_VERSION = "0.0.4"
 
@@ -68,8 +69,29 @@ def metadata_record(version: str = SCHEMA_VERSION) -> bytes:
     return _record(_len_field(1, version.encode()))
 
 
-def _node_head(node: TraceNode, hole_width: Mapping[GroupHole, int]) -> tuple[bytes, int]:
-    """A node's body up to its one optional hole, which ends it; and the hole's width."""
+def fixed_varint(value: int, width: int) -> bytes:
+    """`value` as a varint of exactly `width` bytes (continuation bits on the padding, which
+    every protobuf parser accepts), so that every rank's rank numbers patch the same layout."""
+    assert 0 <= value < 1 << (7 * width), (value, width)
+    return bytes(((value >> (7 * i)) & 0x7F) | (0x80 if i < width - 1 else 0) for i in range(width))
+
+
+def rank_width(world: int) -> int:
+    """Bytes of a fixed-width varint that holds every rank number of a set."""
+    return max(1, ((world - 1).bit_length() + 6) // 7)
+
+
+Segment = bytes | Hole  # a node's body: static bytes and holes
+
+
+def _hole_attr(name: str, field: int, hole: Hole, width: int) -> list[Segment]:
+    head = _len_field(_ATTR_NAME, name.encode()) + _key(field, _LEN if field == _STRING else _VARINT)
+    if field == _STRING:
+        head += varint(width)
+    return [_key(_ATTR, _LEN) + varint(len(head) + width) + head, hole]
+
+
+def _node_segments(node: TraceNode, width: Mapping[Hole, int]) -> list[Segment]:
     head = _key(_ID, _VARINT) + varint(node.id) + _len_field(_NAME, node.name.encode())
     head += _key(_TYPE, _VARINT) + varint(int(node.type))
     if node.deps:
@@ -80,20 +102,22 @@ def _node_head(node: TraceNode, hole_width: Mapping[GroupHole, int]) -> tuple[by
         # ASTRA-sim's roofline divides num_ops by tensor_size and then by the result: keep both > 0
         head += _NOT_CPU + _attr("num_ops", _INT64, max(node.flops, 1))
         head += _attr("tensor_size", _UINT64, max(node.nbytes, 1)) + _attr("op_type", _STRING, node.op_type)
-        return head, 0
-    head += _NOT_CPU + _attr("comm_type", _INT64, node.collective.value) + _attr("comm_size", _INT64, node.comm_bytes)
-    width = hole_width[node.group]
-    attr_head = _len_field(_ATTR_NAME, b"pg_name") + _key(_STRING, _LEN) + varint(width)
-    head += _key(_ATTR, _LEN) + varint(len(attr_head) + width) + attr_head
-    return head, width
+        return [head]
+    head += _NOT_CPU + _attr("comm_size", _INT64, node.comm_bytes)
+    if node.type is NodeType.COMM_COLL_NODE:
+        head += _attr("comm_type", _INT64, node.collective.value)
+        return [head, *_hole_attr("pg_name", _STRING, node.group, width[node.group])]
+    head += _attr("comm_tag", _INT32, node.tag)
+    return [head, *_hole_attr("comm_src", _INT32, node.src, width[node.src]),
+            *_hole_attr("comm_dst", _INT32, node.dst, width[node.dst])]
 
 
 @dataclass(frozen=True)
 class Skeleton:
     body: np.ndarray  # uint8: every node record, holes zero-filled
-    holes: tuple[tuple[GroupHole, np.ndarray], ...]  # per hole kind: [holes, width] byte positions
+    holes: tuple[tuple[Hole, np.ndarray], ...]  # per hole kind: [holes, width] byte positions
 
-    def stamp(self, values: Mapping[GroupHole, bytes]) -> np.ndarray:
+    def stamp(self, values: Mapping[Hole, bytes]) -> np.ndarray:
         """This rank's node stream: the skeleton with its values written into the holes."""
         out = self.body.copy()
         for hole, positions in self.holes:
@@ -101,20 +125,27 @@ class Skeleton:
         return out
 
 
-def build_skeleton(nodes: Sequence[TraceNode], hole_width: Mapping[GroupHole, int]) -> Skeleton:
+def build_skeleton(nodes: Sequence[TraceNode], width: Mapping[Hole, int]) -> Skeleton:
+    """One class's node stream with every hole `width[hole]` bytes wide."""
     chunks: list[bytes] = []
-    offsets: dict[GroupHole, list[int]] = {hole: [] for hole in hole_width}
+    offsets: dict[Hole, list[int]] = {hole: [] for hole in width}
     position = 0
     for node in nodes:
-        head, width = _node_head(node, hole_width)
-        prefix = varint(len(head) + width)
-        chunks += (prefix, head, bytes(width))
-        if node.group is not None:
-            offsets[node.group].append(position + len(prefix) + len(head))
-        position += len(prefix) + len(head) + width
+        segments = _node_segments(node, width)
+        prefix = varint(sum(len(s) if isinstance(s, bytes) else width[s] for s in segments))
+        chunks.append(prefix)
+        position += len(prefix)
+        for segment in segments:
+            if isinstance(segment, bytes):
+                chunks.append(segment)
+                position += len(segment)
+            else:
+                offsets[segment].append(position)
+                chunks.append(bytes(width[segment]))
+                position += width[segment]
     body = np.frombuffer(b"".join(chunks), dtype=np.uint8)
     holes = tuple(
-        (hole, np.asarray(offs, dtype=np.int64)[:, None] + np.arange(hole_width[hole]))
+        (hole, np.asarray(offs, dtype=np.int64)[:, None] + np.arange(width[hole]))
         for hole, offs in offsets.items() if offs
     )
     return Skeleton(body, holes)

@@ -1,0 +1,87 @@
+"""Pipeline parallelism: blocks placed on stages; the schedule (stg/schedule.py) orders them.
+
+The model's blocks are split over pp * vpp virtual stages, evenly unless the plan gives
+`layers_per_stage`; the first virtual stage also holds the embedding (block 0), the last
+the output layer and loss (block L + 1). Virtual stage c * pp + r runs on pipeline rank r as
+its chunk c (Megatron's interleaving). Edges between stages become send/recv pairs when
+the rank classes are lowered (stg/lower.py).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from stg.errors import PlanError
+from stg.plan import Plan
+
+
+@dataclass(frozen=True)
+class StagePlan:
+    pp: int
+    vpp: int
+    first_block: tuple[int, ...]  # per virtual stage: its first block (1-based), then the next's
+
+    @property
+    def stages(self) -> int:
+        return self.pp * self.vpp
+
+    def virtual_stage(self, layer: int) -> int:
+        """The virtual stage that runs block `layer` (0: embedding, L + 1: head)."""
+        for stage in range(self.stages - 1, -1, -1):
+            if layer >= self.first_block[stage]:
+                return stage
+        return 0
+
+    def rank_and_chunk(self, stage: int) -> tuple[int, int]:
+        return stage % self.pp, stage // self.pp
+
+
+def stage_plan(plan: Plan, layers: int) -> StagePlan:
+    stages = plan.pp * plan.vpp
+    if plan.layers_per_stage is not None:
+        split = plan.layers_per_stage
+        if sum(split) != layers:
+            raise PlanError(f"layers_per_stage: {list(split)} sums to {sum(split)}, but the model has {layers} blocks")
+    else:
+        if layers % stages:
+            raise PlanError(
+                f"pp*vpp={stages} does not divide layers={layers}; give layers_per_stage for an uneven split"
+            )
+        split = (layers // stages,) * stages
+    first, start = [], 1
+    for count in split:
+        first.append(start)
+        start += count
+    first[0] = 0  # the embedding goes with the first stage
+    return StagePlan(plan.pp, plan.vpp, tuple(first))
+
+
+@dataclass(frozen=True)
+class Edge:
+    """A tensor made on one virtual stage and read on another: a send/recv per micro-batch."""
+
+    index: int  # deterministic: order of first use in the program; names the tag
+    tensor: str
+    source: int  # virtual stages
+    target: int
+
+
+def cut(graph, stages: StagePlan) -> list[Edge]:
+    """Every (tensor, reading stage) whose producer runs on another stage, in program order.
+    A tensor read by several ops of one stage (a block input that its forward and backward
+    both read) crosses once."""
+    from stg.graph import Phase
+
+    made_on = {}
+    edges: dict[tuple[str, int], Edge] = {}
+    for op in graph.ops:
+        if op.phase is Phase.STEP:
+            continue
+        stage = stages.virtual_stage(op.layer)
+        for name in op.inputs:
+            source = made_on.get(name)
+            if source is not None and source != stage and (name, stage) not in edges:
+                edges[(name, stage)] = Edge(len(edges), name, source, stage)
+        for name in op.outputs:
+            made_on[name] = stage
+    return list(edges.values())

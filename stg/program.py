@@ -1,0 +1,109 @@
+"""What lowering produces: one rank class's trace nodes with holes for rank-specific values.
+
+A hole stands for a value that differs between the ranks of a class: a communicator group id
+(GroupHole) or a rank number (RankHole: the rank itself, or its peer on another pipeline
+stage). stg/chakra/writer.py serializes a program once and patches the holes per rank.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+from enum import IntEnum
+from functools import cached_property
+
+from stg.graph import Phase
+from stg.redistribute import Collective
+
+
+class NodeType(IntEnum):
+    """Chakra's NodeType numbers, for the four kinds stg emits."""
+
+    COMP_NODE = 4
+    COMM_SEND_NODE = 5
+    COMM_RECV_NODE = 6
+    COMM_COLL_NODE = 7
+
+
+@dataclass(frozen=True)
+class GroupHole:
+    """Stands for 'this rank's communicator group along `axes`' until a rank is stamped."""
+
+    axes: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class RankHole:
+    """A rank number: this rank's own (stage None), or the rank at pipeline stage `stage`
+    with the same coordinates on every other mesh axis (a send/recv peer)."""
+
+    stage: int | None = None
+
+
+Hole = GroupHole | RankHole
+
+
+@dataclass(frozen=True)
+class TraceNode:
+    id: int
+    name: str
+    type: NodeType
+    deps: tuple[int, ...]
+    flops: int = 0
+    nbytes: int = 0
+    duration_us: int = 0
+    op_type: str = ""
+    collective: Collective | None = None
+    comm_bytes: int = 0
+    group: GroupHole | None = None
+    src: RankHole | None = None  # send/recv
+    dst: RankHole | None = None
+    tag: int = 0
+
+    @property
+    def holes(self) -> tuple[Hole, ...]:
+        return tuple(h for h in (self.group, self.src, self.dst) if h is not None)
+
+
+@dataclass
+class ClassStats:
+    """Per-rank totals of one rank class for one training step."""
+
+    flops_by_phase: Counter = field(default_factory=Counter)
+    compute_bytes: int = 0
+    comm_bytes: Counter = field(default_factory=Counter)  # by collective name
+    comm_count: Counter = field(default_factory=Counter)
+    send_bytes: int = 0
+    recv_bytes: int = 0
+    nodes: Counter = field(default_factory=Counter)  # by node type name
+    matmul_flops: int = 0  # einsum FLOPs of forward and backward (excludes the optimizer)
+    recompute_flops: int = 0  # forward work re-run in the backward (counted in phase B too)
+
+    def to_dict(self) -> dict:
+        fb = sum(v for k, v in self.flops_by_phase.items() if k != Phase.STEP.value)
+        return {
+            "flops": sum(self.flops_by_phase.values()),
+            "flops_forward_backward": fb,
+            "flops_optimizer": self.flops_by_phase.get(Phase.STEP.value, 0),
+            "flops_by_phase": {k: self.flops_by_phase[k] for k in sorted(self.flops_by_phase)},
+            "matmul_flops_forward_backward": self.matmul_flops,
+            "flops_recompute": self.recompute_flops,
+            "compute_bytes": self.compute_bytes,
+            "comm_bytes": dict(sorted(self.comm_bytes.items())),
+            "comm_count": dict(sorted(self.comm_count.items())),
+            "send_bytes": self.send_bytes,
+            "recv_bytes": self.recv_bytes,
+            "nodes": dict(sorted(self.nodes.items())),
+        }
+
+
+@dataclass(frozen=True)
+class RankProgram:
+    key: tuple
+    nodes: tuple[TraceNode, ...]
+    stats: ClassStats
+
+    @cached_property
+    def holes(self) -> list[Hole]:
+        found = {h for n in self.nodes for h in n.holes}
+        return sorted(found, key=lambda h: (isinstance(h, RankHole), str(h)))

@@ -1,0 +1,211 @@
+"""Pipeline schedules as data: per stage, the ordered list of actions it runs.
+
+An Action is (micro-batch, kind, chunk) and prints as `3F1`: micro-batch 3, forward, chunk 1.
+Kinds: F forward, B input-gradient backward, W weight-gradient backward. Schedules without a
+split backward run each B immediately followed by its W, and the input gradient leaves for
+the previous stage only after both (one autograd backward call); only zb-h1 sends it after B.
+A schedule is a pure function of
+(stages p, micro-batches m, chunks per stage v); `grid` prints it step by step; `simulate`
+runs it with given action costs and free communication and reports the makespan.
+
+  gpipe        all forwards, then all backwards (Huang et al. 2019)
+  1f1b         PipeDream-Flush (Narayanan et al. 2019): stage r warms up with p - r - 1
+               forwards, then alternates one forward and one backward, then drains
+  interleaved  Megatron-LM's interleaved 1F1B (Narayanan et al. 2021): v chunks per stage,
+               micro-batches in groups of p per chunk, warm-up 2(p - r - 1) + (v - 1)p
+  zb-h1        Qi et al. 2024, ZB-H1: 1F1B with the backward split; stage r defers its W
+               passes by r micro-batches, so every stage holds p micro-batches in flight (the
+               first stage's count under 1F1B) and the W passes fill the drain's bubbles
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from enum import Enum
+from typing import Callable
+
+from stg.errors import PlanError
+
+
+class Kind(Enum):
+    F = "F"
+    B = "B"
+    W = "W"
+
+
+@dataclass(frozen=True)
+class Action:
+    microbatch: int
+    kind: Kind
+    chunk: int = 0
+
+    def __str__(self) -> str:
+        return f"{self.microbatch}{self.kind.value}{self.chunk}"
+
+    @classmethod
+    def parse(cls, text: str) -> "Action":
+        match = re.fullmatch(r"(\d+)([FBW])(\d+)", text)
+        if not match:
+            raise ValueError(f"not an action: {text!r} (expected e.g. 3F1)")
+        return cls(int(match[1]), Kind(match[2]), int(match[3]))
+
+
+Schedule = list[list[Action]]  # per stage
+
+
+def _backward(mb: int, chunk: int = 0) -> list[Action]:
+    return [Action(mb, Kind.B, chunk), Action(mb, Kind.W, chunk)]
+
+
+def gpipe(p: int, m: int, v: int = 1) -> Schedule:
+    return [[Action(i, Kind.F) for i in range(m)] + [a for i in range(m) for a in _backward(i)] for _ in range(p)]
+
+
+def one_f_one_b(p: int, m: int, v: int = 1) -> Schedule:
+    stages = []
+    for rank in range(p):
+        warmup = min(p - rank - 1, m)
+        actions = [Action(i, Kind.F) for i in range(warmup)]
+        for i in range(m - warmup):
+            actions += [Action(warmup + i, Kind.F), *_backward(i)]
+        for i in range(m - warmup, m):
+            actions += _backward(i)
+        stages.append(actions)
+    return stages
+
+
+def zb_h1(p: int, m: int, v: int = 1) -> Schedule:
+    stages = []
+    for rank in range(p):
+        warmup = min(p - rank - 1, m)
+        actions = [Action(i, Kind.F) for i in range(warmup)]
+        deferred = 0  # weight passes run so far
+        for i in range(m):
+            if warmup + i < m:
+                actions.append(Action(warmup + i, Kind.F))
+            actions.append(Action(i, Kind.B))
+            if i - deferred >= rank:  # keep `rank` weight passes pending
+                actions.append(Action(deferred, Kind.W))
+                deferred += 1
+        actions += [Action(i, Kind.W) for i in range(deferred, m)]
+        stages.append(actions)
+    return stages
+
+
+def interleaved(p: int, m: int, v: int) -> Schedule:
+    """Megatron's order: virtual micro-batch k runs chunk (k mod pv) div p (counted from the
+    last chunk for backwards) of micro-batch (k div pv) p + k mod p."""
+    if m % p:
+        raise PlanError(f"microbatches={m} must be a multiple of pp={p} for the interleaved schedule")
+    total = m * v
+
+    def action(k: int, kind: Kind) -> Action:
+        chunk = (k % (p * v)) // p
+        return Action((k // (p * v)) * p + k % p, kind, chunk if kind is Kind.F else v - 1 - chunk)
+
+    stages = []
+    for rank in range(p):
+        warmup = total if m == p else min((p - rank - 1) * 2 + (v - 1) * p, total)
+        actions = [action(k, Kind.F) for k in range(warmup)]
+        for k in range(total - warmup):
+            back = action(k, Kind.B)
+            actions += [action(warmup + k, Kind.F), back, Action(back.microbatch, Kind.W, back.chunk)]
+        for k in range(total - warmup, total):
+            back = action(k, Kind.B)
+            actions += [back, Action(back.microbatch, Kind.W, back.chunk)]
+        stages.append(actions)
+    return stages
+
+
+SCHEDULES: dict[str, Callable[[int, int, int], Schedule]] = {
+    "gpipe": gpipe,
+    "1f1b": one_f_one_b,
+    "interleaved": interleaved,
+    "zb-h1": zb_h1,
+}
+SPLIT_BACKWARD = {"zb-h1"}  # schedules whose B sends the input gradient before W runs
+
+
+def make_schedule(name: str, p: int, m: int, v: int = 1) -> Schedule:
+    if name not in SCHEDULES:
+        raise PlanError(f"schedule: unknown schedule {name!r}; known: {', '.join(SCHEDULES)}")
+    if v > 1 and name != "interleaved":
+        raise PlanError(f"vpp={v}: virtual stages need the interleaved schedule, not {name!r}")
+    schedule = SCHEDULES[name](p, m, v)
+    check(schedule, p, m, v)
+    return schedule
+
+
+def check(schedule: Schedule, p: int, m: int, v: int) -> None:
+    """Every stage runs every (micro-batch, kind, chunk) once, F before B before W."""
+    for rank, actions in enumerate(schedule):
+        assert len(actions) == len(set(actions)) == 3 * m * v, rank
+        assert set(actions) == {Action(i, k, c) for i in range(m) for k in Kind for c in range(v)}, rank
+        seen = {a: n for n, a in enumerate(actions)}
+        for a in actions:
+            if a.kind is not Kind.F:
+                before = Kind.F if a.kind is Kind.B else Kind.B
+                assert seen[Action(a.microbatch, before, a.chunk)] < seen[a], (rank, a)
+
+
+def virtual_stage(rank: int, chunk: int, p: int) -> int:
+    """Chunk c of stage r holds the model's (c p + r)-th slice (Megatron's interleaving)."""
+    return chunk * p + rank
+
+
+def simulate(schedule: Schedule, cost: Callable[[Action], float], v: int = 1,
+             split_backward: bool = False) -> tuple[float, list[float]]:
+    """Run every stage's list in order with free communication: F of a slice waits for F of the
+    slice before it, B for the backward of the slice after it (its B if the backward is split,
+    else its W), W for B of its own. Returns the makespan and each stage's busy time."""
+    upstream = "B" if split_backward else "W"
+    p = len(schedule)
+    last = p * v - 1
+    done: dict[tuple, float] = {}
+    position = [0] * p
+    clock = [0.0] * p
+    busy = [0.0] * p
+    progress = True
+    while progress:
+        progress = False
+        for rank in range(p):
+            while position[rank] < len(schedule[rank]):
+                a = schedule[rank][position[rank]]
+                vs = virtual_stage(rank, a.chunk, p)
+                if a.kind is Kind.F:
+                    need = [("F", a.microbatch, vs - 1)] if vs > 0 else []
+                elif a.kind is Kind.B:
+                    need = [("F", a.microbatch, vs)] + ([(upstream, a.microbatch, vs + 1)] if vs < last else [])
+                else:
+                    need = [("B", a.microbatch, vs)]
+                if any(n not in done for n in need):
+                    break
+                start = max([clock[rank], *(done[n] for n in need)])
+                clock[rank] = start + cost(a)
+                busy[rank] += cost(a)
+                done[(a.kind.value, a.microbatch, vs)] = clock[rank]
+                position[rank] += 1
+                progress = True
+    if any(position[r] < len(schedule[r]) for r in range(p)):
+        stuck = {r: str(schedule[r][position[r]]) for r in range(p) if position[r] < len(schedule[r])}
+        raise AssertionError(f"schedule deadlocks: stages wait at {stuck}")
+    return max(clock), busy
+
+
+def peak_in_flight(actions: list[Action]) -> int:
+    """Most micro-batch chunks whose activations a stage holds at once: from a forward until
+    its weight-gradient pass (the last that reads them)."""
+    held = peak = 0
+    for a in actions:
+        held += {Kind.F: 1, Kind.B: 0, Kind.W: -1}[a.kind]
+        peak = max(peak, held)
+    return peak
+
+
+def grid(schedule: Schedule) -> str:
+    """One row per stage, one column per step, the way pipeline papers draw schedules."""
+    width = max(len(str(a)) for actions in schedule for a in actions)
+    return "\n".join(
+        f"stage {rank:>2}: " + " ".join(f"{str(a):>{width}}" for a in actions) for rank, actions in enumerate(schedule)
+    )
