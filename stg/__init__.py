@@ -19,6 +19,7 @@ _EXPORTS = {
     "Workload": "stg.api",
     "build": "stg.api",
     "generate": "stg.api",
+    "count": "stg.api",
 }
 __all__ = [*_EXPORTS, "__version__"]
 

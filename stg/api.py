@@ -20,7 +20,7 @@ from model_zoo import Model, load_model
 from parallelism import sharding_spec
 from stg.autodiff import training_graph
 from stg.device import device_spec
-from stg.emit import Progress, write_trace_set
+from stg.emit import Progress, count_trace_set, write_trace_set
 from stg.errors import PlanError
 from stg.groups import GroupIds
 from stg.graph import DType
@@ -168,9 +168,26 @@ def generate(
     plan: Plan | Mapping,
     out: str | Path,
     progress: Progress | None = None,
+    *,
+    ranks: range | None = None,
+    workers: int = 1,
 ) -> dict:
-    """Write OUT/workload.<rank>.et, OUT/workload.json and OUT/summary.json; return the summary."""
+    """Write OUT/workload.<rank>.et (for `ranks`, default all), OUT/workload.json and
+    OUT/summary.json, stamping with `workers` processes; return the summary."""
     workload = build(model, plan)
     summary = workload.summary()
-    write_trace_set(Path(out), workload, summary, progress)
+    write_trace_set(Path(out), workload, summary, progress, ranks=_check_ranks(ranks, workload), workers=workers)
     return summary
+
+
+def count(model: Model | str | Path | Mapping, plan: Plan | Mapping) -> dict:
+    """Everything but the writing: the bytes and nodes a full set would have, with the summary."""
+    workload = build(model, plan)
+    return {**count_trace_set(workload), "summary": workload.summary()}
+
+
+def _check_ranks(ranks: range | None, workload: Workload) -> range | None:
+    world = workload.mesh.size
+    if ranks is not None and not (0 <= ranks.start < ranks.stop <= world and ranks.step == 1):
+        raise PlanError(f"ranks: {ranks.start}:{ranks.stop} is not a non-empty range within 0:{world}")
+    return ranks

@@ -17,7 +17,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from stg.errors import StgError
+from stg.errors import PlanError, StgError
 
 app = typer.Typer(
     help="Synthesize per-rank Chakra execution traces of distributed training from a model description.",
@@ -88,9 +88,17 @@ def generate(
     attention_flops: Optional[str] = typer.Option(None, help="Count causal attention's score matrices as 'causal' (the unmasked half, as FlashAttention runs and Megatron-LM counts) or 'full' (the whole square, as PyTorch's FlopCounterMode). [default: causal]"),
     bucket_mb: Optional[float] = typer.Option(None, help="Gradient bucket size in MiB for the data-parallel all-reduce. [default: 25, PyTorch DDP's]"),
     device: Optional[str] = typer.Option(None, help="Device spec for compute durations: h100, h200, a100, b200, mi300x. [default: h100]"),
+    workers: Optional[int] = typer.Option(None, help="Processes that stamp rank files. [default: all cores]"),
+    ranks: Optional[str] = typer.Option(None, help="Write only ranks A:B (A included, B excluded) into OUT, each file byte-identical to a full run's; workload.json and summary.json are written too, the same for every range. Split a large set over machines this way."),
+    count_only: bool = typer.Option(False, "--count-only", help="Do everything but write: print the bytes and nodes a full set would have (JSON)."),
+    executor: str = typer.Option("local", help="Where ranks are written: local (processes on this machine) or dask (a Dask cluster; pip install 'stg[dask]')."),
+    scheduler: Optional[str] = typer.Option(None, help="With --executor dask: the scheduler address, e.g. tcp://HOST:8786; without it a LocalCluster starts. Workers must share OUT's storage."),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress bar and no summary line."),
 ):
     """Write OUT/workload.<rank>.et for every rank, OUT/workload.json (communicator groups) and OUT/summary.json."""
+    import os
+
+    from stg.api import count
     from stg.api import generate as run
     from stg.plan import Plan
 
@@ -103,8 +111,23 @@ def generate(
             given["layers_per_stage"] = _int_list("layers_per_stage", layers_per_stage)
         overrides = {k: v for k, v in given.items() if v is not None}
         plan = Plan.from_yaml(plan_file, overrides) if plan_file else Plan.from_dict(overrides)
+        if count_only:
+            counted = count(model, plan)
+            counted.pop("summary")
+            typer.echo(json.dumps(counted, indent=1))
+            return
+        span = _rank_range(ranks) if ranks else None
+        if executor not in ("local", "dask"):
+            raise PlanError(f"executor: must be local or dask, got {executor!r}")
         with _progress("writing ranks", quiet) as progress:
-            summary = run(model, plan, out, progress)
+            if executor == "dask":
+                from model_zoo import load_model
+                from stg.distributed import generate_on_dask
+
+                summary = generate_on_dask(load_model(model), plan, out, scheduler=scheduler, ranks=span,
+                                           progress=progress)
+            else:
+                summary = run(model, plan, out, progress, ranks=span, workers=workers or os.cpu_count() or 1)
     if not quiet:
         totals = summary["totals"]
         err.print(
@@ -113,12 +136,18 @@ def generate(
         )
 
 
+def _rank_range(text: str) -> range:
+    try:
+        start, stop = (int(part) for part in text.split(":"))
+    except ValueError:
+        raise PlanError(f"ranks: expected A:B (e.g. 0:1024), got {text!r}") from None
+    return range(start, stop)
+
+
 def _int_list(name: str, text: str) -> list[int]:
     try:
         return [int(part) for part in text.split(",")]
     except ValueError:
-        from stg.errors import PlanError
-
         raise PlanError(f"{name}: expected comma-separated integers, got {text!r}") from None
 
 
@@ -131,7 +160,6 @@ def show_schedule(
 ):
     """Print a pipeline schedule as a step-by-stage grid of actions (3F1: micro-batch 3,
     forward, chunk 1; B input gradient; W weight gradient), its unit-cost makespan and bubble."""
-    from stg.errors import PlanError
     from stg.schedule import SPLIT_BACKWARD, grid, make_schedule, simulate
 
     with _user_errors():

@@ -62,34 +62,131 @@ def write_groups(path: Path, group_ids: GroupIds) -> None:
         f.write("\n}\n")
 
 
-def write_trace_set(out: Path, workload, summary: Mapping, progress: Progress | None = None) -> None:
-    """`workload` (stg.api.Workload) gives the class programs, each rank's class and the
-    values that stamp it."""
+class Stamper:
+    """Each rank's file from its class skeleton: one skeleton per class, built on first use
+    (every rank of a class has holes of the same widths, so one layout serves them all)."""
+
+    def __init__(self, workload):
+        self.workload = workload
+        self.header = metadata_record()
+        self.skeletons: dict[int, Skeleton] = {}
+
+    def skeleton(self, cls: int, values: Mapping) -> Skeleton:
+        if cls not in self.skeletons:
+            program = self.workload.programs[cls]
+            self.skeletons[cls] = build_skeleton(program.nodes, {h: len(v) for h, v in values.items()})
+        return self.skeletons[cls]
+
+    def rank_bytes(self, rank: int):
+        cls = self.workload.class_of(rank)
+        values = self.workload.hole_values(rank, self.workload.programs[cls].holes)
+        return self.skeleton(cls, values).stamp(values)
+
+    def write(self, folder: Path, ranks: range) -> int:
+        for rank in ranks:
+            _write_atomic(folder / f"workload.{rank}.et", self.header, self.rank_bytes(rank).data)
+        return len(ranks)
+
+    def size(self, cls: int, rank: int) -> int:
+        """Bytes of one file of class `cls` (`rank` is one of its ranks)."""
+        values = self.workload.hole_values(rank, self.workload.programs[cls].holes)
+        return len(self.header) + len(self.skeleton(cls, values).body)
+
+
+def _write_atomic(path: Path, *chunks) -> None:
+    partial = path.with_name(f".{path.name}.partial")
+    with open(partial, "wb") as f:
+        for chunk in chunks:
+            f.write(chunk)
+    partial.replace(path)
+
+
+_FORKED: Stamper | None = None  # the parent's stamper, inherited by forked workers
+
+
+def _write_chunk(job: tuple[str, int, int]) -> int:
+    folder, start, stop = job
+    return _FORKED.write(Path(folder), range(start, stop))
+
+
+def _chunks(ranks: range, pieces: int) -> list[range]:
+    size = max(1, -(-len(ranks) // pieces))
+    return [range(start, min(start + size, ranks.stop)) for start in range(ranks.start, ranks.stop, size)]
+
+
+def write_trace_set(out: Path, workload, summary: Mapping, progress: Progress | None = None, *,
+                    ranks: range | None = None, workers: int = 1) -> None:
+    """Write `workload` (stg.api.Workload) to OUT: workload.json, summary.json and the rank
+    files of `ranks` (default all). A full set goes to a temporary directory renamed into
+    place; a range (`--ranks A:B`, to split a set over machines) is written file by file,
+    each atomically, into OUT, and its files equal those of a full run byte for byte.
+    `workers` > 1 stamps ranks in that many forked processes."""
+    global _FORKED
     out = Path(out)
-    tmp = _prepare(out)
     world = workload.mesh.size
+    ranks = range(world) if ranks is None else ranks
+    whole = ranks == range(world)
+    folder = _prepare(out) if whole else _prepare_range(out)
+    stamper = Stamper(workload)
     try:
-        write_groups(tmp / "workload.json", workload.group_ids)
-        write_json(tmp / "summary.json", summary)
-        header = metadata_record()
-        skeletons: dict[tuple[int, tuple[int, ...]], Skeleton] = {}
-        for rank in range(world):
-            cls = workload.class_of(rank)
-            program = workload.programs[cls]
-            values = workload.hole_values(rank, program.holes)
-            widths = tuple(len(v) for v in values.values())
-            key = (cls, widths)
-            if key not in skeletons:
-                skeletons[key] = build_skeleton(program.nodes, {h: len(v) for h, v in values.items()})
-            with open(tmp / f"workload.{rank}.et", "wb") as f:
-                f.write(header)
-                f.write(skeletons[key].stamp(values).data)
-            if progress:
-                progress(rank + 1, world)
-        _commit(tmp, out)
+        write_groups(folder / "workload.json", workload.group_ids)
+        write_json(folder / "summary.json", summary)
+        stride = workload.mesh.stride("pp")  # pp is the slowest axis: a class is a block of ranks
+        for cls in range(len(workload.programs)):
+            first = max(ranks.start, cls * stride)
+            if first < min(ranks.stop, (cls + 1) * stride):
+                stamper.rank_bytes(first)  # build skeletons before forking: children share them
+        done = 0
+        jobs = [(str(folder), c.start, c.stop) for c in _chunks(ranks, max(1, workers) * 8)]
+        if workers > 1 and len(jobs) > 1:
+            import multiprocessing
+
+            _FORKED = stamper
+            with multiprocessing.get_context("fork").Pool(workers) as pool:
+                for count in pool.imap(_write_chunk, jobs):
+                    done += count
+                    if progress:
+                        progress(done, len(ranks))
+            _FORKED = None
+        else:
+            for job in jobs:
+                done += stamper.write(Path(job[0]), range(job[1], job[2]))
+                if progress:
+                    progress(done, len(ranks))
+        if whole:
+            _commit(folder, out)
     except OSError as err:
-        shutil.rmtree(tmp, ignore_errors=True)
+        if whole:
+            shutil.rmtree(folder, ignore_errors=True)
         raise OutputError(f"output {out}: write failed ({err.strerror})") from None
     except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
+        if whole:
+            shutil.rmtree(folder, ignore_errors=True)
         raise
+
+
+def _prepare_range(out: Path) -> Path:
+    if out.exists() and not out.is_dir():
+        raise OutputError(f"output {out}: exists and is not a directory")
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise OutputError(f"output {out}: cannot write there ({err.strerror})") from None
+    return out
+
+
+def count_trace_set(workload) -> dict:
+    """What a full write would produce, without writing: bytes and nodes, per class and in all."""
+    stamper = Stamper(workload)
+    stride = workload.mesh.stride("pp")  # the ranks of class c are c*stride .. (c+1)*stride - 1
+    classes = [
+        {"class": cls, "ranks": stride, "bytes_per_rank": stamper.size(cls, cls * stride),
+         "nodes_per_rank": len(program.nodes)}
+        for cls, program in enumerate(workload.programs)
+    ]
+    return {
+        "ranks": workload.mesh.size,
+        "bytes": sum(c["ranks"] * c["bytes_per_rank"] for c in classes),
+        "nodes": sum(c["ranks"] * c["nodes_per_rank"] for c in classes),
+        "classes": classes,
+    }

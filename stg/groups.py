@@ -1,36 +1,48 @@
 """Communicator group ids: pure arithmetic on the mesh, never a scan over ranks.
 
-Groups of one kind (the mesh axes they span) get consecutive ordinals; kinds follow one
-another in a fixed order. Ordinals map to ids that skip every multiple of 500: ASTRA-sim
-pairs collectives by group id modulo 500, and an id that is a multiple of 500 aliases the
-all-ranks group (../shared/reference/chakra-astrasim.md). All ids of a set have the same
-number of decimal digits, so every rank of a class patches the same byte layout.
+ASTRA-sim pairs collectives by group id modulo 500: two groups that share two or more ranks
+must not have ids congruent modulo 500, and an id that is a multiple of 500 aliases the
+all-ranks group (../shared/reference/chakra-astrasim.md; measured on its analytical backend).
+
+Groups of one kind (the mesh axes they span) are disjoint, so only groups of different kinds
+can collide. Small sets (at most 499 groups) take consecutive ids, whose residues are all
+different. Larger sets give every kind its own block of residues: group i of a kind whose
+block starts at residue lo and holds s residues gets
+
+    id = base + 500 * (i div s) + lo + (i mod s)
+
+so groups of different kinds never share a residue. `base` is a multiple of 500 chosen so
+that every id of the set has the same number of digits: every rank of a class then patches
+the same byte layout.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Iterable, Iterator
 
 from stg.mesh import DeviceMesh
 
+MODULUS = 500
+
 
 def ordinal_to_id(ordinal: int) -> int:
     """The ordinal-th positive integer that is not a multiple of 500."""
-    return ordinal + 1 + ordinal // 499
+    return ordinal + 1 + ordinal // (MODULUS - 1)
 
 
 def id_to_ordinal(gid: int) -> int:
-    return gid - 1 - gid // 500
+    return gid - 1 - gid // MODULUS
 
 
 def first_ordinal(count: int) -> int:
-    """Where to start so that `count` ids all have as many digits as the largest needs."""
+    """Where to start so that `count` consecutive ids all have the same number of digits."""
     digits = 1
     while True:
         lowest = 10 ** (digits - 1)
-        first = id_to_ordinal(lowest + (lowest % 500 == 0))  # 1000, 10000, ... are skipped
+        first = id_to_ordinal(lowest + (lowest % MODULUS == 0))  # 1000, 10000, ... are skipped
         if id_to_ordinal(10**digits - 1) - first + 1 >= count:
             return first
         digits += 1
@@ -47,24 +59,52 @@ class GroupIds:
         canonical = sorted(set(kinds), key=lambda axes: (len(axes), [order.index(a) for a in axes]))
         return cls(mesh, tuple(canonical))
 
+    def groups_of(self, kind: tuple[str, ...]) -> int:
+        return self.mesh.size // math.prod(self.mesh.sizes[a] for a in kind)
+
     @property
     def count(self) -> int:
-        return sum(self.mesh.size // math.prod(self.mesh.sizes[a] for a in kind) for kind in self.kinds)
+        return sum(self.groups_of(kind) for kind in self.kinds)
 
-    def _base(self, kind: tuple[str, ...]) -> int:
-        base = first_ordinal(self.count)
-        for other in self.kinds:
-            if other == kind:
-                return base
-            base += self.mesh.size // math.prod(self.mesh.sizes[a] for a in other)
-        raise KeyError(kind)
+    @cached_property
+    def _layout(self) -> tuple[dict, dict, int]:
+        """(first ordinal per kind) for small sets, or (residue block per kind, base)."""
+        if self.count < MODULUS:
+            start, ordinals = first_ordinal(self.count), {}
+            for kind in self.kinds:
+                ordinals[kind] = start
+                start += self.groups_of(kind)
+            return ordinals, {}, 0
+        share = (MODULUS - 1) // len(self.kinds)
+        blocks = {kind: (1 + n * share, share) for n, kind in enumerate(self.kinds)}
+        top = max(MODULUS * ((self.groups_of(k) - 1) // s) + lo + s - 1 for k, (lo, s) in blocks.items())
+        digits = len(str(top))
+        while True:  # the smallest multiple of 500 that gives every id `digits` digits
+            base = -(-(10 ** (digits - 1)) // MODULUS) * MODULUS
+            if base + top < 10**digits:
+                return {}, blocks, base
+            digits += 1
+
+    def id_of(self, kind: tuple[str, ...], index: int) -> int:
+        ordinals, blocks, base = self._layout
+        if ordinals:
+            return ordinal_to_id(ordinals[kind] + index)
+        lo, share = blocks[kind]
+        return base + MODULUS * (index // share) + lo + index % share
 
     def id(self, rank: int, kind: tuple[str, ...]) -> int:
-        return ordinal_to_id(self._base(kind) + self.mesh.group_index(rank, kind))
+        return self.id_of(kind, self.mesh.group_index(rank, kind))
+
+    def residues(self, kind: tuple[str, ...]) -> set[int]:
+        """Every residue modulo 500 that the kind's ids take (arithmetic, no groups built)."""
+        ordinals, blocks, _ = self._layout
+        if ordinals:
+            return {ordinal_to_id(ordinals[kind] + i) % MODULUS for i in range(self.groups_of(kind))}
+        lo, share = blocks[kind]
+        return set(range(lo, lo + min(share, self.groups_of(kind))))
 
     def table(self) -> Iterator[tuple[int, list[int]]]:
-        """(id, members) of every group, in id order: the content of workload.json."""
+        """(id, members) of every group: the content of workload.json."""
         for kind in self.kinds:
-            base = self._base(kind)
             for index, members in enumerate(self.mesh.groups(kind)):
-                yield ordinal_to_id(base + index), members
+                yield self.id_of(kind, index), members

@@ -111,6 +111,7 @@ class _ProgramBuilder:
         self.rank = rank  # the class's pipeline stage
         self.nodes: list[TraceNode] = []
         self.last_compute: int | None = None
+        self.carry = 0.0  # rounding error of the durations so far, in microseconds
         self.last_comm: int | None = None  # the rank's previous collective or send
         self.alias: dict[str, str] = {}  # a view (slice, anchor) -> the tensor it views
         self.prefetch: dict[Phase, int | None] = {}  # compute running when the last unit gather went out
@@ -134,11 +135,16 @@ class _ProgramBuilder:
 
     def compute(self, op: Op, label: str, where: dict[str, int]) -> None:
         flops, nbytes = self.ev(op.flops), self.ev(op.bytes)
+        # whole microseconds, with the rounding error carried to the next node so that a long
+        # chain of sub-microsecond ops keeps its total (ASTRA-sim replays 0 as 1 ns)
+        exact = self.device.duration_us(flops, nbytes) + self.carry
+        duration = max(0, round(exact))
+        self.carry = exact - duration
         deps = [self.last_compute] if self.last_compute is not None else []
         deps += sorted({p for i in op.inputs if self._is_comm(p := self.producer(i, where))})
         node = self._add(
             name=f"{label} {op.name}", type=NodeType.COMP_NODE, deps=tuple(deps), flops=flops, nbytes=nbytes,
-            duration_us=round(self.device.duration_us(flops, nbytes)), op_type=op.label(),
+            duration_us=duration, op_type=op.label(),
         )
         self.last_compute = node
         for out in op.outputs:

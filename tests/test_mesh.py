@@ -1,3 +1,5 @@
+import math
+
 import pytest
 
 from stg.errors import LayoutError
@@ -72,3 +74,49 @@ def test_group_ids_of_a_set_have_one_width(count):
     ids = [ordinal_to_id(first + i) for i in (0, count // 2, count - 1)]
     assert len({len(str(i)) for i in ids}) == 1
     assert all(i % 500 for i in ids) and ids[0] >= 1
+
+
+def _share_two_ranks(mesh, a, b) -> bool:
+    """Groups of kinds a and b can share two ranks iff the kinds span a common axis of size > 1."""
+    return any(mesh.sizes[axis] > 1 for axis in set(a) & set(b))
+
+
+def test_group_ids_keep_overlapping_groups_apart_modulo_500():
+    """Property check over random meshes up to 1M ranks, arithmetically: kinds whose groups
+    can share two ranks never share a residue; no id is a multiple of 500; ids are unique."""
+    import itertools
+    import random
+
+    from stg.groups import MODULUS
+
+    rng = random.Random(7)
+    axes = ("pp", "dp", "ep", "cp", "tp")
+    for _ in range(200):
+        sizes = {axis: rng.choice([1, 2, 4, 8, 16, 32, 64, 128, 256, 1024]) for axis in axes}
+        while math.prod(sizes.values()) > 1 << 20:
+            sizes[rng.choice(axes)] = 1
+        mesh = DeviceMesh.standard(**sizes)
+        live = [a for a in axes if sizes[a] > 1]
+        kinds = [k for r in (1, 2) for k in itertools.combinations(live, r)]
+        if not kinds:
+            continue
+        ids = GroupIds.for_kinds(mesh, rng.sample(kinds, rng.randint(1, len(kinds))))
+        for a, b in itertools.combinations(ids.kinds, 2):
+            if _share_two_ranks(mesh, a, b):
+                assert not ids.residues(a) & ids.residues(b), (sizes, a, b)
+        for kind in ids.kinds:
+            n = ids.groups_of(kind)
+            sample = {0, n - 1, n // 2, rng.randrange(n)}
+            values = [ids.id_of(kind, i) for i in sample]
+            assert all(v % MODULUS for v in values)
+            assert len({len(str(v)) for v in values}) == 1
+        firsts = [ids.id_of(k, 0) for k in ids.kinds] + [ids.id_of(k, ids.groups_of(k) - 1) for k in ids.kinds]
+        assert len({len(str(v)) for v in firsts}) == 1
+
+
+def test_group_ids_are_unique_on_a_materialised_mesh():
+    mesh = DeviceMesh.standard(dp=64, cp=2, tp=8)
+    ids = GroupIds.for_kinds(mesh, [("tp",), ("dp", "cp"), ("cp",), ("dp",)])
+    table = dict(ids.table())
+    assert len(table) == ids.count > 499
+    assert all(gid % 500 for gid in table)

@@ -70,13 +70,13 @@ def test_group_file_keys_are_integers_from_one_with_no_single_rank_group(trace_s
 
 
 def test_compute_durations_follow_the_roofline(trace_set):
-    from stg.device import DEVICES
-
-    h100 = DEVICES["h100"]
+    """H100 SXM: 989.4 dense bf16 TFLOP/s, 3.35 TB/s. Whole microseconds whose rounding error
+    is carried along the rank's chain: every running total stays within half a microsecond."""
+    exact = rounded = 0.0
     for node in iter_nodes(trace_set / "workload.1.et"):
         if node.type == pb.COMP_NODE:
             attrs = {a.name: a for a in node.attr}
             flops, nbytes = attrs["num_ops"].int64_val, attrs["tensor_size"].uint64_val
-            expected = max(flops / 989.4e12, nbytes / 3.35e12) * 1e6
-            assert abs(node.duration_micros - expected) <= 0.5 + 1e-9
-            assert h100.peak_tflops == 989.4
+            exact += max(flops / 989.4e12, nbytes / 3.35e12) * 1e6
+            rounded += node.duration_micros
+            assert abs(rounded - exact) <= 0.5 + 1e-6

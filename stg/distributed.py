@@ -1,0 +1,63 @@
+"""Writing a trace set on a Dask cluster, for sets beyond one machine's disk or cores.
+
+The client builds the workload once (to check the inputs and write workload.json and
+summary.json); each task rebuilds it from the model description and plan -- deterministic,
+and seconds of work, instead of shipping the rank-class programs -- and writes its range of
+rank files into the output folder, which must be storage the workers share. A full set is
+written into a temporary folder beside OUT and renamed into place when every task is done.
+Install with `pip install stg[dask]`.
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+from model_zoo import Model
+from stg.api import _check_ranks, build
+from stg.emit import Progress, Stamper, _chunks, _commit, _prepare, _prepare_range, write_groups, write_json
+from stg.errors import StgError
+from stg.plan import Plan
+
+
+def _write_range(config, source: str, plan: Plan, folder: str, start: int, stop: int) -> int:
+    workload = build(Model(config, source), plan)
+    return Stamper(workload).write(Path(folder), range(start, stop))
+
+
+def generate_on_dask(model: Model, plan: Plan, out: Path, *, scheduler: str | None = None,
+                     ranks: range | None = None, tasks: int | None = None,
+                     progress: Progress | None = None) -> dict:
+    try:
+        from dask.distributed import Client, LocalCluster, as_completed
+    except ImportError:
+        raise StgError("executor dask: dask.distributed is not installed (pip install 'stg[dask]')") from None
+    workload = build(model, plan)
+    summary = workload.summary()
+    world = workload.mesh.size
+    ranks = _check_ranks(ranks, workload) or range(world)
+    whole = ranks == range(world)
+    out = Path(out)
+    folder = _prepare(out) if whole else _prepare_range(out)
+    try:
+        write_groups(folder / "workload.json", workload.group_ids)
+        write_json(folder / "summary.json", summary)
+        cluster = None if scheduler else LocalCluster(n_workers=2, threads_per_worker=1, processes=True)
+        with Client(scheduler or cluster) as client:
+            pieces = tasks or max(1, 4 * len(client.scheduler_info()["workers"]))
+            futures = [client.submit(_write_range, model.config, model.source, plan, str(folder), r.start, r.stop,
+                                     pure=False) for r in _chunks(ranks, pieces)]
+            done = 0
+            for future in as_completed(futures):
+                done += future.result()
+                if progress:
+                    progress(done, len(ranks))
+        if cluster is not None:
+            cluster.close()
+        if whole:
+            _commit(folder, out)
+    except BaseException:
+        if whole:
+            shutil.rmtree(folder, ignore_errors=True)
+        raise
+    return summary
