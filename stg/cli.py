@@ -218,9 +218,10 @@ def summary(
 def validate(
     out: Path = typer.Argument(..., help="A trace set directory written by `stg generate`."),
     replay: bool = typer.Option(True, help="Also replay all ranks together to prove the set runs to completion."),
+    timed: Optional[str] = typer.Option(None, help="Then replay with time: compute nodes take their duration_micros, communication is 'free' or 'alpha-beta'; prints each rank's busy and idle time and the makespan (the pipeline bubble is the idle time under free communication)."),
+    as_json: bool = typer.Option(False, "--json", help="With --timed: print the timing as JSON."),
 ):
-    """Check a trace set: per-rank structure and attribute types, identical collective sequences
-    within every group, every send matched by a receive, and (replay) no deadlock."""
+    """Check a trace set: per-rank structure and attribute types, identical collective sequences within every group, every send matched by a receive, and (replay) no deadlock; --timed also measures busy and idle time per rank."""
     from stg.chakra.validate import validate as check
 
     if not (out / "workload.json").is_file():
@@ -237,6 +238,15 @@ def validate(
         raise typer.Exit(1)
     ranks = len(list(out.glob("workload.*.et")))
     typer.echo(f"ok: {ranks} ranks in {out} are consistent" + (" and replay to completion" if replay else ""))
+    if timed is not None:
+        from stg.chakra.validate import timed_replay
+
+        if timed not in ("free", "alpha-beta"):
+            err.print(f"[red]error:[/red] timed: must be free or alpha-beta, got {timed!r}", highlight=False)
+            raise typer.Exit(2)
+        with _user_errors():
+            timing = timed_replay(out, comm=timed)
+        typer.echo(json.dumps(timing.to_dict()) if as_json else str(timing))
 
 
 @app.command()

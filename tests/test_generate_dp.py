@@ -86,3 +86,13 @@ def test_summary_matches_the_traces(dp4):
     assert cls["comm_bytes"]["ALL_REDUCE"] == totals["allreduce_bytes"]
     assert summary["world_size"] == 4 and summary["microbatches"] == 2
     assert summary["model"]["params"] == load_model("llama2-7b").params
+
+
+def test_fp32_gradients_double_the_reduction(tiny_llama):
+    """--grad-dtype fp32: gradients accumulate and reduce in fp32 (4 bytes per parameter)."""
+    from stg import build
+
+    params = load_model(tiny_llama).params
+    for dtype, width in (("bf16", 2), ("fp32", 4)):
+        stats = build(tiny_llama, Plan(dp=2, seq=32, grad_dtype=dtype)).summary()["rank_classes"][0]
+        assert stats["comm_bytes"]["ALL_REDUCE"] == width * params

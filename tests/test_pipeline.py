@@ -71,3 +71,24 @@ def test_weights_and_optimizer_states_split_over_stages():
     two = build(MODEL, Plan(pp=2, global_batch=2, seq=S)).memory
     assert two[0].weights + two[1].weights == one.weights
     assert two[0].optimizer_states + two[1].optimizer_states == one.optimizer_states
+
+
+def test_timed_replay_reads_the_bubble_off_a_generated_set(tmp_path):
+    """With the durations in the traces and free communication, GPipe and 1F1B take equally
+    long (the same (p - 1)(F + B) bubble), ZB-H1 less; each rank's busy time is the sum of
+    its compute durations, read independently from the files."""
+    from stg.chakra.reader import iter_nodes
+    from stg.chakra.validate import timed_replay
+
+    model = dict(MODEL, hidden=512, ffn=1408, vocab=4000)
+    timings = {}
+    for schedule in ("gpipe", "1f1b", "zb-h1"):
+        out = tmp_path / schedule
+        generate(model, Plan(pp=4, layers_per_stage=[1, 1, 1, 1], global_batch=8, seq=512, schedule=schedule), out)
+        timings[schedule] = timed_replay(out, comm="free")
+        for rank in range(4):
+            busy = sum(n.duration_micros for n in iter_nodes(out / f"workload.{rank}.et") if n.type == 4)
+            assert timings[schedule].busy_us[rank] == busy
+            assert timings[schedule].idle_us[rank] == pytest.approx(timings[schedule].makespan_us - busy)
+    assert timings["gpipe"].makespan_us == timings["1f1b"].makespan_us
+    assert timings["zb-h1"].makespan_us < timings["1f1b"].makespan_us

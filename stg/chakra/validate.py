@@ -10,7 +10,7 @@ c. attribute types and values (D.4-D.8)      f. a zero-time replay of all ranks 
 Each rank file is read once into compact arrays (the pb2 nodes are not kept), by worker
 processes when the set is large. The replay is logical, not timed: it proves that the issue
 order ASTRA-sim follows (lowest ready id first, one collective or send in flight per rank)
-cannot wedge, not how long a step takes.
+cannot wedge, not how long a step takes; ``timed_replay`` runs the same rules with time.
 """
 
 from __future__ import annotations
@@ -35,7 +35,8 @@ from stg.chakra.reader import TraceFormatError, iter_node_records
 
 from stg.chakra.rank_graph import (ALL_RANKS, COLL, COMP, RECV, SEND, CommKey, Problem, RankGraph, coll_name,
                                    group_label, p2p_text, type_name)
-from stg.chakra.replay import Replay
+from stg.chakra.replay import CommCost, CommModel, Replay, ReplayError, TimedReplay, Timing
+
 TAG_LIMIT = 500_000_000
 GROUP_ALIAS_MODULUS = 500  # ASTRA-sim matches collectives on the group id modulo 500
 SIMULATED_COLLECTIVES = frozenset({pb.ALL_REDUCE, pb.ALL_GATHER, pb.REDUCE_SCATTER, pb.ALL_TO_ALL})
@@ -160,6 +161,7 @@ def _skim_class() -> type[Message]:
         ("id", 1, F.TYPE_UINT64, F.LABEL_OPTIONAL),
         ("name", 2, F.TYPE_STRING, F.LABEL_OPTIONAL),  # parsed so bad UTF-8 is caught as in Node
         ("type", 3, F.TYPE_INT64, F.LABEL_OPTIONAL),  # an enum's varint, read without the enum
+        ("duration_micros", 7, F.TYPE_UINT64, F.LABEL_OPTIONAL),
         ("ctrl_deps", 4, F.TYPE_UINT64, F.LABEL_REPEATED),
         ("data_deps", 5, F.TYPE_UINT64, F.LABEL_REPEATED),
         ("attr", 10, F.TYPE_BYTES, F.LABEL_REPEATED),
@@ -258,10 +260,12 @@ class _AttrChecker:
         return (src, dst, tag, attrs["comm_size"])
 
 
-def _load_rank(rank: int, path: Path, n_ranks: int,
-               groups: dict[int, tuple[int, ...]] | None) -> tuple[RankGraph | None, list[Problem]]:
-    """Checks b and c for one rank file, and its compact graph when the file could be read."""
+def _load_rank(rank: int, path: Path, n_ranks: int, groups: dict[int, tuple[int, ...]] | None,
+               durations: bool = False) -> tuple[RankGraph | None, list[Problem], array | None]:
+    """Checks b and c for one rank file, its compact graph when the file could be read, and (if
+    ``durations``) each node's duration_micros by graph index ('d')."""
     problems: list[Problem] = []
+    raw_durations: list[int] | None = [] if durations else None
     checker = _AttrChecker(rank, n_ranks, groups)
     raw_ids: list[int] = []
     raw_types: list[int] = []
@@ -285,37 +289,45 @@ def _load_rank(rank: int, path: Path, n_ranks: int,
             if key is not None:
                 raw_comm[len(raw_ids)] = key
             raw_ids.append(nid)
+            if raw_durations is not None:
+                raw_durations.append(skim.duration_micros)
             raw_types.append(t if t in REQUIRED_ATTRS else 0)
             deps = skim.data_deps[:]
             n_deps.append(len(deps))
             flat_deps += deps
     except TraceFormatError as err:
-        return None, [*problems, Problem(rank, None, str(err))]
+        return None, [*problems, Problem(rank, None, str(err))], None
     if not raw_ids:
-        return None, [*problems, Problem(rank, None, f"{path.name} has no nodes (ASTRA-sim aborts on it)")]
-    return _build_graph(rank, raw_ids, raw_types, n_deps, flat_deps, raw_comm, problems), problems
+        return None, [*problems, Problem(rank, None, f"{path.name} has no nodes (ASTRA-sim aborts on it)")], None
+    graph, file_pos = _build_graph(rank, raw_ids, raw_types, n_deps, flat_deps, raw_comm, problems)
+    if raw_durations is None:
+        return graph, problems, None
+    return graph, problems, array("d", np.array(raw_durations, dtype=np.float64)[file_pos].tobytes())
 
 
 def _load_ranks(paths: list[tuple[int, Path]], n_ranks: int, groups: dict[int, tuple[int, ...]] | None,
-                progress: Progress | None) -> tuple[list[RankGraph], list[Problem]]:
+                progress: Progress | None,
+                durations: bool = False) -> tuple[list[RankGraph], list[Problem], list[array | None]]:
     """Load every rank, in worker processes when the set is big enough to repay starting them."""
     jobs = _worker_count(paths)
-    loaded: dict[int, tuple[RankGraph | None, list[Problem]]] = {}
+    loaded: dict[int, tuple[RankGraph | None, list[Problem], array | None]] = {}
     if jobs <= 1:
         for done, (rank, path) in enumerate(paths, start=1):
-            loaded[rank] = _load_rank(rank, path, n_ranks, groups)
+            loaded[rank] = _load_rank(rank, path, n_ranks, groups, durations)
             if progress is not None:
                 progress(done, len(paths))
     else:
         # fork: workers inherit the imported modules and need no re-import of __main__
         with ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("fork")) as pool:
-            futures = {pool.submit(_load_rank, rank, path, n_ranks, groups): rank for rank, path in paths}
+            futures = {pool.submit(_load_rank, rank, path, n_ranks, groups, durations): rank
+                       for rank, path in paths}
             for done, future in enumerate(as_completed(futures), start=1):
                 loaded[futures[future]] = future.result()
                 if progress is not None:
                     progress(done, len(paths))
     graphs = [graph for rank, _ in paths if (graph := loaded[rank][0]) is not None]
-    return graphs, [problem for rank, _ in paths for problem in loaded[rank][1]]
+    return (graphs, [problem for rank, _ in paths for problem in loaded[rank][1]],
+            [loaded[rank][2] for rank, _ in paths if loaded[rank][0] is not None])
 
 
 def _worker_count(paths: list[tuple[int, Path]]) -> int:
@@ -331,8 +343,10 @@ def _cpu_count() -> int:
 
 
 def _build_graph(rank: int, raw_ids: list[int], raw_types: list[int], n_deps: list[int], flat_deps: list[int],
-                 raw_comm: dict[int, CommKey], problems: list[Problem]) -> RankGraph:
-    """Index nodes by ascending id and build the dependency CSR (vectorised: ~1M edges per run)."""
+                 raw_comm: dict[int, CommKey], problems: list[Problem]) -> tuple[RankGraph, np.ndarray]:
+    """Index nodes by ascending id and build the dependency CSR (vectorised: ~1M edges per run).
+
+    Also returns each index's file position, for per-node values read alongside."""
     file_ids = np.array(raw_ids, dtype=np.uint64)
     order = np.argsort(file_ids, kind="stable")  # file positions by id; equal ids stay in file order
     by_id = file_ids[order]
@@ -379,7 +393,7 @@ def _build_graph(rank: int, raw_ids: list[int], raw_types: list[int], n_deps: li
         parent_start = np.zeros(n + 1, dtype=np.int64)
         np.cumsum(n_parents, out=parent_start[1:])
         _check_acyclic(graph, parent_start.tolist(), parent.tolist(), problems)
-    return graph
+    return graph, kept
 
 
 def _check_acyclic(g: RankGraph, parent_start: list[int], parents: list[int], problems: list[Problem]) -> None:
@@ -484,23 +498,64 @@ def _check_point_to_point(graphs: list[RankGraph]) -> list[Problem]:
     return problems
 
 
-# --- f. replay ------------------------------------------------------------------------------
+# --- entry points ---------------------------------------------------------------------------
 
 
-# --- entry point ----------------------------------------------------------------------------
+@dataclass(frozen=True)
+class _LoadedSet:
+    graphs: list[RankGraph]
+    groups: dict[int, tuple[int, ...]] | None
+    durations: list[array | None]  # by rank, when asked for
+    problems: list[Problem]
+    structural: bool  # problems in the files themselves (not only in cross-rank matching)
 
 
-def validate(out_dir: str | Path, *, replay: bool = True, progress: Progress | None = None) -> list[Problem]:
-    """All problems found in ``out_dir`` (an empty list means ASTRA-sim can run it to the end)."""
-    out = Path(out_dir)
+def _load_and_check(out: Path, progress: Progress | None, durations: bool) -> _LoadedSet:
+    """Checks a to e over one pass through the files."""
     problems: list[Problem] = []
     n_ranks, paths = _rank_files(out, problems)
     groups = _load_groups(out, n_ranks, problems)
-    graphs, rank_problems = _load_ranks(paths, n_ranks, groups, progress)
+    graphs, rank_problems, per_node = _load_ranks(paths, n_ranks, groups, progress, durations)
     problems.extend(rank_problems)
     structural = bool(problems)
     problems.extend(_check_collectives(graphs, groups))
     problems.extend(_check_point_to_point(graphs))
-    if replay and not structural and groups is not None:
-        problems.extend(Replay(graphs, groups).run())
+    return _LoadedSet(graphs, groups, per_node, problems, structural)
+
+
+def validate(out_dir: str | Path, *, replay: bool = True, progress: Progress | None = None) -> list[Problem]:
+    """All problems found in ``out_dir`` (an empty list means ASTRA-sim can run it to the end)."""
+    loaded = _load_and_check(Path(out_dir), progress, durations=False)
+    problems = loaded.problems
+    if replay and not loaded.structural and loaded.groups is not None:
+        problems.extend(Replay(loaded.graphs, loaded.groups).run())
     return problems
+
+
+def timed_replay(out_dir: str | Path, *, comm: CommModel | str = CommModel.FREE, alpha_us: float = 5.0,
+                 bandwidth_gbps: float = 50.0, progress: Progress | None = None) -> Timing:
+    """Makespan and per-rank busy/idle time of ``out_dir`` replayed with time (see TimedReplay).
+
+    COMP nodes take their ``duration_micros``. ``comm="free"``: collectives end when their last
+    member joins, sends take no time. ``comm="alpha-beta"``: a collective takes ``alpha_us`` + ring
+    factor x comm_size / bandwidth after its last member joined (ALL_REDUCE 2(n-1)/n,
+    REDUCE_SCATTER and ALL_TO_ALL (n-1)/n, ALL_GATHER n-1 of its per-rank shard), a SEND
+    ``alpha_us`` + comm_size / bandwidth. The defaults (5 µs, 50 GB/s) are illustrative, not a
+    network model. Raises ReplayError when the set has any problem ``validate`` would report
+    (checks a-e), or when the timed replay deadlocks; ValueError on bad options. Issue order
+    depends on time, so this can find a deadlock that validate's zero-time replay misses (a
+    collective that takes the comm slot while a lower-id SEND still waits on a COMP).
+    """
+    if isinstance(comm, str):
+        try:
+            comm = CommModel(comm)
+        except ValueError:
+            raise ValueError(f"comm must be one of {[m.value for m in CommModel]}, got {comm!r}") from None
+    cost = CommCost(comm, alpha_us, bandwidth_gbps)
+    loaded = _load_and_check(Path(out_dir), progress, durations=True)
+    if loaded.problems:
+        n = len(loaded.problems)
+        raise ReplayError(f"{out_dir} has {n} problem{'s' * (n != 1)}; fix them before a timed replay",
+                          loaded.problems)
+    assert loaded.groups is not None  # a missing or broken workload.json is a problem above
+    return TimedReplay(loaded.graphs, loaded.groups, loaded.durations, cost).run()

@@ -1,0 +1,215 @@
+"""timed_replay() on small hand-made trace sets whose timings can be worked out on paper."""
+
+import json
+
+import pytest
+
+from stg.chakra import et_def_pb2 as pb
+from stg.chakra.reader import write_trace
+from stg.chakra import validate as validate_module
+from stg.chakra.validate import ReplayError, Timing, timed_replay, validate
+
+AR, AG, RS, A2A = pb.ALL_REDUCE, pb.ALL_GATHER, pb.REDUCE_SCATTER, pb.ALL_TO_ALL
+GB = 10**9
+
+
+def _a(name, **value):
+    return pb.AttributeProto(name=name, **value)
+
+
+def comp(nid, us, deps=()):
+    return pb.Node(id=nid, name=f"comp{nid}", type=pb.COMP_NODE, data_deps=list(deps), duration_micros=us,
+                   attr=[_a("is_cpu_op", bool_val=False), _a("num_ops", int64_val=1000),
+                         _a("tensor_size", uint64_val=64)])
+
+
+def coll(nid, ctype, size, pg="", deps=()):
+    return pb.Node(id=nid, name=f"coll{nid}", type=pb.COMM_COLL_NODE, data_deps=list(deps),
+                   attr=[_a("is_cpu_op", bool_val=False), _a("comm_type", int64_val=ctype),
+                         _a("comm_size", int64_val=size), _a("pg_name", string_val=pg)])
+
+
+def _p2p(kind, nid, src, dst, tag, size, deps):
+    return pb.Node(id=nid, name=f"p2p{nid}", type=kind, data_deps=list(deps),
+                   attr=[_a("is_cpu_op", bool_val=False), _a("comm_src", int32_val=src),
+                         _a("comm_dst", int32_val=dst), _a("comm_tag", int32_val=tag),
+                         _a("comm_size", int64_val=size)])
+
+
+def send(nid, src, dst, tag, size=256, deps=()):
+    return _p2p(pb.COMM_SEND_NODE, nid, src, dst, tag, size, deps)
+
+
+def recv(nid, src, dst, tag, size=256, deps=()):
+    return _p2p(pb.COMM_RECV_NODE, nid, src, dst, tag, size, deps)
+
+
+def write_set(out, ranks, groups=None):
+    out.mkdir()
+    (out / "workload.json").write_text(json.dumps(groups or {}))
+    for rank, nodes in ranks.items():
+        write_trace(out / f"workload.{rank}.et", pb.GlobalMetadata(version="0.0.4"), nodes)
+    return out
+
+
+def chain(durations):
+    return [comp(i, us, deps=[i - 1] if i else []) for i, us in enumerate(durations)]
+
+
+def test_two_compute_chains(tmp_path):
+    timing = timed_replay(write_set(tmp_path / "out", {0: chain([10, 20, 30]), 1: chain([5, 5])}))
+    assert timing == Timing(makespan_us=60, busy_us=[60, 10], idle_us=[0, 50], finish_us=[60, 10])
+    assert timing.to_dict() == {"makespan_us": 60, "busy_us": [60, 10], "idle_us": [0, 50], "finish_us": [60, 10]}
+    assert str(timing).splitlines()[:2] == ["makespan 60 us", "rank 0: busy 60 idle 0 (0.0%) finish 60"]
+
+
+def test_compute_overlaps_an_independent_collective(tmp_path):
+    # COMP and ALL_REDUCE need different units, so they run side by side (B.5: 100 000 cycles)
+    ranks = {r: [comp(0, 100), coll(1, AR, GB)] for r in range(2)}
+    timing = timed_replay(write_set(tmp_path / "out", ranks))
+    assert timing.makespan_us == 100 and timing.finish_us == [100, 100] and timing.idle_us == [0, 0]
+    # under alpha-beta the collective (20 005 us) is exposed; after a data dep it follows the COMP
+    assert timed_replay(tmp_path / "out", comm="alpha-beta").makespan_us == pytest.approx(20_005)
+    ranks = {r: [comp(0, 100), coll(1, AR, GB, deps=[0])] for r in range(2)}
+    assert timed_replay(write_set(tmp_path / "dep", ranks), comm="alpha-beta").makespan_us == pytest.approx(20_105)
+
+
+def one_f_one_b(p, m, f_us, b_us):
+    """A p-stage pipeline, one rank a stage, in 1F1B order, with sends and receives between stages.
+
+    Stage s runs min(p - s - 1, m) forwards, then alternates forward/backward, then drains the
+    backwards. A forward (backward) on a non-first (non-last) stage starts with a RECV of its
+    activation (gradient) and every stage but the edge one SENDs its result on. Ids follow the
+    program order; RECVs depend on nothing (they occupy no unit), everything else on its predecessor.
+    """
+    ranks = {}
+    for s in range(p):
+        warm = min(p - s - 1, m)
+        order = [("F", k) for k in range(warm)]
+        for k in range(m - warm):
+            order += [("F", warm + k), ("B", k)]
+        order += [("B", k) for k in range(m - warm, m)]
+        nodes, last = [], []
+        for kind, k in order:
+            fwd = kind == "F"
+            src, dst = (s - 1, s + 1) if fwd else (s + 1, s - 1)
+            tag = 2 * k + (not fwd)
+            deps = list(last)
+            if 0 <= src < p:
+                nodes.append(recv(len(nodes), src, s, tag))
+                deps.append(nodes[-1].id)
+            nodes.append(comp(len(nodes), f_us if fwd else b_us, deps=deps))
+            last = [nodes[-1].id]
+            if 0 <= dst < p:
+                nodes.append(send(len(nodes), s, dst, tag, deps=last))
+        ranks[s] = nodes
+    return ranks
+
+
+@pytest.mark.parametrize("p, m", [(2, 2), (2, 4), (3, 3), (4, 8)])
+def test_1f1b_pipeline_matches_the_bubble_formula(tmp_path, p, m):
+    f_us, b_us = 1, 2
+    timing = timed_replay(write_set(tmp_path / "out", one_f_one_b(p, m, f_us, b_us)))
+    makespan = (m + p - 1) * (f_us + b_us)  # the 1F1B step time with equal stages
+    assert timing.makespan_us == makespan
+    assert timing.busy_us == [m * (f_us + b_us)] * p
+    assert timing.idle_us == [(p - 1) * (f_us + b_us)] * p  # the bubble
+    assert timing.finish_us[0] == makespan
+
+
+@pytest.mark.parametrize("ctype, factor", [(AR, 2 * 3 / 4), (RS, 3 / 4), (AG, 3), (A2A, 3 / 4)])
+def test_alpha_beta_collective_on_four_ranks(tmp_path, ctype, factor):
+    out = write_set(tmp_path / "out", {r: [coll(0, ctype, GB)] for r in range(4)})
+    timing = timed_replay(out, comm="alpha-beta", alpha_us=5, bandwidth_gbps=50)
+    assert timing.makespan_us == pytest.approx(5 + factor * 1e9 / 50e9 * 1e6)
+    assert timed_replay(out).makespan_us == 0
+
+
+def test_alpha_beta_all_reduce_of_1_gb(tmp_path):
+    out = write_set(tmp_path / "out", {r: [coll(0, AR, GB, pg="1")] for r in range(2)}, {"1": [0, 1]})
+    timing = timed_replay(out, comm="alpha-beta", alpha_us=5, bandwidth_gbps=50)
+    assert timing.makespan_us == pytest.approx(5 + 2 * (1 / 2) * 1e9 / 50e9 * 1e6)
+    assert timing.busy_us == [0, 0] and timing.idle_us == [timing.makespan_us] * 2
+
+
+def test_alpha_beta_send_delays_the_recv(tmp_path):
+    ranks = {0: [send(0, 0, 1, tag=1, size=10**6)], 1: [recv(0, 0, 1, tag=1, size=10**6), comp(1, 10, deps=[0])]}
+    timing = timed_replay(write_set(tmp_path / "out", ranks), comm="alpha-beta")
+    assert timing.finish_us == pytest.approx([25, 35])  # 5 + 1e6 B / 50 GB/s = 25 us, then 10 us
+
+
+def test_a_send_waits_for_the_collective_holding_the_comm_slot(tmp_path):
+    # rank 0's ALL_REDUCE holds the slot until rank 1 joins at t=50; only then can its SEND go
+    ranks = {0: [coll(0, AR, 64), send(1, 0, 1, tag=1), comp(2, 10, deps=[1])],
+             1: [comp(0, 50), coll(1, AR, 64, deps=[0]), recv(2, 0, 1, tag=1)]}
+    assert timed_replay(write_set(tmp_path / "out", ranks)).finish_us == [60, 50]
+
+
+@pytest.mark.parametrize("after, receiver_done", [(1, 25), (0, 15)])
+def test_ready_compute_is_issued_in_ascending_id(tmp_path, after, receiver_done):
+    # two independent 10 us COMPs: node 0 runs first, so a SEND after node 0 goes at 10, after node 1 at 20
+    ranks = {0: [comp(0, 10), comp(1, 10), send(2, 0, 1, tag=1, deps=[after])],
+             1: [recv(0, 0, 1, tag=1), comp(1, 5, deps=[0])]}
+    assert timed_replay(write_set(tmp_path / "out", ranks)).finish_us == [20, receiver_done]
+
+
+def test_same_input_same_numbers(tmp_path):
+    ranks = one_f_one_b(3, 5, 3, 7)
+    ranks = {s: [*nodes, coll(len(nodes), AR, 10**7, deps=[len(nodes) - 1])] for s, nodes in ranks.items()}
+    out = write_set(tmp_path / "out", ranks)
+    first = timed_replay(out, comm="alpha-beta", alpha_us=2.5, bandwidth_gbps=12.5)
+    assert timed_replay(out, comm="alpha-beta", alpha_us=2.5, bandwidth_gbps=12.5) == first
+    assert first.to_dict() == timed_replay(out, comm="alpha-beta", alpha_us=2.5, bandwidth_gbps=12.5).to_dict()
+
+
+def test_deadlock_raises_with_the_stuck_ranks(tmp_path):
+    ranks = {0: [recv(0, 1, 0, tag=1), send(1, 0, 1, tag=2, deps=[0])],
+             1: [recv(0, 0, 1, tag=2), send(1, 1, 0, tag=1, deps=[0])]}
+    with pytest.raises(ReplayError) as caught:
+        timed_replay(write_set(tmp_path / "out", ranks))
+    assert str(caught.value).splitlines()[:2] == [
+        "the timed replay deadlocks:", "  replay deadlocks: 2 of 2 ranks stuck, 4 nodes never run"]
+    assert [(p.rank, p.node) for p in caught.value.problems] == [(None, None), (0, 0), (1, 0)]
+
+
+def test_an_invalid_set_is_refused(tmp_path):
+    out = write_set(tmp_path / "out", {0: [recv(0, 1, 0, tag=1)], 1: chain([1])})
+    with pytest.raises(ReplayError, match="has 1 problem; fix them before a timed replay") as caught:
+        timed_replay(out)
+    assert "has no matching SEND" in caught.value.problems[0].reason
+
+
+@pytest.mark.parametrize("options, message", [
+    ({"comm": "ideal"}, "comm must be one of"),
+    ({"alpha_us": -1}, "alpha_us must be >= 0"),
+    ({"bandwidth_gbps": 0}, "bandwidth_gbps must be > 0"),
+])
+def test_bad_options(tmp_path, options, message):
+    with pytest.raises(ValueError, match=message):
+        timed_replay(tmp_path, **options)
+
+
+def test_a_deadlock_that_only_time_reveals(tmp_path):
+    # Rank 0's SEND (id 1) outranks its ALL_REDUCE (id 2) but becomes ready only when the 10 us COMP
+    # ends; by then the ALL_REDUCE, ready at t=0, holds the comm slot waiting for rank 1, which
+    # waits for the SEND. The zero-time replay runs the COMP instantly and misses it.
+    ranks = {0: [comp(0, 10), send(1, 0, 1, tag=1, deps=[0]), coll(2, AR, 64, pg="1")],
+             1: [recv(0, 0, 1, tag=1), coll(1, AR, 64, pg="1", deps=[0])]}
+    out = write_set(tmp_path / "out", ranks, {"1": [0, 1]})
+    assert validate(out) == []
+    with pytest.raises(ReplayError) as caught:
+        timed_replay(out)
+    assert [str(p) for p in caught.value.problems[1:]] == [
+        "rank 0, node 2: blocked in collective #1 on group 1 (ALL_REDUCE of 64 B); ranks [1] have not issued "
+        "it; node 1 (COMM_SEND_NODE) waits for the comm slot (2 of 3 nodes unfinished)",
+        "rank 1, node 0: waits in RECV from rank 0 (tag 1, 256 B), which was never sent; rank 0 is stuck too "
+        "(2 of 2 nodes unfinished)",
+    ]
+
+
+def test_parallel_load_gives_the_same_timing(tmp_path, monkeypatch):
+    out = write_set(tmp_path / "out", one_f_one_b(2, 3, 1, 2))
+    sequential = timed_replay(out, comm="alpha-beta")
+    monkeypatch.setattr(validate_module, "PARALLEL_LOAD_BYTES", 0)
+    monkeypatch.setattr(validate_module, "_cpu_count", lambda: 2)
+    assert timed_replay(out, comm="alpha-beta") == sequential
