@@ -95,15 +95,16 @@ class TransformerConfig:
     def kv_heads_count(self) -> int:
         return self.kv_heads or self.heads
 
-    def sizes(self) -> dict[sympy.Symbol, int]:
-        """Values of this family's symbols."""
+    def sizes(self, vocab_multiple: int = 1) -> dict[sympy.Symbol, int]:
+        """Values of this family's symbols; the vocabulary padded up to a multiple of
+        `vocab_multiple` (Megatron pads it so that tensor parallelism divides it)."""
         sizes = {
             H: self.hidden,
             F: self.ffn,
             A: self.heads,
             AKV: self.kv_heads_count,
             DH: self.head_dim or self.hidden // self.heads,
-            V: self.vocab,
+            V: -(-self.vocab // vocab_multiple) * vocab_multiple,
         }
         if self.positions == "learned":
             sizes[P] = self.max_positions

@@ -129,7 +129,7 @@ def build(model: Model | str | Path | Mapping, plan: Plan | Mapping) -> Workload
     train = training_graph(model.forward_graph(plan.flash_attention), DType.parse(plan.grad_dtype))
     sharded = shard(recompute(train, plan.recompute, last_block=model.layers), sharding_spec(plan))
     bindings = {
-        **model.sizes,
+        **model.config.sizes(vocab_multiple=plan.make_vocab_divisible_by * plan.tp),
         B: plan.micro_batch * plan.dp,
         S: plan.seq,
         ATTN_FRACTION: plan.attention_flops.fraction,

@@ -62,6 +62,9 @@ class Plan:
     recompute: Recompute = Recompute.NONE
     flash_attention: bool = True  # attention scores stay on chip (no memory traffic, not saved)
     grad_dtype: str = "bf16"  # weight gradients: accumulation and reduction dtype
+    # the vocabulary is padded to a multiple of this times tp (Megatron's
+    # --make-vocab-size-divisible-by, whose default is 128; 1 pads only what tp needs)
+    make_vocab_divisible_by: int = 1
     micro_batch: int = 1
     global_batch: int | None = None  # default: micro_batch * dp (no gradient accumulation)
     seq: int = 2048
@@ -70,7 +73,7 @@ class Plan:
     device: str = DEFAULT_DEVICE
 
     def __post_init__(self):
-        for name in ("dp", "tp", "pp", "cp", "ep", "vpp", "micro_batch", "seq"):
+        for name in ("dp", "tp", "pp", "cp", "ep", "vpp", "micro_batch", "seq", "make_vocab_divisible_by"):
             _positive_int(name, getattr(self, name))
         if self.global_batch is None:
             object.__setattr__(self, "global_batch", self.micro_batch * self.dp)

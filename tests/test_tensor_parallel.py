@@ -77,3 +77,15 @@ def test_vocabulary_parallel_loss_reduces_statistics_not_logits(tiny_llama):
 def test_tp_must_divide_the_kv_heads(tiny_llama):
     with pytest.raises(LayoutError, match="tp=8 does not divide kv_heads dimension Akv=4"):
         build(tiny_llama, Plan(tp=8, micro_batch=B, seq=S))
+
+
+def test_vocabulary_is_padded_for_tensor_parallelism():
+    """GPT-3's 50,257-token vocabulary: tp=8 pads it to 50,264 (the next multiple of 8);
+    Megatron's --make-vocab-size-divisible-by 128 pads to 51,200 (a multiple of 128 * 8)."""
+    from stg.lower import Evaluator
+
+    gpt = dict(name="g", family="gpt", layers=1, hidden=64, ffn=256, heads=8, vocab=50257, max_positions=64)
+    for multiple, padded in ((1, 50264), (128, 51200)):
+        workload = build(gpt, Plan(tp=8, seq=16, make_vocab_divisible_by=multiple))
+        table = workload.sharded.graph.tensors["embed.weight"]
+        assert Evaluator(workload.bindings)(table.numel) == padded // 8 * 64
