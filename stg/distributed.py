@@ -15,7 +15,7 @@ from pathlib import Path
 
 from model_zoo import Model
 from stg.api import _check_ranks, build
-from stg.emit import Progress, Stamper, _chunks, _commit, _prepare, _prepare_range, write_groups, write_json
+from stg.emit import Progress, Stamper, split_ranks, commit_output, prepare_output, prepare_range, write_groups, write_json
 from stg.errors import StgError
 from stg.plan import Plan
 
@@ -38,7 +38,7 @@ def generate_on_dask(model: Model, plan: Plan, out: Path, *, scheduler: str | No
     ranks = _check_ranks(ranks, workload) or range(world)
     whole = ranks == range(world)
     out = Path(out)
-    folder = _prepare(out) if whole else _prepare_range(out)
+    folder = prepare_output(out) if whole else prepare_range(out)
     try:
         write_groups(folder / "workload.json", workload.group_ids)
         write_json(folder / "summary.json", summary)
@@ -46,7 +46,7 @@ def generate_on_dask(model: Model, plan: Plan, out: Path, *, scheduler: str | No
         with Client(scheduler or cluster) as client:
             pieces = tasks or max(1, 4 * len(client.scheduler_info()["workers"]))
             futures = [client.submit(_write_range, model.config, model.source, plan, str(folder), r.start, r.stop,
-                                     pure=False) for r in _chunks(ranks, pieces)]
+                                     pure=False) for r in split_ranks(ranks, pieces)]
             done = 0
             for future in as_completed(futures):
                 done += future.result()
@@ -55,7 +55,7 @@ def generate_on_dask(model: Model, plan: Plan, out: Path, *, scheduler: str | No
         if cluster is not None:
             cluster.close()
         if whole:
-            _commit(folder, out)
+            commit_output(folder, out)
     except BaseException:
         if whole:
             shutil.rmtree(folder, ignore_errors=True)

@@ -21,7 +21,7 @@ from stg.groups import GroupIds
 Progress = Callable[[int, int], None]
 
 
-def _prepare(out: Path) -> Path:
+def prepare_output(out: Path) -> Path:
     if out.exists() and not out.is_dir():
         raise OutputError(f"output {out}: exists and is not a directory")
     if out.is_dir() and any(out.iterdir()) and not (out / "workload.json").exists():
@@ -37,7 +37,7 @@ def _prepare(out: Path) -> Path:
     return tmp
 
 
-def _commit(tmp: Path, out: Path) -> None:
+def commit_output(tmp: Path, out: Path) -> None:
     old = None
     if out.exists():
         old = Path(tempfile.mkdtemp(prefix=f".{out.name}.old-", dir=out.parent))
@@ -109,7 +109,7 @@ def _write_chunk(job: tuple[str, int, int]) -> int:
     return _FORKED.write(Path(folder), range(start, stop))
 
 
-def _chunks(ranks: range, pieces: int) -> list[range]:
+def split_ranks(ranks: range, pieces: int) -> list[range]:
     size = max(1, -(-len(ranks) // pieces))
     return [range(start, min(start + size, ranks.stop)) for start in range(ranks.start, ranks.stop, size)]
 
@@ -126,7 +126,7 @@ def write_trace_set(out: Path, workload, summary: Mapping, progress: Progress | 
     world = workload.mesh.size
     ranks = range(world) if ranks is None else ranks
     whole = ranks == range(world)
-    folder = _prepare(out) if whole else _prepare_range(out)
+    folder = prepare_output(out) if whole else prepare_range(out)
     stamper = Stamper(workload)
     try:
         write_groups(folder / "workload.json", workload.group_ids)
@@ -137,7 +137,7 @@ def write_trace_set(out: Path, workload, summary: Mapping, progress: Progress | 
             if first < min(ranks.stop, (cls + 1) * stride):
                 stamper.rank_bytes(first)  # build skeletons before forking: children share them
         done = 0
-        jobs = [(str(folder), c.start, c.stop) for c in _chunks(ranks, max(1, workers) * 8)]
+        jobs = [(str(folder), c.start, c.stop) for c in split_ranks(ranks, max(1, workers) * 8)]
         if workers > 1 and len(jobs) > 1:
             import multiprocessing
 
@@ -154,7 +154,7 @@ def write_trace_set(out: Path, workload, summary: Mapping, progress: Progress | 
                 if progress:
                     progress(done, len(ranks))
         if whole:
-            _commit(folder, out)
+            commit_output(folder, out)
     except OSError as err:
         if whole:
             shutil.rmtree(folder, ignore_errors=True)
@@ -165,7 +165,7 @@ def write_trace_set(out: Path, workload, summary: Mapping, progress: Progress | 
         raise
 
 
-def _prepare_range(out: Path) -> Path:
+def prepare_range(out: Path) -> Path:
     if out.exists() and not out.is_dir():
         raise OutputError(f"output {out}: exists and is not a directory")
     try:

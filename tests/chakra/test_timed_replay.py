@@ -5,6 +5,8 @@ import json
 import pytest
 
 from stg.chakra import et_def_pb2 as pb
+from chakra_nodes import coll as shared_coll
+from chakra_nodes import recv, send
 from stg.chakra.reader import write_trace
 from stg.chakra import validate as validate_module
 from stg.chakra.validate import ReplayError, Timing, timed_replay, validate
@@ -24,24 +26,7 @@ def comp(nid, us, deps=()):
 
 
 def coll(nid, ctype, size, pg="", deps=()):
-    return pb.Node(id=nid, name=f"coll{nid}", type=pb.COMM_COLL_NODE, data_deps=list(deps),
-                   attr=[_a("is_cpu_op", bool_val=False), _a("comm_type", int64_val=ctype),
-                         _a("comm_size", int64_val=size), _a("pg_name", string_val=pg)])
-
-
-def _p2p(kind, nid, src, dst, tag, size, deps):
-    return pb.Node(id=nid, name=f"p2p{nid}", type=kind, data_deps=list(deps),
-                   attr=[_a("is_cpu_op", bool_val=False), _a("comm_src", int32_val=src),
-                         _a("comm_dst", int32_val=dst), _a("comm_tag", int32_val=tag),
-                         _a("comm_size", int64_val=size)])
-
-
-def send(nid, src, dst, tag, size=256, deps=()):
-    return _p2p(pb.COMM_SEND_NODE, nid, src, dst, tag, size, deps)
-
-
-def recv(nid, src, dst, tag, size=256, deps=()):
-    return _p2p(pb.COMM_RECV_NODE, nid, src, dst, tag, size, deps)
+    return shared_coll(nid, ctype, size, pg, deps)
 
 
 def write_set(out, ranks, groups=None):

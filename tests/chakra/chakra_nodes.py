@@ -1,0 +1,28 @@
+"""Hand-made Chakra nodes for the validator's and the replays' tests."""
+
+from stg.chakra import et_def_pb2 as pb
+
+
+def attr(name, **value):
+    return pb.AttributeProto(name=name, **value)
+
+
+def _p2p(kind, nid, src, dst, tag, size, deps):
+    return pb.Node(id=nid, name=f"p2p{nid}", type=kind, data_deps=list(deps),
+                   attr=[attr("is_cpu_op", bool_val=False), attr("comm_src", int32_val=src),
+                         attr("comm_dst", int32_val=dst), attr("comm_tag", int32_val=tag),
+                         attr("comm_size", int64_val=size)])
+
+
+def send(nid, src, dst, tag, size=256, deps=()):
+    return _p2p(pb.COMM_SEND_NODE, nid, src, dst, tag, size, deps)
+
+
+def recv(nid, src, dst, tag, size=256, deps=()):
+    return _p2p(pb.COMM_RECV_NODE, nid, src, dst, tag, size, deps)
+
+
+def coll(nid, ctype, size, pg="1", deps=()):
+    return pb.Node(id=nid, name=f"coll{nid}", type=pb.COMM_COLL_NODE, data_deps=list(deps),
+                   attr=[attr("is_cpu_op", bool_val=False), attr("comm_type", int64_val=ctype),
+                         attr("comm_size", int64_val=size), attr("pg_name", string_val=pg)])
