@@ -71,12 +71,13 @@ class Workload:
 
     def summary(self) -> dict:
         world = self.mesh.size
-        classes = []
-        for index, program in enumerate(self.programs):
-            ranks = [r for r in range(world) if self.class_of(r) == index]
-            classes.append({"class": index, "ranks": _ranges(ranks), "count": len(ranks), **program.stats.to_dict(),
-                            "memory": self.memory[index].to_dict()})
-        per_rank = [self.class_of(r) for r in range(world)]
+        stride = self.mesh.stride("pp")  # pp is the slowest axis: class c is one block of ranks
+        classes = [
+            {"class": index, "ranks": [[index * stride, (index + 1) * stride - 1]], "count": stride,
+             **program.stats.to_dict(), "memory": self.memory[index].to_dict()}
+            for index, program in enumerate(self.programs)
+        ]
+        per_rank = [index for index in range(len(self.programs)) for _ in range(stride)]
         return {
             "stg_version": __version__,
             "model": {**self.model.describe(), "source": self.model.source},
@@ -101,17 +102,6 @@ def _group_size(mesh: DeviceMesh, kind: tuple[str, ...]) -> int:
     for axis in kind:
         size *= mesh.sizes[axis]
     return size
-
-
-def _ranges(ranks: list[int]) -> list[list[int]]:
-    """[[first, last], ...] runs of consecutive ranks."""
-    runs: list[list[int]] = []
-    for r in ranks:
-        if runs and runs[-1][1] == r - 1:
-            runs[-1][1] = r
-        else:
-            runs.append([r, r])
-    return runs
 
 
 def _check_fits(model: Model, plan: Plan) -> None:
