@@ -23,6 +23,8 @@ from stg.graph import Graph
 FAMILIES = {
     "gpt": (TransformerConfig.from_dict, build_transformer),
     "llama": (TransformerConfig.from_dict, build_transformer),
+    "mixtral": (TransformerConfig.from_dict, build_transformer),
+    "deepseek": (TransformerConfig.from_dict, build_transformer),
 }
 
 

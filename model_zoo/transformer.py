@@ -17,6 +17,7 @@ from typing import Any
 
 import sympy
 
+from model_zoo import moe
 from stg.builder import GraphBuilder
 from stg.costs import NormKind, Pointwise
 from stg.errors import ModelSpecError
@@ -32,6 +33,10 @@ FAMILY_DEFAULTS: dict[str, dict[str, Any]] = {
     # Llama: RMSNorm, SwiGLU MLP, rotary positions, no biases, untied output layer.
     "llama": dict(norm="rmsnorm", mlp="swiglu", bias=False, positions="rope", tied_embeddings=False, dropout=0.0),
 }
+# Mixture-of-experts families: Llama-style blocks whose MLPs are routed experts (Mixtral),
+# and DeepSeek-V2/V3 with multi-head latent attention, shared experts and dense first layers.
+FAMILY_DEFAULTS["mixtral"] = dict(FAMILY_DEFAULTS["llama"], top_k=2)
+FAMILY_DEFAULTS["deepseek"] = dict(FAMILY_DEFAULTS["llama"], attention="mla", top_k=8)
 
 
 @dataclass(frozen=True)
@@ -52,6 +57,20 @@ class TransformerConfig:
     positions: str | None = None
     tied_embeddings: bool | None = None
     dropout: float | None = None  # probability; > 0 adds GPT-2's embedding, attention and residual dropout
+    # mixture of experts (experts set): E routed experts of width moe_ffn, top_k per token,
+    # shared_experts always-on experts of the same width, the first first_dense_layers dense
+    experts: int | None = None
+    top_k: int | None = None
+    moe_ffn: int | None = None
+    shared_experts: int = 0
+    first_dense_layers: int = 0
+    # multi-head latent attention (attention: mla)
+    attention: str = "gqa"
+    q_lora_rank: int | None = None
+    kv_lora_rank: int | None = None
+    qk_nope_head_dim: int | None = None
+    qk_rope_head_dim: int | None = None
+    v_head_dim: int | None = None
 
     @classmethod
     def from_dict(cls, spec: dict) -> "TransformerConfig":
@@ -86,7 +105,27 @@ class TransformerConfig:
             raise ModelSpecError(f"{where}: learned positions need max_positions")
         if not isinstance(self.dropout, (int, float)) or isinstance(self.dropout, bool) or not 0 <= self.dropout < 1:
             raise ModelSpecError(f"{where}: dropout must be a probability in [0, 1), got {self.dropout!r}")
-        choices = {"norm": ("layernorm", "rmsnorm"), "mlp": ("gelu", "swiglu"), "positions": ("learned", "rope")}
+        for key in ("experts", "top_k", "moe_ffn", "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim",
+                    "qk_rope_head_dim", "v_head_dim"):
+            value = getattr(self, key)
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value <= 0):
+                raise ModelSpecError(f"{where}: {key} must be a positive integer, got {value!r}")
+        if self.experts is not None:
+            for key in ("top_k", "moe_ffn"):
+                if getattr(self, key) is None:
+                    raise ModelSpecError(f"{where}: a mixture of experts needs {key}")
+            if self.top_k > self.experts:
+                raise ModelSpecError(f"{where}: top_k={self.top_k} exceeds experts={self.experts}")
+            if self.mlp != "swiglu":
+                raise ModelSpecError(f"{where}: experts are SwiGLU MLPs; mlp must be swiglu")
+        if not 0 <= self.first_dense_layers <= self.layers:
+            raise ModelSpecError(f"{where}: first_dense_layers={self.first_dense_layers} is not within 0..{self.layers}")
+        if self.attention == "mla":
+            for key in ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"):
+                if getattr(self, key) is None:
+                    raise ModelSpecError(f"{where}: multi-head latent attention needs {key}")
+        choices = {"norm": ("layernorm", "rmsnorm"), "mlp": ("gelu", "swiglu"), "positions": ("learned", "rope"),
+                   "attention": ("gqa", "mla")}
         for key, allowed in choices.items():
             if getattr(self, key) not in allowed:
                 raise ModelSpecError(f"{where}: {key} must be one of {list(allowed)}, got {getattr(self, key)!r}")
@@ -108,6 +147,11 @@ class TransformerConfig:
         }
         if self.positions == "learned":
             sizes[P] = self.max_positions
+        if self.experts is not None:
+            sizes.update({moe.E: self.experts, moe.K: self.top_k, moe.FE: self.moe_ffn, moe.NS: self.shared_experts})
+        if self.attention == "mla":
+            sizes.update({moe.QL: self.q_lora_rank, moe.KL: self.kv_lora_rank, moe.DN: self.qk_nope_head_dim,
+                          moe.DR: self.qk_rope_head_dim, moe.DV: self.v_head_dim})
         return sizes
 
 
@@ -145,6 +189,45 @@ def build_transformer(config: TransformerConfig, flash_attention: bool = True) -
             out = g.pointwise(name, Pointwise.ADD, out, g.weight(f"{name}.bias", bias_shape, bias_dims))
         return g.dropout(f"{name}.dropout", out) if residual and dropout else out
 
+    def gqa_attention(p: str, h: str) -> str:
+        """Grouped-query (multi-head when kv_heads = heads) attention; its output anchored."""
+        q = linear(f"{p}.attn.q", "bsh,hngd->bsngd", h, [H, AKV, groups, DH],
+                   ["embed", "kv_heads", "q_per_kv", "head_dim"], [AKV, groups, DH], ["kv_heads", "q_per_kv", "head_dim"])
+        k = linear(f"{p}.attn.k", "bsh,hnd->bsnd", h, [H, AKV, DH],
+                   ["embed", "kv_heads", "head_dim"], [AKV, DH], ["kv_heads", "head_dim"])
+        v = linear(f"{p}.attn.v", "bsh,hnd->bsnd", h, [H, AKV, DH],
+                   ["embed", "kv_heads", "head_dim"], [AKV, DH], ["kv_heads", "head_dim"])
+        if config.positions == "rope":
+            q = g.pointwise(f"{p}.attn.q_rope", Pointwise.ROPE, q)
+            k = g.pointwise(f"{p}.attn.k_rope", Pointwise.ROPE, k)
+        scores = g.einsum(f"{p}.attn.scores", "bsngd,btnd->bngst", q, k, density=ATTN_FRACTION,
+                          transient=flash_attention, **core)
+        probs = g.softmax(f"{p}.attn.probs", scores, **core)
+        if dropout:
+            probs = g.dropout(f"{p}.attn.probs_dropout", probs, **core)
+        context = g.einsum(f"{p}.attn.context", "bngst,btnd->bsngd", probs, v, density=ATTN_FRACTION, **core)
+        out = linear(f"{p}.attn.out", "bsngd,ngdh->bsh", context, [AKV, groups, DH, H],
+                     ["kv_heads", "q_per_kv", "head_dim", "embed"], [H], ["embed"], residual=True)
+        return out
+
+    def mlp_block(p: str, x: str, moe_layer: bool) -> str:
+        """Norm, then a dense MLP or routed (and shared) experts, then the residual add."""
+        h = norm_op(f"{p}.mlp_norm", x)
+        if moe_layer:
+            routed, shared = moe.moe_mlp(g, p, h, H, shared=config.shared_experts > 0)
+            if shared is not None:
+                routed = g.pointwise(f"{p}.moe_sum", Pointwise.ADD, routed, shared)
+            return g.pointwise(f"{p}.mlp_residual", Pointwise.ADD, x, routed)
+        if config.mlp == "swiglu":
+            gate = linear(f"{p}.mlp.gate", "bsh,hf->bsf", h, [H, F], ["embed", "mlp"], [F], ["mlp"])
+            up = linear(f"{p}.mlp.up", "bsh,hf->bsf", h, [H, F], ["embed", "mlp"], [F], ["mlp"])
+            act = g.pointwise(f"{p}.mlp.act", Pointwise.SWIGLU, gate, up)
+        else:
+            up = linear(f"{p}.mlp.up", "bsh,hf->bsf", h, [H, F], ["embed", "mlp"], [F], ["mlp"])
+            act = g.pointwise(f"{p}.mlp.act", Pointwise.GELU, up)
+        down = linear(f"{p}.mlp.down", "bsf,fh->bsh", act, [F, H], ["mlp", "embed"], [H], ["embed"], residual=True)
+        return g.pointwise(f"{p}.mlp_residual", Pointwise.ADD, x, down)
+
     # -- layer 0: embeddings -------------------------------------------------------------------
     g.layer = 0
     ids = g.input("tokens", [B, S], ["batch", "seq"])
@@ -163,35 +246,9 @@ def build_transformer(config: TransformerConfig, flash_attention: bool = True) -
         g.layer = i
         p = f"layers.{i - 1}"
         h = norm_op(f"{p}.attn_norm", x)
-        q = linear(f"{p}.attn.q", "bsh,hngd->bsngd", h, [H, AKV, groups, DH],
-                   ["embed", "kv_heads", "q_per_kv", "head_dim"], [AKV, groups, DH], ["kv_heads", "q_per_kv", "head_dim"])
-        k = linear(f"{p}.attn.k", "bsh,hnd->bsnd", h, [H, AKV, DH],
-                   ["embed", "kv_heads", "head_dim"], [AKV, DH], ["kv_heads", "head_dim"])
-        v = linear(f"{p}.attn.v", "bsh,hnd->bsnd", h, [H, AKV, DH],
-                   ["embed", "kv_heads", "head_dim"], [AKV, DH], ["kv_heads", "head_dim"])
-        if config.positions == "rope":
-            q = g.pointwise(f"{p}.attn.q_rope", Pointwise.ROPE, q)
-            k = g.pointwise(f"{p}.attn.k_rope", Pointwise.ROPE, k)
-        scores = g.einsum(f"{p}.attn.scores", "bsngd,btnd->bngst", q, k, density=ATTN_FRACTION,
-                          transient=flash_attention, **core)
-        probs = g.softmax(f"{p}.attn.probs", scores, **core)
-        if dropout:
-            probs = g.dropout(f"{p}.attn.probs_dropout", probs, **core)
-        context = g.einsum(f"{p}.attn.context", "bngst,btnd->bsngd", probs, v, density=ATTN_FRACTION, **core)
-        out = linear(f"{p}.attn.out", "bsngd,ngdh->bsh", context, [AKV, groups, DH, H],
-                     ["kv_heads", "q_per_kv", "head_dim", "embed"], [H], ["embed"], residual=True)
+        out = moe.mla(g, p, h, H, A, flash_attention) if config.attention == "mla" else gqa_attention(p, h)
         x = g.pointwise(f"{p}.attn_residual", Pointwise.ADD, x, out)
-
-        h = norm_op(f"{p}.mlp_norm", x)
-        if config.mlp == "swiglu":
-            gate = linear(f"{p}.mlp.gate", "bsh,hf->bsf", h, [H, F], ["embed", "mlp"], [F], ["mlp"])
-            up = linear(f"{p}.mlp.up", "bsh,hf->bsf", h, [H, F], ["embed", "mlp"], [F], ["mlp"])
-            act = g.pointwise(f"{p}.mlp.act", Pointwise.SWIGLU, gate, up)
-        else:
-            up = linear(f"{p}.mlp.up", "bsh,hf->bsf", h, [H, F], ["embed", "mlp"], [F], ["mlp"])
-            act = g.pointwise(f"{p}.mlp.act", Pointwise.GELU, up)
-        down = linear(f"{p}.mlp.down", "bsf,fh->bsh", act, [F, H], ["mlp", "embed"], [H], ["embed"], residual=True)
-        x = g.pointwise(f"{p}.mlp_residual", Pointwise.ADD, x, down)
+        x = mlp_block(p, x, moe_layer=config.experts is not None and i > config.first_dense_layers)
 
     # -- layer L+1: output head and loss ---------------------------------------------------------
     g.layer = config.layers + 1

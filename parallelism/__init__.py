@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Callable
 
-from parallelism import context, data, tensor, zero
+from parallelism import context, data, expert, tensor, zero
 from stg.plan import Plan
 from stg.sharding import LayoutRules, ShardingSpec
 
@@ -19,6 +19,7 @@ STRATEGIES: dict[str, Callable[[Plan], dict[str, dict[str, tuple[str, ...]]]]] =
     "data": data.rules,
     "context": context.rules,
     "tensor": tensor.rules,
+    "expert": expert.rules,
 }
 
 

@@ -18,7 +18,7 @@ from stg.plan import Plan
 
 
 def rules(plan: Plan) -> dict[str, dict[str, tuple[str, ...]]]:
-    split = {"params": {"kv_heads": ("tp",), "mlp": ("tp",), "vocab": ("tp",)}}
+    split = {"params": {"kv_heads": ("tp",), "heads": ("tp",), "mlp": ("tp",), "vocab": ("tp",)}}
     if plan.sp:
         split["residual"] = {"seq": ("tp",)}
     return split

@@ -34,6 +34,7 @@ from stg.mesh import DeviceMesh, axis_symbol
 from stg.plan import Plan
 from stg.recompute import recompute
 from stg.sharding import ShardedGraph, shard
+from model_zoo.moe import CF
 from stg.symbols import ATTN_FRACTION, B, S
 
 from stg import __version__
@@ -120,9 +121,10 @@ def build(model: Model | str | Path | Mapping, plan: Plan | Mapping) -> Workload
     sharded = shard(recompute(train, plan.recompute, last_block=model.layers), sharding_spec(plan))
     bindings = {
         **model.config.sizes(vocab_multiple=plan.make_vocab_divisible_by * plan.tp),
-        B: plan.micro_batch * plan.dp,
+        B: plan.micro_batch * plan.data_ranks,
         S: plan.seq,
         ATTN_FRACTION: plan.attention_flops.fraction,
+        CF: sympy.Rational(str(plan.capacity_factor)),
         **{axis_symbol(axis): size for axis, size in mesh.axes},
     }
     check_divisibility(sharded, bindings)

@@ -134,6 +134,19 @@ class _Backward:
         # gradient flows in the residual stream's layout)
         self.emit(op, OpKind.CONSTRAIN, (dout,), [op.inputs[0]], {"tag": op.attrs["tag"]})
 
+    def route(self, op: Op, dout: str) -> None:
+        self.emit(op, OpKind.ROUTE_GRAD, (dout, op.outputs[0]), [op.inputs[0]])
+
+    def dispatch(self, op: Op, dout: str) -> None:
+        x, gates = op.inputs
+        if x in self.needs_grad:
+            self.emit(op, OpKind.DISPATCH_GRAD, (dout, gates), [x])
+
+    def combine(self, op: Op, dout: str) -> None:
+        buffers, gates = op.inputs
+        targets = [t for t in (buffers, gates) if t in self.needs_grad]
+        self.emit(op, OpKind.COMBINE_GRAD, (dout, gates, buffers), targets)
+
     def cross_entropy(self, op: Op) -> None:
         """The seed of the backward: d(mean loss)/d(logits) from logits and the statistics."""
         logits, labels = op.inputs
@@ -146,6 +159,9 @@ class _Backward:
         OpKind.NORM: norm,
         OpKind.EMBEDDING: embedding,
         OpKind.DROPOUT: dropout,
+        OpKind.ROUTE: route,
+        OpKind.DISPATCH: dispatch,
+        OpKind.COMBINE: combine,
         OpKind.CONSTRAIN: constrain,
     }
 

@@ -115,6 +115,28 @@ class GraphBuilder:
         self.add_op(name, OpKind.DROPOUT, (x,), (out, mask), attrs)
         return name
 
+    def route(self, name: str, logits: str, top_k: int) -> str:
+        """Router: probabilities over the experts, all but each token's top k zeroed."""
+        src = self.tensors[logits]
+        out = Tensor(name, src.shape, src.dims, src.dtype, Role.ACTIVATION)
+        self.add_op(name, OpKind.ROUTE, (logits,), (out,), {"top_k": top_k})
+        return name
+
+    def dispatch(self, name: str, x: str, gates: str, capacity: Any) -> str:
+        """Tokens x [..., embed] into per-expert buffers [expert, capacity, embed]."""
+        tokens, g = self.tensors[x], self.tensors[gates]
+        out = Tensor(name, (g.shape[-1], sympy.sympify(capacity), tokens.shape[-1]),
+                     (g.dims[-1], "capacity", tokens.dims[-1]), tokens.dtype, Role.ACTIVATION)
+        self.add_op(name, OpKind.DISPATCH, (x, gates), (out,))
+        return name
+
+    def combine(self, name: str, buffers: str, gates: str) -> str:
+        """Expert outputs [expert, capacity, embed] back to the tokens, weighted by the gates."""
+        buf, g = self.tensors[buffers], self.tensors[gates]
+        out = Tensor(name, g.shape[:-1] + buf.shape[-1:], g.dims[:-1] + buf.dims[-1:], buf.dtype, Role.ACTIVATION)
+        self.add_op(name, OpKind.COMBINE, (buffers, gates), (out,))
+        return name
+
     def constrain(self, name: str, x: str, tag: str, **attrs) -> str:
         """Anchor `x` to the layout the plan gives `tag` (e.g. 'residual'); no cost, no node."""
         src = self.tensors[x]
@@ -192,6 +214,8 @@ def _parse_spec(name: str, spec: str) -> tuple[str, str, str]:
 
 def _check_broadcast(name: str, target: Tensor, operand: Tensor) -> None:
     """`operand` broadcasts to `target` when its axes are a subset of target's, sizes equal."""
+    if operand.dims == target.dims and all(sympy.simplify(a - b) == 0 for a, b in zip(operand.shape, target.shape)):
+        return  # the same axes (also when an axis name repeats, as in seq x seq scores)
     for logical, dim in zip(operand.dims, operand.shape):
         matches = [d for ax, d in zip(target.dims, target.shape) if ax == logical]
         if len(matches) != 1 or sympy.simplify(matches[0] - dim) != 0:

@@ -55,6 +55,8 @@ SOFTMAX_GRAD_FLOPS = 4  # y * (dy - sum(dy * y)): mul, sum, sub, mul
 CROSS_ENTROPY_FLOPS = 5  # a softmax over the vocabulary, then log and pick the label
 CROSS_ENTROPY_GRAD_FLOPS = 3  # softmax recomputed from saved max/sum, minus one-hot, scale
 REDUCE_FLOPS = 1  # one add per input element
+ROUTE_FLOPS = 6  # softmax over the experts (5) and a top-k comparison (1) per router logit
+ROUTE_GRAD_FLOPS = 4  # softmax backward
 EMBEDDING_GRAD_FLOPS = 1  # scatter-add: one add per gradient element
 # AdamW per parameter: m = b1*m + (1-b1)*g (3), v = b2*v + (1-b2)*g^2 (4), bias corrections
 # m/c1, v/c2 (2), sqrt, +eps, divide (3), decay p*(1-lr*wd) (1), p -= lr*u (2).
@@ -115,6 +117,21 @@ def op_cost(
         return Pointwise.DROPOUT.forward_flops * inputs[0].numel, traffic
     if kind is OpKind.CROSS_ENTROPY_GRAD:
         return CROSS_ENTROPY_GRAD_FLOPS * out_numel, traffic
+    if kind is OpKind.ROUTE:
+        return ROUTE_FLOPS * inputs[0].numel, traffic
+    if kind is OpKind.ROUTE_GRAD:
+        return ROUTE_GRAD_FLOPS * outputs[0].numel, traffic
+    if kind in (OpKind.DISPATCH, OpKind.DISPATCH_GRAD):
+        # a permutation: every routed token row is copied once into (or out of) a buffer
+        return sympy.Integer(0), traffic
+    if kind is OpKind.COMBINE:
+        # each token sums its k expert outputs weighted by its gates: a multiply-add per
+        # buffer element
+        return 2 * inputs[0].numel, traffic
+    if kind is OpKind.COMBINE_GRAD:
+        # the gradient scattered back to the buffers (a multiply per element) and the gates'
+        # gradient (a multiply-add per element)
+        return 3 * inputs[2].numel, traffic
     if kind is OpKind.OPTIMIZER:
         # inputs: gradient and states, all read; output: the new weight. The states are
         # updated in place, so they are written back as well.

@@ -62,6 +62,12 @@ class OpKind(Enum):
     CROSS_ENTROPY = "cross_entropy"  # per-token statistics (max, sum of exp, target logit)
     CROSS_ENTROPY_GRAD = "cross_entropy_grad"
     LOSS = "loss"  # mean loss from the per-token statistics
+    ROUTE = "route"  # router probabilities and top-k gates over the experts
+    ROUTE_GRAD = "route_grad"
+    DISPATCH = "dispatch"  # tokens [.., embed] -> expert buffers [expert, capacity, embed]
+    DISPATCH_GRAD = "dispatch_grad"
+    COMBINE = "combine"  # expert buffers back to tokens, weighted by the gates
+    COMBINE_GRAD = "combine_grad"
     OPTIMIZER = "optimizer"
     COLLECTIVE = "collective"
     SLICE = "slice"  # a replicated tensor viewed as one rank's shard: no traffic, no node

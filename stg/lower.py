@@ -63,7 +63,7 @@ def check_divisibility(sharded: ShardedGraph, bindings: Mapping[sympy.Symbol, in
         tensor = sharded.global_tensors[name]
         for dim, (size, logical) in enumerate(zip(tensor.shape, tensor.dims)):
             axes = layout.axes_sharding(dim)
-            if not axes or (size, axes) in checked:
+            if not axes or (size, axes) in checked or logical == "capacity":  # buffers are padded
                 continue
             checked.add((size, axes))
             value = int(size.xreplace(bindings))

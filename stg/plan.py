@@ -43,7 +43,7 @@ class Recompute(Enum):
 
 
 # parallel degrees that later strategies bring; refused until they exist, never ignored
-_NOT_YET = {"ep": "expert parallelism"}
+_NOT_YET: dict[str, str] = {}
 GRAD_DTYPES = ("bf16", "fp32")
 
 
@@ -65,6 +65,7 @@ class Plan:
     # the vocabulary is padded to a multiple of this times tp (Megatron's
     # --make-vocab-size-divisible-by, whose default is 128; 1 pads only what tp needs)
     make_vocab_divisible_by: int = 1
+    capacity_factor: float = 1.0  # expert buffer slots per routed token (balanced routing)
     micro_batch: int = 1
     global_batch: int | None = None  # default: micro_batch * dp (no gradient accumulation)
     seq: int = 2048
@@ -76,12 +77,14 @@ class Plan:
         for name in ("dp", "tp", "pp", "cp", "ep", "vpp", "micro_batch", "seq", "make_vocab_divisible_by"):
             _positive_int(name, getattr(self, name))
         if self.global_batch is None:
-            object.__setattr__(self, "global_batch", self.micro_batch * self.dp)
+            object.__setattr__(self, "global_batch", self.micro_batch * self.data_ranks)
         _positive_int("global_batch", self.global_batch)
         for name, kind in (("attention_flops", AttentionFlops), ("recompute", Recompute)):
             self._parse_enum(name, kind)
         if isinstance(self.bucket_mb, bool) or not isinstance(self.bucket_mb, (int, float)) or self.bucket_mb <= 0:
             raise PlanError(f"bucket_mb: must be a positive number of MiB, got {self.bucket_mb!r}")
+        if isinstance(self.capacity_factor, bool) or not isinstance(self.capacity_factor, (int, float)) or self.capacity_factor <= 0:
+            raise PlanError(f"capacity_factor: must be a positive number, got {self.capacity_factor!r}")
         if self.device not in DEVICES:
             raise PlanError(f"device: unknown device {self.device!r}; known: {', '.join(DEVICES)}")
         if isinstance(self.zero, bool) or self.zero not in (0, 1, 2, 3):
@@ -110,11 +113,12 @@ class Plan:
         for name, what in _NOT_YET.items():
             if getattr(self, name) != 1:
                 raise PlanError(f"{name}={getattr(self, name)}: {what} is not implemented yet (only {name}=1)")
-        per_step = self.micro_batch * self.dp
+        per_step = self.micro_batch * self.data_ranks
         if self.global_batch % per_step:
             raise PlanError(
-                f"global_batch={self.global_batch} is not a multiple of micro_batch*dp = "
-                f"{self.micro_batch}*{self.dp} = {per_step}"
+                f"global_batch={self.global_batch} is not a multiple of micro_batch*dp"
+                + ("*ep" if self.ep > 1 else "")
+                + f" = {self.micro_batch}*{self.dp}" + (f"*{self.ep}" if self.ep > 1 else "") + f" = {per_step}"
             )
 
     def _parse_enum(self, name: str, kind: type[Enum]) -> None:
@@ -129,7 +133,13 @@ class Plan:
     @property
     def microbatches(self) -> int:
         """Micro-batches each rank runs per optimizer step (gradient accumulation steps)."""
-        return self.global_batch // (self.micro_batch * self.dp)
+        return self.global_batch // (self.micro_batch * self.data_ranks)
+
+    @property
+    def data_ranks(self) -> int:
+        """Ranks that take different data: dp x ep (expert parallelism is carved out of data
+        parallelism, as in Megatron-Core)."""
+        return self.dp * self.ep
 
     @property
     def world_size(self) -> int:

@@ -289,7 +289,7 @@ def _elementwise(op, ins, lays, outs, sharder):
 def _along_last_dim(op, ins, lays, outs, sharder):
     """Softmax and norms reduce over the last dimension: it must be whole, and no partial sums.
     Gradient ops take their layout from the forward tensor they read (their second input)."""
-    anchor = 1 if op.kind in (OpKind.SOFTMAX_GRAD, OpKind.NORM_GRAD) else 0
+    anchor = 1 if op.kind in (OpKind.SOFTMAX_GRAD, OpKind.NORM_GRAD, OpKind.ROUTE_GRAD) else 0
     target = without(lays[anchor], dims=[len(ins[anchor].shape) - 1])
     return [project(target, ins[anchor], t) for t in ins], [project(target, ins[anchor], o) for o in outs]
 
@@ -363,6 +363,43 @@ def _constrain(op, ins, lays, outs, sharder):
     return [layout], [layout]
 
 
+def _tokens(layout: Layout, tensor: Tensor) -> dict:
+    """The mesh axes that split a tensor's token dimensions (all but the last)."""
+    return {ax: p for ax, p in layout.placements if isinstance(p, Shard) and p.dim < len(tensor.shape) - 1}
+
+
+def _by_origin(tokens: dict, width: Layout, order) -> Layout:
+    """Expert buffers [expert, capacity, embed] whose capacity slots are split the way their
+    tokens were (each rank's slots hold its own tokens), embed split like `width`."""
+    return Layout.of({**{ax: Shard(1) for ax in tokens}, **width.as_dict()}, order)
+
+
+def _dispatch(op, ins, lays, outs, sharder):
+    """Routing moves tokens into expert buffers where they stand; the buffers go to the
+    experts' ranks when an op needs them split by expert: Shard(capacity) -> Shard(expert),
+    an ALL_TO_ALL, and back the same way (Megatron-Core's all-to-all token dispatcher)."""
+    order = sharder.mesh_axes
+    if op.kind is OpKind.DISPATCH:
+        x, gates = ins
+        layout = without(lays[0], dims=[len(x.shape) - 1])
+        hidden = {ax: Shard(2) for ax, p in without(lays[0]).placements if p == Shard(len(x.shape) - 1)}
+        return [without(lays[0]), project(layout, x, gates)], [_by_origin(_tokens(layout, x), Layout.of(hidden, order), order)]
+    # combine, dispatch_grad, combine_grad: the tokens' layout comes from the gates
+    gates_index = 1
+    tokens = _tokens(without(lays[gates_index]), ins[gates_index])
+    gates = Layout.of(tokens, order)
+    buffers = _by_origin(tokens, Layout(), order)
+    token_out = lambda t: project(gates, ins[gates_index], t)
+    if op.kind is OpKind.COMBINE:
+        return [buffers, gates], [token_out(outs[0])]
+    if op.kind is OpKind.DISPATCH_GRAD:
+        return [buffers, gates], [token_out(outs[0])]
+    # combine_grad: (d_out, gates, buffers) -> (d_buffers, d_gates)
+    needed = [token_out(ins[0]), gates, buffers]
+    produced = [buffers if o.dims[:1] == ins[2].dims[:1] else token_out(o) for o in outs]
+    return needed, produced
+
+
 def _passthrough(op, ins, lays, outs, sharder):
     raise AssertionError(f"op {op.name}: {op.kind} is created by sharding, not sharded")
 
@@ -383,6 +420,12 @@ _RULES: dict[OpKind, Callable] = {
     OpKind.LOSS: _loss,
     OpKind.DROPOUT: _elementwise,
     OpKind.CONSTRAIN: _constrain,
+    OpKind.ROUTE: _along_last_dim,
+    OpKind.ROUTE_GRAD: _along_last_dim,
+    OpKind.DISPATCH: _dispatch,
+    OpKind.DISPATCH_GRAD: _dispatch,
+    OpKind.COMBINE: _dispatch,
+    OpKind.COMBINE_GRAD: _dispatch,
     OpKind.OPTIMIZER: _optimizer,
     OpKind.COLLECTIVE: _passthrough,
     OpKind.SLICE: _passthrough,

@@ -1,0 +1,97 @@
+"""Mixtures of experts and expert parallelism."""
+
+from fractions import Fraction
+
+import pytest
+
+from helpers import block_collectives
+from model_zoo import load_model
+from stg import Plan, build, generate
+from stg.chakra.validate import validate
+from stg.graph import OpKind
+
+PUBLISHED = {"mixtral-8x7b": 46_702_792_704, "mixtral-8x22b": 140_630_071_296, "deepseek-v3": 671_026_404_352}
+MOE = dict(name="tiny-moe", family="mixtral", layers=2, hidden=64, ffn=128, heads=4, kv_heads=2, vocab=512,
+           experts=8, top_k=2, moe_ffn=96)
+SHARED = dict(MOE, name="tiny-shared", shared_experts=2, first_dense_layers=1, layers=3)
+B, S = 2, 16
+
+
+@pytest.mark.parametrize("name", sorted(PUBLISHED))
+def test_parameter_counts_match_huggingface(name):
+    """DeepSeek-V3: the main model, without the multi-token-prediction module and without the
+    routers' e_score_correction_bias (58 x 256 values HuggingFace keeps as buffers)."""
+    assert load_model(name).params == PUBLISHED[name]
+
+
+def test_hypothetical_trillion_parameter_models():
+    assert 1.0e12 <= load_model("moe-1t").params < 1.2e12
+    assert 1.9e12 <= load_model("moe-2t").params < 2.1e12
+
+
+def moe_forward_flops(workload, block):
+    """The contractions of one MoE block's forward in micro-batch 0: router, experts, shared."""
+    gemms = [f"{block}.router.logits"] + [f"{block}.{part}.{w}" for part in ("experts", "shared")
+                                           for w in ("gate", "up", "down", "down.matmul")]
+    return sum(n.flops for n in workload.programs[0].nodes if n.name.split(" ", 1) in [["0F0", g] for g in gemms])
+
+
+@pytest.mark.parametrize("ep", [1, 2, 4])
+def test_moe_layer_flops_per_token(ep):
+    """2 (router GEMM H.E + k experts 3.H.Fe + shared experts 3.H.Ns.Fe) per token, whatever ep."""
+    h, e, k, fe, ns = 64, 8, 2, 96, 2
+    workload = build(SHARED, Plan(ep=ep, micro_batch=B, global_batch=B * ep, seq=S))
+    tokens_per_rank = B * S
+    by_hand = 2 * (h * e + k * 3 * h * fe + 3 * h * ns * fe)
+    assert moe_forward_flops(workload, "layers.2") == by_hand * tokens_per_rank
+
+
+def test_flops_over_the_ep_group_equal_one_rank():
+    one = build(MOE, Plan(micro_batch=4, global_batch=4, seq=S))
+    four = build(MOE, Plan(ep=4, micro_batch=1, global_batch=4, seq=S))
+    assert 4 * four.programs[0].stats.flops_by_phase["F"] == one.programs[0].stats.flops_by_phase["F"]
+    fb = lambda w: sum(v for k, v in w.programs[0].stats.flops_by_phase.items() if k != "S")
+    assert 4 * fb(four) == fb(one)
+
+
+@pytest.mark.parametrize("cf", [1.0, 1.25])
+def test_all_to_all_bytes_per_moe_layer(cf):
+    """Dispatch and combine, forward and backward: each rank puts in its tokens' k copies,
+    padded by the capacity factor: tokens per rank . k . H . 2 bytes . cf."""
+    dp, ep = 2, 4
+    workload = build(MOE, Plan(dp=dp, ep=ep, micro_batch=B, global_batch=B * dp * ep, seq=S, capacity_factor=cf))
+    per_rank = Fraction(B * S * 2 * 64 * 2) * Fraction(str(cf))  # tokens . k . H . bf16 . cf
+    found = block_collectives(workload, 2)
+    a2a = {(phase, size): n for (phase, kind, size), n in found.items() if kind == "ALL_TO_ALL"}
+    assert a2a == {("F", per_rank): 2, ("B", per_rank): 2}
+
+
+def test_expert_gradients_reduce_over_the_expert_data_parallel_group():
+    workload = build(MOE, Plan(dp=2, ep=2, micro_batch=B, global_batch=4 * B, seq=S))
+    for op in workload.sharded.graph.ops:
+        if op.kind is OpKind.COLLECTIVE and op.phase.value == "S":
+            expert = ".experts." in op.name
+            assert op.attrs["axes"] == (("dp",) if expert else ("dp", "ep")), op.name
+
+
+def test_dp4_ep4_tp2_pp2_validates(tmp_path):
+    model = dict(MOE, layers=2)
+    out = tmp_path / "set"
+    generate(model, Plan(dp=4, ep=4, tp=2, pp=2, micro_batch=1, global_batch=32, seq=16), out, workers=2)
+    assert validate(out) == []
+
+
+def test_ep_must_divide_the_experts():
+    from stg.errors import LayoutError
+
+    with pytest.raises(LayoutError, match="ep=3 does not divide expert dimension E=8"):
+        build(MOE, Plan(ep=3, global_batch=3, seq=S))
+
+
+def test_deepseek_mla_splits_heads_over_tp():
+    model = dict(name="tiny-ds", family="deepseek", layers=2, hidden=64, ffn=128, heads=4, vocab=512, experts=4,
+                 moe_ffn=32, top_k=2, shared_experts=1, first_dense_layers=1, q_lora_rank=32, kv_lora_rank=16,
+                 qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=8)
+    one = build(model, Plan(micro_batch=B, seq=S))
+    two = build(model, Plan(tp=2, micro_batch=B, seq=S))
+    assert 2 * two.programs[0].stats.matmul_flops == one.programs[0].stats.matmul_flops
