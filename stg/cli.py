@@ -67,7 +67,7 @@ def models(as_json: bool = typer.Option(False, "--json", help="Print a JSON list
 @app.command()
 def generate(
     model: str = typer.Argument(..., help="A zoo name (see `stg models`) or a path to a model YAML."),
-    out: Path = typer.Option(..., "--out", "-o", help="Output directory; replaced atomically if it holds an earlier trace set."),
+    out: Optional[Path] = typer.Option(None, "--out", "-o", help="Output directory; replaced atomically if it holds an earlier trace set. Required unless --count-only."),
     plan_file: Optional[Path] = typer.Option(None, "--plan", help="A plan YAML with the same keys as these options; options given here override it."),
     dp: Optional[int] = typer.Option(None, help="Data-parallel degree. [default: 1]"),
     tp: Optional[int] = typer.Option(None, help="Tensor-parallel degree (Megatron: heads, MLP and vocabulary split). [default: 1]"),
@@ -119,6 +119,8 @@ def generate(
             counted.pop("summary")
             typer.echo(json.dumps(counted, indent=1))
             return
+        if out is None:
+            raise PlanError("out: give an output directory with -o/--out (or use --count-only)")
         span = _rank_range(ranks) if ranks else None
         if executor not in ("local", "dask"):
             raise PlanError(f"executor: must be local or dask, got {executor!r}")

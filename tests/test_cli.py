@@ -167,3 +167,11 @@ def test_summary_command(tmp_path, tiny_llama):
     assert "memory peak GiB" in text and "REDUCE_SCATTER" in text
     assert run("summary", out, "--rank", "9").exit_code == 2
     assert run("summary", tmp_path).exit_code == 2
+
+
+def test_count_only_needs_no_output(tmp_path, tiny_llama):
+    model = write_model(tmp_path, tiny_llama)
+    result = run("generate", model, "--dp", "2", *TINY, "--count-only")
+    assert result.exit_code == 0 and json.loads(result.output)["ranks"] == 2
+    result = run("generate", model, "--dp", "2", *TINY)
+    assert result.exit_code == 2 and "give an output directory" in result.output
