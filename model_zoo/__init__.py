@@ -79,11 +79,16 @@ def zoo_names() -> list[str]:
 
 
 def load_model(spec: str | Path | Mapping) -> Model:
-    """A zoo name (`llama3-70b`), a path to a model YAML, or a dict of the same fields."""
+    """A zoo name (`llama3-70b`), a path to a model YAML, a HuggingFace config.json (or a folder
+    holding one), or a dict of the YAML's fields."""
     if isinstance(spec, Mapping):
         return _from_dict(dict(spec), source="<dict>")
     text = str(spec)
     path = Path(text)
+    if text.endswith(".json") or (path.is_dir() and (path / "config.json").is_file()):
+        from model_zoo.hf import from_hf_config
+
+        return _from_dict(from_hf_config(path), source=str(path))
     if text.endswith((".yaml", ".yml")) or path.is_file():
         if not path.is_file():
             raise ModelSpecError(f"model file {text} does not exist")

@@ -57,6 +57,8 @@ class TransformerConfig:
     positions: str | None = None
     tied_embeddings: bool | None = None
     dropout: float | None = None  # probability; > 0 adds GPT-2's embedding, attention and residual dropout
+    qkv_bias: bool = False  # biases on the query, key and value projections only (Qwen2)
+    qk_norm: bool = False  # RMSNorm on each head's queries and keys (Qwen3)
     # mixture of experts (experts set): E routed experts of width moe_ffn, top_k per token,
     # shared_experts always-on experts of the same width, the first first_dense_layers dense
     experts: int | None = None
@@ -176,7 +178,7 @@ def build_transformer(config: TransformerConfig, flash_attention: bool = True) -
         return g.norm(name, norm, x, weight, b)
 
     def linear(name: str, spec: str, x: str, shape: list, dims: list[str], bias_shape: list,
-               bias_dims: list[str], residual: bool = False) -> str:
+               bias_dims: list[str], residual: bool = False, bias: bool = bias) -> str:
         """x @ W (+ b). A `residual` output is anchored to the residual stream's layout
         before its bias and dropout, where Megatron reduces a row-parallel output."""
         weight = g.weight(f"{name}.weight", shape, dims)
@@ -191,12 +193,17 @@ def build_transformer(config: TransformerConfig, flash_attention: bool = True) -
 
     def gqa_attention(p: str, h: str) -> str:
         """Grouped-query (multi-head when kv_heads = heads) attention; its output anchored."""
+        qkv_bias = bias or config.qkv_bias
         q = linear(f"{p}.attn.q", "bsh,hngd->bsngd", h, [H, AKV, groups, DH],
-                   ["embed", "kv_heads", "q_per_kv", "head_dim"], [AKV, groups, DH], ["kv_heads", "q_per_kv", "head_dim"])
+                   ["embed", "kv_heads", "q_per_kv", "head_dim"], [AKV, groups, DH], ["kv_heads", "q_per_kv", "head_dim"],
+                   bias=qkv_bias)
         k = linear(f"{p}.attn.k", "bsh,hnd->bsnd", h, [H, AKV, DH],
-                   ["embed", "kv_heads", "head_dim"], [AKV, DH], ["kv_heads", "head_dim"])
+                   ["embed", "kv_heads", "head_dim"], [AKV, DH], ["kv_heads", "head_dim"], bias=qkv_bias)
         v = linear(f"{p}.attn.v", "bsh,hnd->bsnd", h, [H, AKV, DH],
-                   ["embed", "kv_heads", "head_dim"], [AKV, DH], ["kv_heads", "head_dim"])
+                   ["embed", "kv_heads", "head_dim"], [AKV, DH], ["kv_heads", "head_dim"], bias=qkv_bias)
+        if config.qk_norm:  # Qwen3: RMSNorm over each head's query and key
+            q = g.norm(f"{p}.attn.q_norm", NormKind.RMS_NORM, q, g.weight(f"{p}.attn.q_norm.weight", [DH], ["head_dim"]))
+            k = g.norm(f"{p}.attn.k_norm", NormKind.RMS_NORM, k, g.weight(f"{p}.attn.k_norm.weight", [DH], ["head_dim"]))
         if config.positions == "rope":
             q = g.pointwise(f"{p}.attn.q_rope", Pointwise.ROPE, q)
             k = g.pointwise(f"{p}.attn.k_rope", Pointwise.ROPE, k)
