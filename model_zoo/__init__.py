@@ -15,6 +15,7 @@ from typing import Any, Mapping
 import sympy
 import yaml
 
+from model_zoo.described import DescribedConfig, build_described
 from model_zoo.transformer import TransformerConfig, build_transformer
 from stg.errors import ModelSpecError
 from stg.graph import Graph
@@ -25,6 +26,7 @@ FAMILIES = {
     "llama": (TransformerConfig.from_dict, build_transformer),
     "mixtral": (TransformerConfig.from_dict, build_transformer),
     "deepseek": (TransformerConfig.from_dict, build_transformer),
+    "graph": (DescribedConfig.from_dict, build_described),  # any architecture, op by op
 }
 
 

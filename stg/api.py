@@ -23,7 +23,7 @@ from stg.device import device_spec
 from stg.emit import Progress, count_trace_set, write_trace_set
 from stg.errors import PlanError
 from stg.groups import GroupIds
-from stg.graph import DType
+from stg.graph import DType, Phase
 from parallelism.pipeline import cut, stage_plan
 from stg.chakra.writer import fixed_varint, rank_width
 from stg.lower import Evaluator, Pipeline, check_divisibility, lower
@@ -144,10 +144,13 @@ TAG_LIMIT = 400_000_000  # below ASTRA-sim's 500,000,000 limit on comm_tag
 def _pipeline(model: Model, plan: Plan, sharded: ShardedGraph) -> Pipeline:
     if plan.pp == 1:
         return Pipeline.single_stage(plan.microbatches)
-    if getattr(model.config, "tied_embeddings", False):
-        raise PlanError(f"pp={plan.pp}: model {model.name} ties its output layer to the embedding, which would "
-                        "span the first and last stage; not supported yet (set tied_embeddings: false)")
     stages = stage_plan(plan, model.layers)
+    for weight in sharded.graph.weights:  # e.g. an output layer tied to the embedding
+        used_on = {stages.virtual_stage(op.layer) for op in sharded.graph.consumers.get(weight.name, ())
+                   if op.phase is not Phase.STEP}
+        if len(used_on) > 1:
+            raise PlanError(f"pp={plan.pp}: weight {weight.name} of model {model.name} is used on pipeline stages "
+                            f"{sorted(used_on)}; a weight shared across stages (tied embeddings) is not supported yet")
     schedule = make_schedule(plan.schedule, plan.pp, plan.microbatches, plan.vpp)
     edges = tuple(cut(sharded.graph, stages))
     if plan.microbatches * len(edges) >= TAG_LIMIT:

@@ -14,6 +14,7 @@ from typing import Iterator, Optional
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
@@ -33,7 +34,7 @@ def _user_errors() -> Iterator[None]:
     try:
         yield
     except StgError as error:
-        err.print(f"[red]error:[/red] {error}", highlight=False, soft_wrap=True)
+        err.print(f"[red]error:[/red] {escape(str(error))}", highlight=False, soft_wrap=True)
         raise typer.Exit(2)
 
 
@@ -189,7 +190,7 @@ def summary(
     {weights, gradients, optimizer_states, activations, peak}, from OUT/summary.json."""
     path = out / "summary.json"
     if not path.is_file():
-        err.print(f"[red]error:[/red] {out}: not a trace set (no summary.json)", highlight=False)
+        err.print(f"[red]error:[/red] {escape(str(out))}: not a trace set (no summary.json)", highlight=False)
         raise typer.Exit(2)
     data = json.loads(path.read_text())
     classes = data["rank_classes"]
@@ -230,16 +231,16 @@ def validate(
     from stg.chakra.validate import validate as check
 
     if not (out / "workload.json").is_file():
-        err.print(f"[red]error:[/red] {out}: not a trace set (no workload.json)", highlight=False)
+        err.print(f"[red]error:[/red] {escape(str(out))}: not a trace set (no workload.json)", highlight=False)
         raise typer.Exit(2)
     with _progress("loading ranks", False) as progress:
         problems = check(out, replay=replay, progress=progress)
     if problems:
         for problem in problems[:50]:
-            err.print(str(problem), highlight=False, soft_wrap=True)
+            err.print(escape(str(problem)), highlight=False, soft_wrap=True)
         if len(problems) > 50:
             err.print(f"... and {len(problems) - 50} more", highlight=False)
-        err.print(f"[red]invalid:[/red] {len(problems)} problem(s) in {out}", highlight=False)
+        err.print(f"[red]invalid:[/red] {len(problems)} problem(s) in {escape(str(out))}", highlight=False)
         raise typer.Exit(1)
     ranks = len(list(out.glob("workload.*.et")))
     typer.echo(f"ok: {ranks} ranks in {out} are consistent" + (" and replay to completion" if replay else ""))
@@ -264,7 +265,7 @@ def inspect(
     from stg.chakra.reader import TraceFormatError, format_node, iter_nodes, node_to_dict
 
     if not file.is_file():
-        err.print(f"[red]error:[/red] {file}: no such file", highlight=False)
+        err.print(f"[red]error:[/red] {escape(str(file))}: no such file", highlight=False)
         raise typer.Exit(2)
     try:
         for count, node in enumerate(iter_nodes(file)):
@@ -272,7 +273,7 @@ def inspect(
                 break
             typer.echo(json.dumps(node_to_dict(node)) if as_json else format_node(node))
     except TraceFormatError as error:
-        err.print(f"[red]error:[/red] {error}", highlight=False)
+        err.print(f"[red]error:[/red] {escape(str(error))}", highlight=False)
         raise typer.Exit(2)
     except BrokenPipeError:
         sys.stderr.close()

@@ -37,3 +37,11 @@ def test_own_model_example(tmp_path):
                                       "--global-batch", "16", "--seq", "512", "-o", str(out), "-q"])
     assert result.exit_code == 0, result.output
     assert validate(out) == []
+
+
+def test_custom_model_example(tmp_path):
+    result = subprocess.run([sys.executable, str(EXAMPLES / "custom_model.py"), str(tmp_path / "out")],
+                            capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    # 2VH embed/head + 4 (H + 2HF) + H: counted by hand
+    assert "mlp-only: 16,779,776 parameters" in result.stdout and result.stdout.strip().endswith("valid")

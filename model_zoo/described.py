@@ -1,0 +1,239 @@
+"""Models described op by op (family `graph`): any architecture, no stg code.
+
+A description names its symbolic dimensions with their logical axes and sizes, its
+parameters with shapes over those dimensions, and its ops, one a line, in the same notation
+`print(graph)` uses:
+
+    name: my-decoder
+    family: graph
+    dims:                      # symbol: [logical axis, size]; B (batch) and S (seq) come from the plan
+      H: [embed, 4096]
+      V: [vocab, 32000]
+    inputs: {tokens: [B, S], labels: [B, S]}
+    blocks:                    # in order; block 0, 1, ... is what pipeline stages split on
+      - name: embed
+        params: {table: [V, H]}
+        ops:
+          - x = embedding(table, tokens)
+          - x = constrain(x, residual)
+      - name: layers           # `repeat` copies get names layers.0, layers.1, ...
+        repeat: 32
+        params: {norm: [H], w: [H, H]}
+        ops:
+          - h = rmsnorm(x, norm)
+          - y = einsum(bsh,hk->bsk, h, w)
+          - x = add(x, y)
+      ...
+
+A name assigned again (x = add(x, y)) rebinds it: blocks chain through the names they share.
+Ops: einsum(spec, a, b[, causal][, fused]), rmsnorm(x, w), layernorm(x, w, b), add(a, b),
+gelu(x), silu(x), swiglu(gate, up), rope(x), softmax(x), dropout(x), embedding(table, ids),
+cross_entropy(logits, labels), constrain(x, tag), route(logits, k), dispatch(x, gates,
+capacity), combine(buffers, gates). `causal` counts an attention einsum at the plan's causal
+fraction; `fused` keeps its output on chip (FlashAttention). Capacity and k are symbols
+(E, K, CF ... from dims, or numbers).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Any
+
+import sympy
+
+from model_zoo.moe import CF
+from stg.builder import GraphBuilder
+from stg.costs import NormKind, Pointwise
+from stg.errors import ModelSpecError, StgError
+from stg.graph import Graph
+from stg.symbols import ATTN_FRACTION, B, S
+
+_LINE = re.compile(r"^\s*([A-Za-z_][\w.]*)\s*=\s*([a-z_]+)\((.*)\)\s*$")
+_POINTWISE = {"gelu": Pointwise.GELU, "silu": Pointwise.SILU, "swiglu": Pointwise.SWIGLU, "rope": Pointwise.ROPE,
+              "add": Pointwise.ADD}
+
+
+@dataclass(frozen=True)
+class DescribedConfig:
+    """A parsed description: what `Model` needs (name, family, layers, sizes) and the spec."""
+
+    name: str
+    family: str
+    layers: int  # repeated blocks (the first block is the prologue, the last the epilogue)
+    spec: Any  # the description dict (kept as given; frozen by convention)
+    symbols: tuple[tuple[str, int], ...]
+    axes: tuple[tuple[str, str], ...]
+
+    def __hash__(self) -> int:
+        return hash((self.name, self.symbols))
+
+    @classmethod
+    def from_dict(cls, spec: dict) -> "DescribedConfig":
+        name = spec.get("name")
+        where = f"model {name!r}"
+        unknown = sorted(set(spec) - {"name", "family", "dims", "inputs", "blocks"})
+        if unknown:
+            raise ModelSpecError(f"{where}: unknown field(s) {unknown}; known: blocks, dims, family, inputs, name")
+        dims = spec.get("dims") or {}
+        if not isinstance(dims, dict):
+            raise ModelSpecError(f"{where}: dims must map a symbol to [logical axis, size]")
+        symbols, axes = [], [("B", "batch"), ("S", "seq")]
+        for symbol, entry in dims.items():
+            if not (isinstance(entry, list) and len(entry) == 2 and isinstance(entry[0], str)):
+                raise ModelSpecError(f"{where}: dimension {symbol}: expected [logical axis, size], got {entry!r}")
+            axis, size = entry
+            if isinstance(size, bool) or not isinstance(size, int) or size <= 0:
+                raise ModelSpecError(f"{where}: dimension {symbol}: size must be a positive integer, got {size!r}")
+            symbols.append((symbol, size))
+            axes.append((symbol, axis))
+        blocks = spec.get("blocks")
+        if not isinstance(blocks, list) or not blocks:
+            raise ModelSpecError(f"{where}: blocks must be a non-empty list")
+        repeated = sum(int(b.get("repeat", 1)) for b in blocks[1:-1]) if len(blocks) > 2 else 0
+        return cls(name, spec.get("family", "graph"), repeated, spec, tuple(symbols), tuple(axes))
+
+    def sizes(self, vocab_multiple: int = 1) -> dict[sympy.Symbol, int]:
+        axes = dict(self.axes)
+        pad = lambda name, size: -(-size // vocab_multiple) * vocab_multiple if axes[name] == "vocab" else size
+        return {_symbol(name): pad(name, size) for name, size in self.symbols}
+
+
+def _symbol(name: str) -> sympy.Symbol:
+    return {"B": B, "S": S, "CF": CF}.get(name) or sympy.Symbol(name, positive=True, integer=True)
+
+
+class _Builder:
+    def __init__(self, config: DescribedConfig, flash_attention: bool):
+        self.config = config
+        self.flash = flash_attention
+        self.axis = dict(config.axes)
+        self.g = GraphBuilder()
+        self.scope: dict[str, str] = {}  # the names a description uses -> graph tensor names
+        self.core: set[str] = set()  # outputs of attention-core ops (causal or fused einsums onward)
+
+    def error(self, where: str, message: str) -> ModelSpecError:
+        return ModelSpecError(f"model {self.config.name!r}, {where}: {message}")
+
+    def shape(self, where: str, dims: list) -> tuple[list, list[str]]:
+        if not isinstance(dims, list):
+            raise self.error(where, f"shape must be a list of dimensions, got {dims!r}")
+        shape, axes = [], []
+        for dim in dims:
+            expr = sympy.sympify(dim, locals={str(d): _symbol(str(d)) for d in self.axis} | {"CF": CF})
+            free = [str(s) for s in expr.free_symbols]
+            unknown = [s for s in free if s not in self.axis]
+            if unknown:
+                raise self.error(where, f"unknown dimension(s) {unknown}; declared: {sorted(self.axis)}")
+            if len(free) != 1:
+                raise self.error(where, f"dimension {dim!r} must name exactly one declared dimension")
+            shape.append(expr)
+            axes.append(self.axis[free[0]])
+        return shape, axes
+
+    def build(self) -> Graph:
+        for name, dims in (self.config.spec.get("inputs") or {}).items():
+            shape, axes = self.shape(f"input {name}", dims)
+            self.scope[name] = self.g.input(name, shape, axes)
+        blocks = self.config.spec["blocks"]
+        layer = 0
+        for index, block in enumerate(blocks):
+            repeat = int(block.get("repeat", 1))
+            for copy in range(repeat):
+                prefix = block.get("name", f"block{index}") + (f".{copy}" if repeat > 1 else "")
+                self.g.layer = layer
+                self.block(block, prefix)
+                layer += 1
+        return self.g.build()
+
+    def block(self, block: dict, prefix: str) -> None:
+        local = dict(self.scope)
+        for name, dims in (block.get("params") or {}).items():
+            shape, axes = self.shape(f"parameter {prefix}.{name}", dims)
+            local[name] = self.g.weight(f"{prefix}.{name}", shape, axes)
+        for line in block.get("ops") or []:
+            match = _LINE.match(str(line))
+            if not match:
+                raise self.error(f"block {prefix}", f"cannot read op {line!r}; expected `out = op(args)`")
+            out, op, args = match.groups()
+            try:
+                local[out] = self.op(f"{prefix}.{out}", op, _split(args), local)
+            except StgError as err:
+                raise self.error(f"op {prefix}.{out} = {op}(...)", str(err)) from None
+        self.scope.update({k: v for k, v in local.items() if k in self.scope or k not in (block.get("params") or {})})
+
+    def op(self, name: str, op: str, args: list[str], local: dict[str, str]) -> str:
+        g = self.g
+        name = _unique(name, g.tensors)
+        flags = {a for a in args if a in ("causal", "fused")}
+        values = [a for a in args if a not in flags]
+
+        def tensor(arg: str) -> str:
+            if arg not in local:
+                raise ModelSpecError(f"unknown tensor {arg!r} (not an input, a parameter or an earlier op's output)")
+            return local[arg]
+
+        if op == "einsum":
+            spec, a, b = values
+            core = bool(flags) or local.get(a) in self.core
+            out = g.einsum(name, spec.strip("'\""), tensor(a), tensor(b), density=ATTN_FRACTION if "causal" in flags else 1,
+                           transient="fused" in flags and self.flash, **({"attention_core": True} if core else {}))
+            if core:
+                self.core.add(out)
+            return out
+        if op in _POINTWISE:
+            return g.pointwise(name, _POINTWISE[op], *map(tensor, values))
+        if op in ("rmsnorm", "layernorm"):
+            kind = NormKind.RMS_NORM if op == "rmsnorm" else NormKind.LAYER_NORM
+            return g.norm(name, kind, *map(tensor, values))
+        if op in ("softmax", "dropout"):
+            core = tensor(values[0]) in self.core  # part of an attention core: selective recompute re-runs it
+            out = (g.softmax if op == "softmax" else g.dropout)(name, tensor(values[0]),
+                                                                **({"attention_core": True} if core else {}))
+            if core:
+                self.core.add(out)
+            return out
+        if op == "embedding":
+            return g.embedding(name, tensor(values[0]), tensor(values[1]))
+        if op == "cross_entropy":
+            return g.cross_entropy(name, tensor(values[0]), tensor(values[1]))
+        if op == "constrain":
+            return g.constrain(name, tensor(values[0]), values[1])
+        if op == "route":
+            return g.route(name, tensor(values[0]), values[1])
+        if op == "dispatch":
+            capacity = sympy.sympify(values[2], locals={d: _symbol(d) for d in self.axis})
+            unknown = [str(s) for s in capacity.free_symbols if str(s) not in self.axis and str(s) != "CF"]
+            if unknown:
+                raise ModelSpecError(f"capacity {values[2]!r}: unknown dimension(s) {unknown}")
+            return g.dispatch(name, tensor(values[0]), tensor(values[1]), capacity)
+        if op == "combine":
+            return g.combine(name, tensor(values[0]), tensor(values[1]))
+        raise ModelSpecError(f"unknown op {op!r}; known: einsum, {', '.join(_POINTWISE)}, rmsnorm, layernorm, "
+                             "softmax, dropout, embedding, cross_entropy, constrain, route, dispatch, combine")
+
+
+def _split(args: str) -> list[str]:
+    return [part.strip() for part in args.split(",") if part.strip()] if "->" not in args else _split_einsum(args)
+
+
+def _split_einsum(args: str) -> list[str]:
+    """`bsh,hf->bsf, a, b`: the spec's own commas stay inside it."""
+    spec_end = args.index("->")
+    rest = args[spec_end:].split(",")
+    spec = args[:spec_end] + rest[0]
+    return [spec.strip(), *(part.strip() for part in rest[1:] if part.strip())]
+
+
+def _unique(name: str, taken) -> str:
+    """A name rebound in a block (x = add(x, y)) gets a fresh graph name: x, x#1, ..."""
+    if name not in taken:
+        return name
+    n = 1
+    while f"{name}#{n}" in taken:
+        n += 1
+    return f"{name}#{n}"
+
+
+def build_described(config: DescribedConfig, flash_attention: bool = True) -> Graph:
+    return _Builder(config, flash_attention).build()
