@@ -32,6 +32,12 @@ def sharding_spec(plan: Plan) -> ShardingSpec:
                 kept = tuple(a for a in axes if a in in_play)
                 if kept:
                     merged[target][logical] = merged[target].get(logical, ()) + kept
+    for logical, axes in plan.rules or ():  # the plan's own rules win
+        for target in ("data", "params"):
+            if axes is None:
+                merged[target].pop(logical, None)
+            elif logical in merged[target] or target == "params":
+                merged[target][logical] = tuple(a for a in axes if a in in_play)
     # the residual stream is laid out like the data, plus sequence parallelism's split
     residual = {k: merged["data"].get(k, ()) + merged["residual"].get(k, ())
                 for k in {**merged["data"], **merged["residual"]}}

@@ -20,7 +20,7 @@ import yaml
 
 from stg.device import DEFAULT_DEVICE, DEVICES
 from stg.errors import PlanError
-from stg.mesh import DeviceMesh
+from stg.mesh import MESH_ORDER, DeviceMesh
 
 
 class AttentionFlops(Enum):
@@ -66,6 +66,9 @@ class Plan:
     # --make-vocab-size-divisible-by, whose default is 128; 1 pads only what tp needs)
     make_vocab_divisible_by: int = 1
     capacity_factor: float = 1.0  # expert buffer slots per routed token (balanced routing)
+    # overrides of the strategies' logical-axis rules: {logical axis: mesh axes, or None to
+    # never split it}, e.g. {"mlp": "tp", "heads": None}
+    rules: tuple[tuple[str, tuple[str, ...] | None], ...] | None = None
     micro_batch: int = 1
     global_batch: int | None = None  # default: micro_batch * dp (no gradient accumulation)
     seq: int = 2048
@@ -108,6 +111,8 @@ class Plan:
             object.__setattr__(self, "layers_per_stage", tuple(split))
             if len(split) != self.pp * self.vpp:
                 raise PlanError(f"layers_per_stage: {len(split)} entries, but pp*vpp = {self.pp}*{self.vpp} = {self.pp * self.vpp} stages")
+        if self.rules is not None:
+            object.__setattr__(self, "rules", _parse_rules(self.rules))
         if self.grad_dtype not in GRAD_DTYPES:
             raise PlanError(f"grad_dtype: must be one of {list(GRAD_DTYPES)}, got {self.grad_dtype!r}")
         for name, what in _NOT_YET.items():
@@ -176,7 +181,22 @@ class Plan:
         data["recompute"] = self.recompute.value
         if self.layers_per_stage is not None:
             data["layers_per_stage"] = list(self.layers_per_stage)
+        if self.rules is not None:
+            data["rules"] = {k: list(v) if v is not None else None for k, v in self.rules}
         return data
+
+
+def _parse_rules(rules) -> tuple[tuple[str, tuple[str, ...] | None], ...]:
+    items = rules.items() if isinstance(rules, Mapping) else rules
+    parsed = []
+    for logical, axes in items:
+        if axes is not None:
+            axes = (axes,) if isinstance(axes, str) else tuple(axes)
+            unknown = [a for a in axes if a not in MESH_ORDER]
+            if unknown:
+                raise PlanError(f"rules: {logical}: unknown mesh axes {unknown}; known: {list(MESH_ORDER)}")
+        parsed.append((str(logical), axes))
+    return tuple(sorted(parsed, key=lambda kv: kv[0]))
 
 
 def _positive_int(name: str, value: Any) -> None:

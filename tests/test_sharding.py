@@ -34,3 +34,26 @@ def test_batch_is_split_and_weights_replicated(tiny_llama):
     assert sharded.describe("layers.0.mlp.up.weight.grad") == "P(dp)"
     dp = sympy.Symbol("dp", positive=True, integer=True)
     assert str(sharded.graph.tensors["layers.0.mlp.up"].shape[0]) == str(sympy.Symbol("B", positive=True) / dp)
+
+
+def test_plan_rules_override_the_strategies(tiny_llama):
+    """rules: {mlp: null} keeps the MLP whole under tp (only attention is split); the MLP
+    then needs no tensor-parallel collectives of its own."""
+    from stg import build
+
+    default = build(tiny_llama, Plan(tp=2, sp=False, seq=32)).sharded
+    custom = build(tiny_llama, Plan(tp=2, sp=False, seq=32, rules={"mlp": None})).sharded
+    assert default.describe("layers.1.mlp.up.weight") == "F@tp"
+    assert custom.describe("layers.1.mlp.up.weight") == "R"
+    assert custom.describe("layers.1.attn.q.weight") == "Akv@tp"
+    count = lambda s: sum(op.kind is OpKind.COLLECTIVE and op.layer == 2 and op.phase is not Phase.STEP for op in s.graph.ops)
+    assert count(default) == 4 and count(custom) == 2  # only the attention block's all-reduces remain
+
+
+def test_plan_rules_name_known_mesh_axes():
+    import pytest
+
+    from stg.errors import PlanError
+
+    with pytest.raises(PlanError, match="rules: mlp: unknown mesh axes"):
+        Plan(tp=2, rules={"mlp": "xp"})
