@@ -6,8 +6,10 @@ slots), `expert_mlp` (an expert's hidden width; not split by tensor parallelism:
 `heads` (MLA query heads, split by tensor parallelism), `q_lora`, `kv_lora`, `rope_dim`,
 `nope_dim`, `v_dim`.
 
-Routing is balanced: every expert receives capacity_factor * k * tokens / E token slots
-(the capacity factor is a plan input, symbol CF). A rank's slots are padded up, as buffers are.
+Buffers have capacity_factor * k * tokens / E token slots per expert (symbol CF, a plan
+input), padded up per rank, so the all-to-alls are even. Under routing skew (a plan's
+expert_skew, a Zipf exponent) the experts' GEMMs do LOAD times the balanced work on the
+tokens an expert slot actually receives, LOAD being bound per expert-parallel rank class.
 """
 
 from __future__ import annotations
@@ -20,6 +22,9 @@ from stg.symbols import ATTN_FRACTION, B, S
 
 E, K, FE, NS = sympy.symbols("E K Fe Ns", positive=True, integer=True)
 CF = sympy.Symbol("CF", positive=True)  # capacity factor
+# An expert slot's load relative to balanced routing (1 balanced): its experts' GEMMs do
+# LOAD times the balanced work. Bound per rank class under routing skew.
+LOAD = sympy.Symbol("LOAD", positive=True)
 QL, KL, DN, DR, DV = sympy.symbols("Ql Kl Dn Dr Dv", positive=True, integer=True)
 
 
@@ -31,7 +36,8 @@ def moe_mlp(g: GraphBuilder, p: str, h: str, hidden, shared: bool) -> tuple[str,
     tokens = g.dispatch(f"{p}.experts.dispatch", h, gates, CF * K * B * S / E)
 
     def expert(name: str, spec: str, x: str, shape: list, dims: list[str]) -> str:
-        return g.einsum(f"{p}.experts.{name}", spec, x, g.weight(f"{p}.experts.{name}.weight", shape, dims))
+        weight = g.weight(f"{p}.experts.{name}.weight", shape, dims)
+        return g.einsum(f"{p}.experts.{name}", spec, x, weight, density=LOAD)
 
     gate = expert("gate", "ech,ehf->ecf", tokens, [E, hidden, FE], ["expert", "embed", "expert_mlp"])
     up = expert("up", "ech,ehf->ecf", tokens, [E, hidden, FE], ["expert", "embed", "expert_mlp"])

@@ -34,7 +34,7 @@ from stg.mesh import DeviceMesh, axis_symbol
 from stg.plan import Plan
 from stg.recompute import recompute
 from stg.sharding import ShardedGraph, shard
-from model_zoo.moe import CF
+from model_zoo.moe import CF, LOAD, E
 from stg.symbols import ATTN_FRACTION, B, S
 
 from stg import __version__
@@ -49,10 +49,25 @@ class Workload:
     programs: tuple[RankProgram, ...]
     memory: tuple[Memory, ...]  # per rank class
     bindings: Mapping[sympy.Symbol, Any]
+    class_axes: tuple[str, ...] = ("pp",)  # mesh axes whose coordinates decide a rank's program
 
     def class_of(self, rank: int) -> int:
-        """Ranks of one pipeline stage run the same program up to their groups and peers."""
-        return (rank // self.mesh.stride("pp")) % self.plan.pp
+        """Ranks of one pipeline stage (and, under routing skew, one expert slot) run the same
+        program up to their groups and peers: the class is their coordinates on class_axes."""
+        index = 0
+        for axis in self.class_axes:
+            index = index * self.mesh.sizes[axis] + (rank // self.mesh.stride(axis)) % self.mesh.sizes[axis]
+        return index
+
+    def class_coords(self, cls: int) -> dict[str, int]:
+        coords = {}
+        for axis in reversed(self.class_axes):
+            cls, coords[axis] = divmod(cls, self.mesh.sizes[axis])
+        return {axis: coords[axis] for axis in self.class_axes}
+
+    def representative(self, cls: int) -> int:
+        """The lowest rank of class `cls`."""
+        return self.mesh.rank(self.class_coords(cls))
 
     def hole_values(self, rank: int, holes) -> dict:
         """The bytes that stamp `rank` from its class skeleton: group ids, rank numbers."""
@@ -62,7 +77,9 @@ class Workload:
             if isinstance(hole, GroupHole):
                 values[hole] = str(self.group_ids.id(rank, hole.axes)).encode()
             else:
-                peer = rank if hole.stage is None else rank + (hole.stage - self.class_of(rank)) * self.mesh.stride("pp")
+                stride = self.mesh.stride("pp")
+                stage = (rank // stride) % self.plan.pp
+                peer = rank if hole.stage is None else rank + (hole.stage - stage) * stride
                 values[hole] = fixed_varint(peer, width)
         return values
 
@@ -72,13 +89,14 @@ class Workload:
 
     def summary(self) -> dict:
         world = self.mesh.size
-        stride = self.mesh.stride("pp")  # pp is the slowest axis: class c is one block of ranks
-        classes = [
-            {"class": index, "ranks": [[index * stride, (index + 1) * stride - 1]], "count": stride,
-             **program.stats.to_dict(), "memory": self.memory[index].to_dict()}
-            for index, program in enumerate(self.programs)
-        ]
-        per_rank = [index for index in range(len(self.programs)) for _ in range(stride)]
+        count = world // len(self.programs)
+        classes = []
+        for index, program in enumerate(self.programs):
+            where = {"class": index, "coords": self.class_coords(index), "count": count}
+            if self.class_axes == ("pp",):  # pp is the slowest axis: a stage is one block of ranks
+                where["ranks"] = [[index * count, (index + 1) * count - 1]]
+            classes.append({**where, **program.stats.to_dict(), "memory": self.memory[index].to_dict()})
+        per_rank = [self.class_of(rank) for rank in range(world)]
         return {
             "stg_version": __version__,
             "model": {**self.model.describe(), "source": self.model.source},
@@ -125,17 +143,33 @@ def build(model: Model | str | Path | Mapping, plan: Plan | Mapping) -> Workload
         S: plan.seq,
         ATTN_FRACTION: plan.attention_flops.fraction,
         CF: sympy.Rational(str(plan.capacity_factor)),
+        LOAD: 1,
         **{axis_symbol(axis): size for axis, size in mesh.axes},
     }
     check_divisibility(sharded, bindings)
     evaluate = Evaluator(bindings)
     pipeline = _pipeline(model, plan, sharded)
+    loads = expert_loads(plan, bindings.get(E))
     programs, memories = [], []
-    for rank in range(plan.pp):  # one rank class per pipeline stage
-        programs.append(lower(sharded, evaluate, device_spec(plan.device), pipeline=pipeline,
-                              bucket_bytes=int(plan.bucket_mb * 2**20), rank=rank))
-        memories.append(memory(sharded, evaluate, pipeline.stages, pipeline.schedule[rank], rank))
-    return Workload(model, plan, mesh, sharded, tuple(programs), tuple(memories), bindings)
+    for rank in range(plan.pp):  # one rank class per pipeline stage (x expert slot under skew)
+        stage_memory = memory(sharded, evaluate, pipeline.stages, pipeline.schedule[rank], rank)
+        for load in loads:
+            programs.append(lower(sharded, Evaluator({**bindings, LOAD: load}), device_spec(plan.device),
+                                  pipeline=pipeline, bucket_bytes=int(plan.bucket_mb * 2**20), rank=rank))
+            memories.append(stage_memory)  # buffers are padded: memory does not follow the load
+    class_axes = ("pp", "ep") if len(loads) > 1 else ("pp",)
+    return Workload(model, plan, mesh, sharded, tuple(programs), tuple(memories), bindings, class_axes)
+
+
+def expert_loads(plan: Plan, experts: int | None) -> list[sympy.Expr]:
+    """Per expert-parallel slot, its load relative to balanced routing: expert e receives a
+    share of the tokens proportional to 1 / (e + 1)^s (Zipf), and slot r holds the contiguous
+    experts r E/ep .. (r + 1) E/ep - 1. [1] when routing is balanced."""
+    if not plan.expert_skew or experts is None or plan.ep == 1:
+        return [sympy.Integer(1)]
+    weights = [sympy.Float(1.0 / (e + 1) ** plan.expert_skew, 17) for e in range(experts)]
+    total, per_slot = sum(weights), experts // plan.ep
+    return [plan.ep * sum(weights[r * per_slot:(r + 1) * per_slot]) / total for r in range(plan.ep)]
 
 
 TAG_LIMIT = 400_000_000  # below ASTRA-sim's 500,000,000 limit on comm_tag

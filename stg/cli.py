@@ -83,6 +83,7 @@ def generate(
     recompute: Optional[str] = typer.Option(None, help="Activation recomputation: none, selective (the attention core) or full (each layer). [default: none]"),
     flash_attention: Optional[bool] = typer.Option(None, "--flash-attention/--no-flash-attention", help="Fused attention: scores and probabilities stay on chip (no memory traffic, not saved). [default: on]"),
     grad_dtype: Optional[str] = typer.Option(None, help="Dtype of weight gradients, their accumulation and reduction: bf16 or fp32. [default: bf16]"),
+    expert_skew: Optional[float] = typer.Option(None, help="Routing skew: expert e gets tokens in proportion to 1/(e+1)^s (Zipf); each expert-parallel slot then computes its own load (a rank class per slot), while all-to-alls stay capacity-padded. [default: 0, balanced]"),
     capacity_factor: Optional[float] = typer.Option(None, help="Expert buffer slots per routed token (balanced routing): all-to-all sizes and expert compute scale with it. [default: 1.0]"),
     make_vocab_divisible_by: Optional[int] = typer.Option(None, help="Pad the vocabulary to a multiple of this times tp (Megatron's flag; its default is 128). [default: 1: only what tp needs]"),
     micro_batch: Optional[int] = typer.Option(None, help="Sequences per rank per forward/backward. [default: 1]"),
@@ -108,6 +109,7 @@ def generate(
     given = dict(dp=dp, tp=tp, sp=sp, cp=cp, pp=pp, vpp=vpp, schedule=schedule, ep=ep, zero=zero, recompute=recompute,
                  flash_attention=flash_attention, grad_dtype=grad_dtype, micro_batch=micro_batch,
                  make_vocab_divisible_by=make_vocab_divisible_by, capacity_factor=capacity_factor,
+                 expert_skew=expert_skew,
                  global_batch=global_batch, seq=seq, attention_flops=attention_flops, bucket_mb=bucket_mb,
                  device=device)
     with _user_errors():
@@ -204,8 +206,14 @@ def summary(
         return
     # one column per rank class, one row per figure
     gib = 2**30
-    heads = [f"rank {c['rank']}" if "rank" in c else "ranks " + ", ".join(
-        f"{a}-{b}" if a != b else f"{a}" for a, b in c["ranks"]) for c in classes]
+    def head(c: dict) -> str:
+        if "rank" in c:
+            return f"rank {c['rank']}"
+        if "ranks" in c:
+            return "ranks " + ", ".join(f"{a}-{b}" if a != b else f"{a}" for a, b in c["ranks"])
+        return " ".join(f"{axis}={value}" for axis, value in c["coords"].items())
+
+    heads = [head(c) for c in classes]
     table = Table("per step, per rank", *heads)
     kinds = sorted({k for c in classes for k in c["comm_bytes"]})
     rows = [("TFLOP", lambda c: f"{c['flops'] / 1e12:,.3f}")]

@@ -131,11 +131,11 @@ def write_trace_set(out: Path, workload, summary: Mapping, progress: Progress | 
     try:
         write_groups(folder / "workload.json", workload.group_ids)
         write_json(folder / "summary.json", summary)
-        stride = workload.mesh.stride("pp")  # pp is the slowest axis: a class is a block of ranks
         for cls in range(len(workload.programs)):
-            first = max(ranks.start, cls * stride)
-            if first < min(ranks.stop, (cls + 1) * stride):
-                stamper.rank_bytes(first)  # build skeletons before forking: children share them
+            # build skeletons before forking, so the workers share them (others build on use)
+            representative = workload.representative(cls)
+            if representative in ranks:
+                stamper.rank_bytes(representative)
         done = 0
         jobs = [(str(folder), c.start, c.stop) for c in split_ranks(ranks, max(1, workers) * 8)]
         if workers > 1 and len(jobs) > 1:
@@ -178,9 +178,9 @@ def prepare_range(out: Path) -> Path:
 def count_trace_set(workload) -> dict:
     """What a full write would produce, without writing: bytes and nodes, per class and in all."""
     stamper = Stamper(workload)
-    stride = workload.mesh.stride("pp")  # the ranks of class c are c*stride .. (c+1)*stride - 1
+    count = workload.mesh.size // len(workload.programs)
     classes = [
-        {"class": cls, "ranks": stride, "bytes_per_rank": stamper.size(cls, cls * stride),
+        {"class": cls, "ranks": count, "bytes_per_rank": stamper.size(cls, workload.representative(cls)),
          "nodes_per_rank": len(program.nodes)}
         for cls, program in enumerate(workload.programs)
     ]

@@ -65,7 +65,8 @@ class Plan:
     # the vocabulary is padded to a multiple of this times tp (Megatron's
     # --make-vocab-size-divisible-by, whose default is 128; 1 pads only what tp needs)
     make_vocab_divisible_by: int = 1
-    capacity_factor: float = 1.0  # expert buffer slots per routed token (balanced routing)
+    capacity_factor: float = 1.0  # expert buffer slots per routed token
+    expert_skew: float = 0.0  # Zipf exponent of the experts' token loads (0: balanced routing)
     # overrides of the strategies' logical-axis rules: {logical axis: mesh axes, or None to
     # never split it}, e.g. {"mlp": "tp", "heads": None}
     rules: tuple[tuple[str, tuple[str, ...] | None], ...] | None = None
@@ -88,6 +89,8 @@ class Plan:
             raise PlanError(f"bucket_mb: must be a positive number of MiB, got {self.bucket_mb!r}")
         if isinstance(self.capacity_factor, bool) or not isinstance(self.capacity_factor, (int, float)) or self.capacity_factor <= 0:
             raise PlanError(f"capacity_factor: must be a positive number, got {self.capacity_factor!r}")
+        if isinstance(self.expert_skew, bool) or not isinstance(self.expert_skew, (int, float)) or self.expert_skew < 0:
+            raise PlanError(f"expert_skew: must be a Zipf exponent >= 0, got {self.expert_skew!r}")
         if self.device not in DEVICES:
             raise PlanError(f"device: unknown device {self.device!r}; known: {', '.join(DEVICES)}")
         if isinstance(self.zero, bool) or self.zero not in (0, 1, 2, 3):

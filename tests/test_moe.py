@@ -95,3 +95,28 @@ def test_deepseek_mla_splits_heads_over_tp():
     one = build(model, Plan(micro_batch=B, seq=S))
     two = build(model, Plan(tp=2, micro_batch=B, seq=S))
     assert 2 * two.programs[0].stats.matmul_flops == one.programs[0].stats.matmul_flops
+
+
+def expert_gemm_flops(program):
+    return sum(n.flops for n in program.nodes
+               if n.name.startswith("0F0 ") and ".experts." in n.name and n.name.endswith((".gate", ".up", ".down")))
+
+
+def test_routing_skew_makes_expert_compute_uneven(tmp_path):
+    """Zipf(s=1) loads over 8 experts, 2 per slot on ep=4: slot r's experts get
+    (1/(2r+1) + 1/(2r+2)) / H_8 of the tokens, ep times that relative to balanced routing.
+    The all-to-alls stay even (buffers are padded to the capacity)."""
+    harmonic = sum(1 / e for e in range(1, 9))
+    loads = [4 * (1 / (2 * r + 1) + 1 / (2 * r + 2)) / harmonic for r in range(4)]
+    plan = dict(ep=4, micro_batch=B, seq=S)
+    balanced = build(MOE, Plan(**plan))
+    skewed = build(MOE, Plan(**plan, expert_skew=1.0))
+    assert skewed.class_axes == ("pp", "ep") and len(skewed.programs) == 4
+    base = expert_gemm_flops(balanced.programs[0])
+    for slot, program in enumerate(skewed.programs):
+        assert abs(expert_gemm_flops(program) - loads[slot] * base) <= 6  # 2 layers x 3 GEMMs, each rounds up
+        assert program.stats.comm_bytes == balanced.programs[0].stats.comm_bytes
+    assert [skewed.class_of(rank) for rank in range(4)] == [0, 1, 2, 3]
+    out = tmp_path / "set"
+    generate(MOE, Plan(**plan, dp=2, expert_skew=1.0), out)
+    assert validate(out) == []
