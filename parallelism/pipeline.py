@@ -85,3 +85,72 @@ def cut(graph, stages: StagePlan) -> list[Edge]:
         for name in op.outputs:
             made_on[name] = stage
     return list(edges.values())
+
+
+def untie(forward, stages: StagePlan) -> tuple[object, dict[str, tuple[tuple[str, int], ...]]]:
+    """A weight read on several stages (an output layer tied to the embedding) gets a copy on
+    each stage after its first, as Megatron keeps the embedding on the first stage and a copy
+    for the output layer on the last. Returns the graph and, per tied weight, its
+    (copy, virtual stage) pairs; their gradients are summed across the stages each step
+    (`tie_gradients`)."""
+    from dataclasses import replace
+
+    from stg.graph import Graph
+
+    stages_of: dict[str, list[int]] = {}
+    for op in forward.ops:
+        for name in op.inputs:
+            if forward.tensors[name].role.value == "weight":
+                stage = stages.virtual_stage(op.layer)
+                if stage not in stages_of.setdefault(name, []):
+                    stages_of[name].append(stage)
+    ties = {w: tuple((w if n == 0 else f"{w}@stage{s}", s) for n, s in enumerate(sorted(ss)))
+            for w, ss in stages_of.items() if len(ss) > 1}
+    if not ties:
+        return forward, {}
+    tensors = dict(forward.tensors)
+    copy_on = {(w, s): name for w, copies in ties.items() for name, s in copies}
+    for (w, _), name in copy_on.items():
+        tensors[name] = replace(forward.tensors[w], name=name)
+    ops = tuple(replace(op, inputs=tuple(copy_on.get((i, stages.virtual_stage(op.layer)), i) for i in op.inputs))
+                for op in forward.ops)
+    graph = Graph(tensors, ops)
+    graph.verify()
+    return graph, ties
+
+
+def tie_gradients(sharded, ties: dict, stages: StagePlan):
+    """Before each tied copy's optimizer step, an ALL_REDUCE of its gradient over the stages
+    that hold a copy (Megatron's embedding group), so every copy takes the same step."""
+    from dataclasses import replace
+
+    import sympy
+
+    from stg.graph import Graph, Op, OpKind, Phase
+    from stg.redistribute import Collective
+    from stg.sharding import ShardedGraph
+
+    if not ties:
+        return sharded
+    members = {name: tuple(sorted(stages.rank_and_chunk(s)[0] for _, s in copies))
+               for copies in ties.values() for name, _ in copies}
+    graph = sharded.graph
+    tensors, layouts, global_tensors = dict(graph.tensors), dict(sharded.layouts), dict(sharded.global_tensors)
+    ops = []
+    for op in graph.ops:
+        weight = op.name[: -len(".adamw")] if op.kind is OpKind.OPTIMIZER else None
+        if weight in members:
+            grad = op.inputs[0]
+            summed = f"{grad}.tied_all_reduce"
+            tensors[summed] = replace(tensors[grad], name=summed)
+            global_tensors[summed] = replace(global_tensors[grad], name=summed)
+            layouts[summed] = layouts[grad]
+            ops.append(Op(summed, OpKind.COLLECTIVE, (grad,), (summed,), sympy.Integer(0),
+                          tensors[grad].nbytes, Phase.STEP, op.layer,
+                          {"detail": "all_reduce", "collective": Collective.ALL_REDUCE, "axes": ("pp",),
+                           "members": members[weight]}))
+            op = replace(op, inputs=(summed, *op.inputs[1:]))
+        ops.append(op)
+    result = ShardedGraph(Graph(tensors, tuple(ops)), layouts, global_tensors, sharded.mesh_axes)
+    result.graph.verify()
+    return result

@@ -24,7 +24,7 @@ from stg.emit import Progress, count_trace_set, write_trace_set
 from stg.errors import PlanError
 from stg.groups import GroupIds
 from stg.graph import DType, Phase
-from parallelism.pipeline import cut, stage_plan
+from parallelism.pipeline import cut, stage_plan, tie_gradients, untie
 from stg.chakra.writer import fixed_varint, rank_width
 from stg.lower import Evaluator, Pipeline, check_divisibility, lower
 from stg.program import GroupHole, RankProgram
@@ -75,7 +75,7 @@ class Workload:
         values = {}
         for hole in holes:
             if isinstance(hole, GroupHole):
-                values[hole] = str(self.group_ids.id(rank, hole.axes)).encode()
+                values[hole] = str(self.group_ids.id(rank, hole)).encode()
             else:
                 stride = self.mesh.stride("pp")
                 stage = (rank // stride) % self.plan.pp
@@ -85,7 +85,7 @@ class Workload:
 
     @cached_property
     def group_ids(self) -> GroupIds:
-        return GroupIds.for_kinds(self.mesh, (h.axes for p in self.programs for h in p.holes if isinstance(h, GroupHole)))
+        return GroupIds.for_kinds(self.mesh, (h for p in self.programs for h in p.holes if isinstance(h, GroupHole)))
 
     def summary(self) -> dict:
         world = self.mesh.size
@@ -105,7 +105,7 @@ class Workload:
             "world_size": world,
             "microbatches": self.plan.microbatches,
             "tokens_per_step": self.plan.global_batch * self.plan.seq,
-            "groups": {"+".join(k): self.mesh.size // _group_size(self.mesh, k) for k in self.group_ids.kinds},
+            "groups": {str(k): self.group_ids.groups_of(k) for k in self.group_ids.kinds},
             "totals": {
                 "flops": sum(c["flops"] * c["count"] for c in classes),
                 "flops_forward_backward": sum(c["flops_forward_backward"] * c["count"] for c in classes),
@@ -114,13 +114,6 @@ class Workload:
             "rank_classes": classes,
             "rank_class": per_rank,
         }
-
-
-def _group_size(mesh: DeviceMesh, kind: tuple[str, ...]) -> int:
-    size = 1
-    for axis in kind:
-        size *= mesh.sizes[axis]
-    return size
 
 
 def _check_fits(model: Model, plan: Plan) -> None:
@@ -135,8 +128,13 @@ def build(model: Model | str | Path | Mapping, plan: Plan | Mapping) -> Workload
     plan = plan if isinstance(plan, Plan) else Plan.from_dict(plan)
     _check_fits(model, plan)
     mesh = plan.mesh()
-    train = training_graph(model.forward_graph(plan.flash_attention), DType.parse(plan.grad_dtype))
+    forward, ties = model.forward_graph(plan.flash_attention), {}
+    if plan.pp > 1:  # weights read on two stages (tied embeddings) get a copy per stage
+        forward, ties = untie(forward, stage_plan(plan, model.layers))
+    train = training_graph(forward, DType.parse(plan.grad_dtype))
     sharded = shard(recompute(train, plan.recompute, last_block=model.layers), sharding_spec(plan))
+    if ties:
+        sharded = tie_gradients(sharded, ties, stage_plan(plan, model.layers))
     bindings = {
         **model.config.sizes(vocab_multiple=plan.make_vocab_divisible_by * plan.tp),
         B: plan.micro_batch * plan.data_ranks,

@@ -24,6 +24,7 @@ from functools import cached_property
 from typing import Iterable, Iterator
 
 from stg.mesh import DeviceMesh
+from stg.program import GroupHole
 
 MODULUS = 500
 
@@ -48,19 +49,27 @@ def first_ordinal(count: int) -> int:
         digits += 1
 
 
+Kind = GroupHole  # a kind of group: the mesh axes it spans (and, maybe, which coordinates)
+
+
+def _kind(kind) -> Kind:
+    return kind if isinstance(kind, GroupHole) else GroupHole(tuple(kind))
+
+
 @dataclass(frozen=True)
 class GroupIds:
     mesh: DeviceMesh
-    kinds: tuple[tuple[str, ...], ...]
+    kinds: tuple[Kind, ...]
 
     @classmethod
-    def for_kinds(cls, mesh: DeviceMesh, kinds: Iterable[tuple[str, ...]]) -> "GroupIds":
+    def for_kinds(cls, mesh: DeviceMesh, kinds: Iterable) -> "GroupIds":
         order = mesh.names
-        canonical = sorted(set(kinds), key=lambda axes: (len(axes), [order.index(a) for a in axes]))
+        canonical = sorted({_kind(k) for k in kinds},
+                           key=lambda k: (len(k.axes), [order.index(a) for a in k.axes], k.members or ()))
         return cls(mesh, tuple(canonical))
 
-    def groups_of(self, kind: tuple[str, ...]) -> int:
-        return self.mesh.size // math.prod(self.mesh.sizes[a] for a in kind)
+    def groups_of(self, kind) -> int:
+        return self.mesh.size // math.prod(self.mesh.sizes[a] for a in _kind(kind).axes)
 
     @property
     def count(self) -> int:
@@ -85,18 +94,20 @@ class GroupIds:
                 return {}, blocks, base
             digits += 1
 
-    def id_of(self, kind: tuple[str, ...], index: int) -> int:
+    def id_of(self, kind, index: int) -> int:
+        kind = _kind(kind)
         ordinals, blocks, base = self._layout
         if ordinals:
             return ordinal_to_id(ordinals[kind] + index)
         lo, share = blocks[kind]
         return base + MODULUS * (index // share) + lo + index % share
 
-    def id(self, rank: int, kind: tuple[str, ...]) -> int:
-        return self.id_of(kind, self.mesh.group_index(rank, kind))
+    def id(self, rank: int, kind) -> int:
+        return self.id_of(kind, self.mesh.group_index(rank, _kind(kind).axes))
 
-    def residues(self, kind: tuple[str, ...]) -> set[int]:
+    def residues(self, kind) -> set[int]:
         """Every residue modulo 500 that the kind's ids take (arithmetic, no groups built)."""
+        kind = _kind(kind)
         ordinals, blocks, _ = self._layout
         if ordinals:
             return {ordinal_to_id(ordinals[kind] + i) % MODULUS for i in range(self.groups_of(kind))}
@@ -106,5 +117,9 @@ class GroupIds:
     def table(self) -> Iterator[tuple[int, list[int]]]:
         """(id, members) of every group: the content of workload.json."""
         for kind in self.kinds:
-            for index, members in enumerate(self.mesh.groups(kind)):
+            axis = kind.axes[0]
+            stride, size = self.mesh.stride(axis), self.mesh.sizes[axis]
+            for index, members in enumerate(self.mesh.groups(kind.axes)):
+                if kind.members is not None:
+                    members = [r for r in members if (r // stride) % size in kind.members]
                 yield self.id_of(kind, index), members

@@ -164,7 +164,7 @@ class _ProgramBuilder:
         nbytes = sum(self.ev(op.bytes) for op in members)
         node = self._add(
             name=name, type=NodeType.COMM_COLL_NODE, deps=tuple(sorted(d for d in deps if d is not None)),
-            collective=collective, comm_bytes=nbytes, group=GroupHole(axes),
+            collective=collective, comm_bytes=nbytes, group=GroupHole(axes, first.attrs.get("members")),
         )
         self.last_comm = node
         for op in members:
@@ -277,12 +277,18 @@ class _ProgramBuilder:
                 self.bucketed.update(op.name for op in bucket)
 
     def step(self, ops: list[Op], where: dict[str, int]) -> None:
-        """The optimizer, then the gathers of the new parameters, bucketed (the gradient
-        reductions went out during the last backward)."""
+        """The optimizer (after any reduction it reads that the last backward did not send),
+        then the gathers of the new parameters, bucketed."""
+        views = (OpKind.SLICE, OpKind.CONSTRAIN)
+        feeds_compute = lambda op: any(user.kind not in views for user in self.graph.consumers.get(op.outputs[0], ()))
+        later = []
         for op in ops:
             if op.kind is not OpKind.COLLECTIVE:
                 self.op(op, "S", where)
-        later = [op for op in ops if op.kind is OpKind.COLLECTIVE and op.name not in self.bucketed]
+            elif op.name not in self.bucketed and feeds_compute(op):
+                self.op(op, "S", where)
+            elif op.name not in self.bucketed:
+                later.append(op)
         for bucket in self.buckets(later):
             self.collective(self._bucket_name("S", bucket), bucket, where)
 

@@ -27,9 +27,15 @@ class NodeType(IntEnum):
 
 @dataclass(frozen=True)
 class GroupHole:
-    """Stands for 'this rank's communicator group along `axes`' until a rank is stamped."""
+    """Stands for 'this rank's communicator group along `axes`' until a rank is stamped;
+    `members` keeps only these coordinates of a one-axis group (Megatron's embedding group:
+    the first and last pipeline stage)."""
 
     axes: tuple[str, ...]
+    members: tuple[int, ...] | None = None
+
+    def __str__(self) -> str:
+        return "+".join(self.axes) + (f"{list(self.members)}" if self.members else "")
 
 
 @dataclass(frozen=True)

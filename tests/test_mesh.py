@@ -78,7 +78,7 @@ def test_group_ids_of_a_set_have_one_width(count):
 
 def _share_two_ranks(mesh, a, b) -> bool:
     """Groups of kinds a and b can share two ranks iff the kinds span a common axis of size > 1."""
-    return any(mesh.sizes[axis] > 1 for axis in set(a) & set(b))
+    return any(mesh.sizes[axis] > 1 for axis in set(a.axes) & set(b.axes))
 
 
 def test_group_ids_keep_overlapping_groups_apart_modulo_500():

@@ -5,6 +5,7 @@ import itertools
 
 import pytest
 
+from model_zoo import load_model
 from stg import Plan, build, generate
 from stg.chakra.validate import validate
 from stg.program import NodeType
@@ -92,3 +93,20 @@ def test_timed_replay_reads_the_bubble_off_a_generated_set(tmp_path):
             assert timings[schedule].idle_us[rank] == pytest.approx(timings[schedule].makespan_us - busy)
     assert timings["gpipe"].makespan_us == timings["1f1b"].makespan_us
     assert timings["zb-h1"].makespan_us < timings["1f1b"].makespan_us
+
+
+def test_tied_embeddings_keep_a_copy_on_the_last_stage(tmp_path):
+    """GPT's output layer is the embedding: under pp the last stage holds a copy (Megatron),
+    and both copies' gradients are all-reduced over the first and last stage each step, so
+    they take the same optimizer step."""
+    gpt = dict(name="tiny-gpt", family="gpt", layers=4, hidden=64, ffn=256, heads=4, vocab=1000, max_positions=128)
+    workload = build(gpt, Plan(pp=4, tp=2, global_batch=4, seq=32))
+    tied = [[n for n in p.nodes if n.name.endswith(".tied_all_reduce")] for p in workload.programs]
+    assert [len(nodes) for nodes in tied] == [1, 0, 0, 1]
+    for nodes in (tied[0], tied[3]):
+        assert nodes[0].group.members == (0, 3) and nodes[0].comm_bytes == 1000 * 64 // 2 * 2  # V.H/tp bf16
+    assert workload.summary()["model"]["params"] == load_model(gpt).params  # the copy is not a new parameter
+    assert workload.memory[3].weights > workload.memory[1].weights  # but the last stage stores it
+    out = tmp_path / "set"
+    generate(gpt, Plan(pp=2, dp=2, zero=1, global_batch=8, seq=32), out)
+    assert validate(out) == []
