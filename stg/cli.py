@@ -303,8 +303,8 @@ def describe(
     for op, line in zip(graph.ops, lines):
         if op.layer <= layers or op.layer == last:
             typer.echo(line)
+    import sympy
+
+    block = sympy.Add(*(op.flops for op in graph.ops if op.layer == 1))
+    typer.echo(f"# forward FLOPs of block 1: {block}")
     typer.echo(f"# {loaded.name}: {loaded.layers} blocks, {loaded.params:,} parameters")
-
-
-def main() -> None:  # pragma: no cover - console entry
-    app()

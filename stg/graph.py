@@ -174,12 +174,6 @@ class Graph:
     def parameter_count(self) -> sympy.Expr:
         return sympy.Add(*(w.numel for w in self.weights))
 
-    def total(self, what: str = "flops", *, phases: tuple[Phase, ...] | None = None) -> sympy.Expr:
-        """Sum of `flops` or `bytes` over ops, optionally only some phases."""
-        return sympy.Add(
-            *(getattr(op, what) for op in self.ops if phases is None or op.phase in phases)
-        )
-
     def verify(self) -> None:
         """Raise GraphError naming the op and tensor on the first broken invariant."""
         produced: set[str] = set()

@@ -18,7 +18,7 @@ from typing import Sequence
 import sympy
 
 from stg.errors import LayoutError
-from stg.mesh import Layout, Partial, Placement, Replicate, Shard, axis_symbol
+from stg.mesh import Layout, Partial, Placement, Replicate, Shard
 
 
 class Collective(Enum):
@@ -80,7 +80,3 @@ def plan_redistribution(
         current = after
     assert current == dst, (tensor, current, dst)
     return steps
-
-
-def group_size(axes: Sequence[str]) -> sympy.Expr:
-    return sympy.Mul(*(axis_symbol(ax) for ax in axes))

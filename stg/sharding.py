@@ -21,6 +21,7 @@ from stg.graph import Graph, Op, OpKind, Phase, Role, Tensor
 from stg.mesh import FLAT, REPLICATED, Layout, Partial, Placement, Replicate, Shard
 from stg.redistribute import Collective, plan_redistribution
 
+
 @dataclass(frozen=True)
 class LayoutRules:
     """Logical axis -> the mesh axes that split it; `flat` mesh axes split the flattened
