@@ -8,7 +8,7 @@ from stg.chakra import et_def_pb2 as pb
 from chakra_nodes import coll as shared_coll
 from chakra_nodes import recv, send
 from stg.chakra.reader import write_trace
-from stg.chakra import validate as validate_module
+from stg.chakra import load as load_module
 from stg.chakra.validate import ReplayError, Timing, timed_replay, validate
 
 AR, AG, RS, A2A = pb.ALL_REDUCE, pb.ALL_GATHER, pb.REDUCE_SCATTER, pb.ALL_TO_ALL
@@ -195,6 +195,6 @@ def test_a_deadlock_that_only_time_reveals(tmp_path):
 def test_parallel_load_gives_the_same_timing(tmp_path, monkeypatch):
     out = write_set(tmp_path / "out", one_f_one_b(2, 3, 1, 2))
     sequential = timed_replay(out, comm="alpha-beta")
-    monkeypatch.setattr(validate_module, "PARALLEL_LOAD_BYTES", 0)
-    monkeypatch.setattr(validate_module, "_cpu_count", lambda: 2)
+    monkeypatch.setattr(load_module, "PARALLEL_LOAD_BYTES", 0)
+    monkeypatch.setattr(load_module, "_cpu_count", lambda: 2)
     assert timed_replay(out, comm="alpha-beta") == sequential

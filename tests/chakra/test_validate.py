@@ -8,7 +8,7 @@ from stg.chakra import et_def_pb2 as pb
 from chakra_nodes import coll as shared_coll
 from chakra_nodes import recv, send
 from stg.chakra.reader import write_trace
-from stg.chakra import validate as validate_module
+from stg.chakra import load as load_module
 from stg.chakra.validate import Problem, validate
 
 AR, AG, RS = pb.ALL_REDUCE, pb.ALL_GATHER, pb.REDUCE_SCATTER
@@ -367,8 +367,8 @@ def test_parallel_load_gives_the_same_answer(tmp_path, monkeypatch):
     del_attr(node(ranks, 1, 0), "is_cpu_op")
     out = write_set(tmp_path / "out", ranks)
     sequential = validate(out)
-    monkeypatch.setattr(validate_module, "PARALLEL_LOAD_BYTES", 0)
-    monkeypatch.setattr(validate_module, "_cpu_count", lambda: 2)
+    monkeypatch.setattr(load_module, "PARALLEL_LOAD_BYTES", 0)
+    monkeypatch.setattr(load_module, "_cpu_count", lambda: 2)
     calls = []
     assert validate(out, progress=lambda done, total: calls.append((done, total))) == sequential
     assert len(sequential) == 2 and calls == [(1, 4), (2, 4), (3, 4), (4, 4)]

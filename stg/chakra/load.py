@@ -1,0 +1,416 @@
+"""Loading a trace set for validation: the directory, workload.json and each rank file, read
+once into compact per-rank arrays (stg/chakra/rank_graph.py), with the checks that need only
+one file (a. layout and groups, b. graph structure, c. attribute types and values). Worker
+processes load the ranks when the set is large. stg/chakra/validate.py does the cross-rank
+checks and the replays.
+"""
+
+from __future__ import annotations
+
+import json
+import multiprocessing
+import os
+import re
+from array import array
+from collections import Counter, defaultdict
+from collections.abc import Callable
+from concurrent.futures import ProcessPoolExecutor, as_completed
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+from google.protobuf import descriptor_pb2, descriptor_pool, message_factory
+from google.protobuf.message import DecodeError, Message
+
+from stg.chakra import et_def_pb2 as pb
+from stg.chakra.reader import TraceFormatError, iter_node_records
+
+from stg.chakra.rank_graph import (ALL_RANKS, COLL, COMP, RECV, SEND, CommKey, Problem, RankGraph, coll_name,
+                                   group_label, type_name)
+
+TAG_LIMIT = 500_000_000
+GROUP_ALIAS_MODULUS = 500  # ASTRA-sim matches collectives on the group id modulo 500
+SIMULATED_COLLECTIVES = frozenset({pb.ALL_REDUCE, pb.ALL_GATHER, pb.REDUCE_SCATTER, pb.ALL_TO_ALL})
+PARALLEL_LOAD_BYTES = 32 << 20  # below this, starting worker processes costs more than it saves
+
+# Canonical oneof member of every attribute the consumer reads (rule D.4).
+ATTR_KINDS = {
+    "is_cpu_op": "bool_val",
+    "num_ops": "int64_val",
+    "tensor_size": "uint64_val",
+    "comm_type": "int64_val",
+    "comm_size": "int64_val",
+    "pg_name": "string_val",
+    "comm_src": "int32_val",
+    "comm_dst": "int32_val",
+    "comm_tag": "int32_val",
+}
+_P2P_ATTRS = ("is_cpu_op", "comm_src", "comm_dst", "comm_tag", "comm_size")
+REQUIRED_ATTRS = {
+    COMP: ("is_cpu_op", "num_ops", "tensor_size"),
+    COLL: ("is_cpu_op", "comm_type", "comm_size"),
+    SEND: _P2P_ATTRS,
+    RECV: _P2P_ATTRS,
+}
+
+_RANK_FILE = re.compile(r"workload\.(\d+)\.et")
+Progress = Callable[[int, int], None]
+
+
+# --- a. directory ---------------------------------------------------------------------------
+
+
+def _rank_files(out: Path, problems: list[Problem]) -> tuple[int, list[tuple[int, Path]]]:
+    """N (the number of rank files) and the (rank, path) pairs that fit 0..N-1."""
+    found: dict[int, Path] = {}
+    for path in sorted(out.glob("workload.*.et")):
+        m = _RANK_FILE.fullmatch(path.name)
+        if m is None or str(int(m.group(1))) != m.group(1):
+            problems.append(Problem(None, None, f"{path.name}: not a rank file name (workload.<rank>.et)"))
+        else:
+            found[int(m.group(1))] = path
+    n = len(found)
+    if n == 0:
+        problems.append(Problem(None, None, f"no workload.<rank>.et files in {out}"))
+    for rank in sorted(found):
+        if rank >= n:
+            problems.append(Problem(rank, None, f"{found[rank].name} is out of range: {n} rank files "
+                                                f"must be workload.0.et .. workload.{n - 1}.et"))
+    for rank in range(n):
+        if rank not in found:
+            problems.append(Problem(rank, None, f"workload.{rank}.et is missing ({n} rank files found)"))
+    return n, [(r, found[r]) for r in range(n) if r in found]
+
+
+def _load_groups(out: Path, n_ranks: int, problems: list[Problem]) -> dict[int, tuple[int, ...]] | None:
+    """Member lists by group id (ALL_RANKS included), or None when workload.json is unusable."""
+    path = out / "workload.json"
+    if not path.is_file():
+        problems.append(Problem(None, None, "workload.json is missing"))
+        return None
+    try:
+        raw = json.loads(path.read_text())
+    except (OSError, ValueError) as err:
+        problems.append(Problem(None, None, f"workload.json is not valid JSON: {err}"))
+        return None
+    if not isinstance(raw, dict):
+        problems.append(Problem(None, None, f"workload.json must be an object, got {type(raw).__name__}"))
+        return None
+    groups: dict[int, tuple[int, ...]] = {ALL_RANKS: tuple(range(n_ranks))}
+    for key, members in raw.items():
+        where = f"workload.json group {key!r}"
+        if not (key.isascii() and key.isdigit() and key[0] != "0"):
+            problems.append(Problem(None, None, f"{where}: id must be a positive integer string"))
+            continue
+        if not isinstance(members, list) or not all(type(m) is int for m in members):
+            problems.append(Problem(None, None, f"{where}: members must be a list of integer ranks"))
+            continue
+        bad = [m for m in members if not 0 <= m < n_ranks]
+        dups = sorted(m for m, c in Counter(members).items() if c > 1)
+        if len(members) < 2:
+            problems.append(Problem(None, None, f"{where}: {len(members)}-rank group (needs at least 2)"))
+        if bad:
+            problems.append(Problem(None, None, f"{where}: ranks {bad} out of range for {n_ranks} rank files"))
+        if dups:
+            problems.append(Problem(None, None, f"{where}: ranks {dups} listed more than once"))
+        groups[int(key)] = tuple(members)
+    problems.extend(_alias_problems(groups))
+    return groups
+
+
+def _alias_problems(groups: dict[int, tuple[int, ...]]) -> list[Problem]:
+    """Groups whose ids are congruent modulo 500 and share two ranks are one group to ASTRA-sim."""
+    by_residue: dict[int, list[int]] = defaultdict(list)
+    for gid in sorted(groups):
+        by_residue[gid % GROUP_ALIAS_MODULUS].append(gid)
+    problems = []
+    for same in by_residue.values():
+        for i, a in enumerate(same):
+            for b in same[i + 1:]:
+                shared = sorted(set(groups[a]) & set(groups[b]))
+                if len(shared) >= 2:
+                    problems.append(Problem(None, None, f"workload.json group {b} aliases {group_label(a)} "
+                                                        f"(ids congruent modulo {GROUP_ALIAS_MODULUS}) and "
+                                                        f"they share ranks {shared}"))
+    return problems
+
+
+# --- b./c. one rank -------------------------------------------------------------------------
+
+
+def _skim_class() -> type[Message]:
+    """A view of Node holding only what the checks need, with each attribute left as raw bytes.
+
+    Parsing attributes one by one in Python dominates the cost of loading; kept raw, a node's
+    attribute bytes are a cache key, and nodes with the same attributes are checked once.
+    """
+    F = descriptor_pb2.FieldDescriptorProto
+    fdp = descriptor_pb2.FileDescriptorProto(name="stg/chakra/validate_skim.proto", package="stg_skim",
+                                             syntax="proto3")
+    skim = fdp.message_type.add(name="NodeSkim")
+    for name, number, ftype, label in (
+        ("id", 1, F.TYPE_UINT64, F.LABEL_OPTIONAL),
+        ("name", 2, F.TYPE_STRING, F.LABEL_OPTIONAL),  # parsed so bad UTF-8 is caught as in Node
+        ("type", 3, F.TYPE_INT64, F.LABEL_OPTIONAL),  # an enum's varint, read without the enum
+        ("duration_micros", 7, F.TYPE_UINT64, F.LABEL_OPTIONAL),
+        ("ctrl_deps", 4, F.TYPE_UINT64, F.LABEL_REPEATED),
+        ("data_deps", 5, F.TYPE_UINT64, F.LABEL_REPEATED),
+        ("attr", 10, F.TYPE_BYTES, F.LABEL_REPEATED),
+    ):
+        skim.field.add(name=name, number=number, type=ftype, label=label)
+    pool = descriptor_pool.DescriptorPool()
+    pool.Add(fdp)
+    return message_factory.GetMessageClass(pool.FindMessageTypeByName("stg_skim.NodeSkim"))
+
+
+_NodeSkim = _skim_class()
+
+
+@dataclass
+class _AttrChecker:
+    """Rule D.4 and the value rules for one rank; returns a node's comm key and what is wrong."""
+
+    rank: int
+    n_ranks: int
+    groups: dict[int, tuple[int, ...]] | None
+    cache: dict[tuple[int, tuple[bytes, ...]], tuple[CommKey | None, list[str]]] = field(default_factory=dict)
+
+    def check(self, t: int, raw_attrs: tuple[bytes, ...]) -> tuple[CommKey | None, list[str]]:
+        hit = self.cache.get((t, raw_attrs))
+        if hit is None:
+            bad: list[str] = []
+            hit = self.cache[(t, raw_attrs)] = (self._check(t, raw_attrs, bad), bad)
+        return hit
+
+    def _check(self, t: int, raw_attrs: tuple[bytes, ...], bad: list[str]) -> CommKey | None:
+        attrs: dict[str, int | str | bool] = {}
+        for raw in raw_attrs:
+            try:
+                attr = pb.AttributeProto.FromString(raw)
+            except DecodeError:
+                bad.append(f"an attribute record ({len(raw)} bytes) is not a valid AttributeProto")
+                continue
+            name, kind = attr.name, attr.WhichOneof("value")
+            if name in attrs:
+                bad.append(f"attribute {name} appears more than once")
+            want = ATTR_KINDS.get(name)
+            if want is not None and kind != want:
+                bad.append(f"attribute {name} is {kind or 'unset'}, must be {want}")
+            elif want is not None:
+                attrs[name] = getattr(attr, kind)
+        required = REQUIRED_ATTRS.get(t)
+        if required is None:
+            bad.append(f"node type {type_name(t)} is not allowed "
+                       f"(only COMP_NODE, COMM_COLL_NODE, COMM_SEND_NODE, COMM_RECV_NODE)")
+            return None
+        missing = [name for name in required if name not in attrs]
+        bad.extend(f"attribute {name} ({ATTR_KINDS[name]}) is missing" for name in missing)
+        if missing:
+            return None
+        if attrs["is_cpu_op"]:
+            bad.append("is_cpu_op is true (stg emits GPU ops only; ASTRA-sim aborts on a CPU comm node)")
+        if t == COMP:
+            if attrs["num_ops"] < 0:
+                bad.append(f"num_ops is negative ({attrs['num_ops']})")
+            if attrs["tensor_size"] == 0:
+                bad.append("tensor_size is 0 (roofline mode skips the node and hangs its children)")
+            return None
+        if attrs["comm_size"] < 0:
+            bad.append(f"comm_size is negative ({attrs['comm_size']})")
+        if t == COLL:
+            return self._coll_key(attrs, bad)
+        return self._p2p_key(t, attrs, bad)
+
+    def _coll_key(self, attrs: dict[str, int | str | bool], bad: list[str]) -> CommKey | None:
+        ctype, groups = attrs["comm_type"], self.groups
+        if ctype not in SIMULATED_COLLECTIVES:
+            bad.append(f"comm_type {coll_name(ctype)} is not one of ALL_REDUCE, ALL_GATHER, "
+                       f"REDUCE_SCATTER, ALL_TO_ALL")
+        pg = attrs.get("pg_name", "")
+        group = ALL_RANKS if pg in ("", "0") else None
+        if group is None and groups is not None:
+            if pg.isascii() and pg.isdigit() and pg[0] != "0" and int(pg) in groups:
+                group = int(pg)
+            else:
+                bad.append(f"pg_name {pg!r} is not a group in workload.json")
+        if group is not None and groups is not None and self.rank not in groups[group]:
+            bad.append(f"issues {coll_name(ctype)} on {group_label(group)}, which does not contain "
+                       f"rank {self.rank} (members {list(groups[group])})")
+        return None if group is None else (group, ctype, attrs["comm_size"])
+
+    def _p2p_key(self, t: int, attrs: dict[str, int | str | bool], bad: list[str]) -> CommKey:
+        src, dst, tag = attrs["comm_src"], attrs["comm_dst"], attrs["comm_tag"]
+        own, own_name = (src, "comm_src") if t == SEND else (dst, "comm_dst")
+        if own != self.rank:
+            bad.append(f"{type_name(t)} has {own_name}={own}, must be its own rank {self.rank}")
+        for name, peer in (("comm_src", src), ("comm_dst", dst)):
+            if not 0 <= peer < self.n_ranks:
+                bad.append(f"{name}={peer} is out of range for {self.n_ranks} ranks")
+        if not 0 <= tag < TAG_LIMIT:
+            bad.append(f"comm_tag {tag} is outside [0, {TAG_LIMIT})")
+        return (src, dst, tag, attrs["comm_size"])
+
+
+def _load_rank(rank: int, path: Path, n_ranks: int, groups: dict[int, tuple[int, ...]] | None,
+               durations: bool = False) -> tuple[RankGraph | None, list[Problem], array | None]:
+    """Checks b and c for one rank file, its compact graph when the file could be read, and (if
+    ``durations``) each node's duration_micros by graph index ('d')."""
+    problems: list[Problem] = []
+    raw_durations: list[int] | None = [] if durations else None
+    checker = _AttrChecker(rank, n_ranks, groups)
+    raw_ids: list[int] = []
+    raw_types: list[int] = []
+    n_deps: list[int] = []
+    flat_deps: list[int] = []
+    raw_comm: dict[int, CommKey] = {}  # file position -> key
+    skim = _NodeSkim()
+    try:
+        for offset, payload in iter_node_records(path):
+            try:
+                skim.ParseFromString(payload)
+            except DecodeError as err:
+                raise TraceFormatError(path, offset, f"cannot parse Node ({len(payload)} bytes): {err}") from err
+            nid, t = skim.id, skim.type
+            if skim.ctrl_deps:
+                problems.append(Problem(rank, nid, f"ctrl_deps {skim.ctrl_deps[:]} are set; "
+                                                   f"stg puts all ordering in data_deps"))
+            key, bad = checker.check(t, tuple(skim.attr[:]))
+            if bad:
+                problems.extend(Problem(rank, nid, reason) for reason in bad)
+            if key is not None:
+                raw_comm[len(raw_ids)] = key
+            raw_ids.append(nid)
+            if raw_durations is not None:
+                raw_durations.append(skim.duration_micros)
+            raw_types.append(t if t in REQUIRED_ATTRS else 0)
+            deps = skim.data_deps[:]
+            n_deps.append(len(deps))
+            flat_deps += deps
+    except TraceFormatError as err:
+        return None, [*problems, Problem(rank, None, str(err))], None
+    if not raw_ids:
+        return None, [*problems, Problem(rank, None, f"{path.name} has no nodes (ASTRA-sim aborts on it)")], None
+    graph, file_pos = _build_graph(rank, raw_ids, raw_types, n_deps, flat_deps, raw_comm, problems)
+    if raw_durations is None:
+        return graph, problems, None
+    return graph, problems, array("d", np.array(raw_durations, dtype=np.float64)[file_pos].tobytes())
+
+
+def _load_ranks(paths: list[tuple[int, Path]], n_ranks: int, groups: dict[int, tuple[int, ...]] | None,
+                progress: Progress | None,
+                durations: bool = False) -> tuple[list[RankGraph], list[Problem], list[array | None]]:
+    """Load every rank, in worker processes when the set is big enough to repay starting them."""
+    jobs = _worker_count(paths)
+    loaded: dict[int, tuple[RankGraph | None, list[Problem], array | None]] = {}
+    if jobs <= 1:
+        for done, (rank, path) in enumerate(paths, start=1):
+            loaded[rank] = _load_rank(rank, path, n_ranks, groups, durations)
+            if progress is not None:
+                progress(done, len(paths))
+    else:
+        # fork: workers inherit the imported modules and need no re-import of __main__
+        with ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("fork")) as pool:
+            futures = {pool.submit(_load_rank, rank, path, n_ranks, groups, durations): rank
+                       for rank, path in paths}
+            for done, future in enumerate(as_completed(futures), start=1):
+                loaded[futures[future]] = future.result()
+                if progress is not None:
+                    progress(done, len(paths))
+    graphs = [graph for rank, _ in paths if (graph := loaded[rank][0]) is not None]
+    return (graphs, [problem for rank, _ in paths for problem in loaded[rank][1]],
+            [loaded[rank][2] for rank, _ in paths if loaded[rank][0] is not None])
+
+
+def _worker_count(paths: list[tuple[int, Path]]) -> int:
+    if "fork" not in multiprocessing.get_all_start_methods() or len(paths) < 2:
+        return 1
+    if sum(path.stat().st_size for _, path in paths) < PARALLEL_LOAD_BYTES:
+        return 1
+    return min(_cpu_count(), len(paths))
+
+
+def _cpu_count() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+def _build_graph(rank: int, raw_ids: list[int], raw_types: list[int], n_deps: list[int], flat_deps: list[int],
+                 raw_comm: dict[int, CommKey], problems: list[Problem]) -> tuple[RankGraph, np.ndarray]:
+    """Index nodes by ascending id and build the dependency CSR (vectorised: ~1M edges per run).
+
+    Also returns each index's file position, for per-node values read alongside."""
+    file_ids = np.array(raw_ids, dtype=np.uint64)
+    order = np.argsort(file_ids, kind="stable")  # file positions by id; equal ids stay in file order
+    by_id = file_ids[order]
+    last = np.ones(len(order), dtype=bool)  # a repeated id keeps its last node, as ASTRA-sim does
+    last[:-1] = by_id[1:] != by_id[:-1]
+    if not last.all():
+        for nid, count in zip(*np.unique(by_id, return_counts=True)):
+            if count > 1:
+                problems.append(Problem(rank, int(nid), f"node id {nid} appears {count} times "
+                                                        f"(ASTRA-sim silently runs only the last)"))
+    kept = order[last]
+    ids = by_id[last]
+    n = len(ids)
+    index_of = np.full(len(raw_ids), -1, dtype=np.int64)  # file position -> index, -1 if overridden
+    index_of[kept] = np.arange(n)
+    child = index_of[np.repeat(np.arange(len(raw_ids)), n_deps)]
+    deps = np.array(flat_deps, dtype=np.uint64)
+    parent = np.minimum(np.searchsorted(ids, deps), n - 1)
+    found = ids[parent] == deps
+    dangling = (child >= 0) & ~found
+    if dangling.any():
+        missing: dict[int, list[int]] = defaultdict(list)
+        for c, d in zip(child[dangling].tolist(), deps[dangling].tolist()):
+            missing[c].append(d)
+        for c, ds in sorted(missing.items()):
+            problems.append(Problem(rank, int(ids[c]), f"data_deps {ds} are not nodes of this file "
+                                                       f"(ASTRA-sim aborts at load)"))
+    edges = np.unique(child[found & (child >= 0)] * n + parent[found & (child >= 0)])  # dedup, by child
+    child, parent = edges // n, edges % n
+    n_parents = np.bincount(child, minlength=n)
+    by_parent = np.argsort(parent, kind="stable")
+    child_start = np.zeros(n + 1, dtype=np.int64)
+    np.cumsum(np.bincount(parent, minlength=n), out=child_start[1:])
+    graph = RankGraph(
+        rank=rank,
+        ids=array("Q", ids.tobytes()),
+        types=np.array(raw_types, dtype=np.uint8)[kept].tobytes(),
+        child_start=array("q", child_start.tobytes()),
+        children=array("q", child[by_parent].tobytes()),
+        n_parents=array("q", n_parents.astype(np.int64).tobytes()),
+        comm={int(index_of[pos]): key for pos, key in raw_comm.items() if index_of[pos] >= 0},
+    )
+    if not (parent < child).all():  # otherwise index order is a topological order
+        parent_start = np.zeros(n + 1, dtype=np.int64)
+        np.cumsum(n_parents, out=parent_start[1:])
+        _check_acyclic(graph, parent_start.tolist(), parent.tolist(), problems)
+    return graph, kept
+
+
+def _check_acyclic(g: RankGraph, parent_start: list[int], parents: list[int], problems: list[Problem]) -> None:
+    pending = array("q", g.n_parents)
+    stack = [i for i, p in enumerate(pending) if p == 0]
+    seen = 0
+    while stack:
+        i = stack.pop()
+        seen += 1
+        for c in g.children[g.child_start[i]:g.child_start[i + 1]]:
+            pending[c] -= 1
+            if pending[c] == 0:
+                stack.append(c)
+    if seen == len(g.ids):
+        return
+    # Every node left has a parent that is also left, so walking parents must revisit one.
+    walk, at = [], {}
+    i = next(i for i, p in enumerate(pending) if p)
+    while i not in at:
+        at[i] = len(walk)
+        walk.append(i)
+        i = next(p for p in parents[parent_start[i]:parent_start[i + 1]] if pending[p])
+    cycle = [g.ids[j] for j in reversed(walk[at[i]:])]
+    first = cycle.index(min(cycle))  # start at the lowest id so the report is stable
+    cycle = cycle[first:] + cycle[:first]
+    shown = " -> ".join(map(str, cycle[:8] + cycle[:1])) if len(cycle) <= 8 else \
+        " -> ".join(map(str, cycle[:8])) + f" -> ... ({len(cycle)} nodes)"
+    problems.append(Problem(g.rank, cycle[0], f"dependency cycle {shown}; {len(g.ids) - seen} nodes "
+                                              f"can never become ready"))
