@@ -111,7 +111,7 @@ class _Backward:
             self.emit(op, OpKind.POINTWISE_GRAD, (dout, *saved), targets, {"fn": fn})
 
     def softmax(self, op: Op, dout: str) -> None:
-        self.emit(op, OpKind.SOFTMAX_GRAD, (dout, op.outputs[0]), [op.inputs[0]])
+        self.emit(op, OpKind.SOFTMAX_GRAD, (dout, op.outputs[0]), [op.inputs[0]], _density(op))
 
     def norm(self, op: Op, dout: str) -> None:
         x, weight, *bias = op.inputs
@@ -127,7 +127,8 @@ class _Backward:
             self.emit(op, OpKind.EMBEDDING_GRAD, (dout, ids), [table])
 
     def dropout(self, op: Op, dout: str) -> None:
-        self.emit(op, OpKind.POINTWISE_GRAD, (dout, op.outputs[1]), [op.inputs[0]], {"fn": Pointwise.DROPOUT})
+        self.emit(op, OpKind.POINTWISE_GRAD, (dout, op.outputs[1]), [op.inputs[0]],
+                  {"fn": Pointwise.DROPOUT, **_density(op)})
 
     def constrain(self, op: Op, dout: str) -> None:
         # the gradient of an anchored tensor is anchored the same way (the residual stream's
@@ -207,6 +208,10 @@ class _Backward:
         stored = replace(updated, name=f"{weight.name}.next.stored")
         self.g.add_op(stored.name, OpKind.CONSTRAIN, (updated.name,), [stored], {"tag": "param"},
                       phase=Phase.STEP, layer=layer)
+
+
+def _density(op: Op) -> dict:
+    return {"density": op.attrs["density"]} if "density" in op.attrs else {}
 
 
 def _needs_grad(forward: Graph) -> set[str]:

@@ -84,7 +84,15 @@ class GraphBuilder:
         self.add_op(name, OpKind.POINTWISE, inputs, (out,), {"fn": fn})
         return name
 
+    def _masked(self, x: str, attrs: dict) -> dict:
+        """An op on a partly computed (causal) score matrix does that part of its work too."""
+        producer = next((op for op in reversed(self.ops) if x in op.outputs), None)
+        if producer is not None and "density" in producer.attrs:
+            return {**attrs, "density": producer.attrs["density"]}
+        return attrs
+
     def softmax(self, name: str, x: str, **attrs) -> str:
+        attrs = self._masked(x, attrs)
         src = self.tensors[x]
         out = Tensor(name, src.shape, src.dims, src.dtype, Role.ACTIVATION, src.transient)
         self.add_op(name, OpKind.SOFTMAX, (x,), (out,), attrs)
@@ -109,6 +117,7 @@ class GraphBuilder:
 
     def dropout(self, name: str, x: str, **attrs) -> str:
         """Dropout; its 1-byte mask is an output because the backward reads it."""
+        attrs = self._masked(x, attrs)
         src = self.tensors[x]
         out = Tensor(name, src.shape, src.dims, src.dtype, Role.ACTIVATION, src.transient)
         mask = Tensor(f"{name}.mask", src.shape, src.dims, DType.UINT8, Role.ACTIVATION, src.transient)

@@ -81,19 +81,22 @@ def op_cost(
 ) -> tuple[sympy.Expr, sympy.Expr]:
     """(FLOPs, bytes) of one op from its tensors' shapes."""
     traffic = _memory(inputs) + _memory(outputs)
+    # causal attention computes part of each score matrix (`density` < 1): the contractions
+    # that make or read it skip the masked blocks, and so do the softmax and dropout on it
+    density = attrs.get("density", 1)
     out_numel = sympy.Add(*(t.numel for t in outputs))
     if kind is OpKind.EINSUM:
-        # 2 x the product of all index sizes; `density` < 1 skips masked blocks (causal attention).
+        # 2 x the product of all index sizes
         product = sympy.Mul(*einsum_sizes(attrs["spec"], inputs).values())
-        return 2 * product * attrs.get("density", 1), traffic
+        return 2 * product * density, traffic
     if kind is OpKind.POINTWISE:
         return attrs["fn"].forward_flops * outputs[0].numel, traffic
     if kind is OpKind.POINTWISE_GRAD:
-        return attrs["fn"].backward_flops * inputs[0].numel, traffic
+        return attrs["fn"].backward_flops * inputs[0].numel * density, traffic
     if kind is OpKind.SOFTMAX:
-        return SOFTMAX_FLOPS * outputs[0].numel, traffic
+        return SOFTMAX_FLOPS * outputs[0].numel * density, traffic
     if kind is OpKind.SOFTMAX_GRAD:
-        return SOFTMAX_GRAD_FLOPS * outputs[0].numel, traffic
+        return SOFTMAX_GRAD_FLOPS * outputs[0].numel * density, traffic
     if kind is OpKind.NORM:
         return attrs["norm"].forward_flops * outputs[0].numel, traffic
     if kind is OpKind.NORM_GRAD:
@@ -114,7 +117,7 @@ def op_cost(
     if kind is OpKind.LOSS:
         return LOSS_FLOPS * inputs[0].numel / inputs[0].shape[-1], traffic
     if kind is OpKind.DROPOUT:
-        return Pointwise.DROPOUT.forward_flops * inputs[0].numel, traffic
+        return Pointwise.DROPOUT.forward_flops * inputs[0].numel * density, traffic
     if kind is OpKind.CROSS_ENTROPY_GRAD:
         return CROSS_ENTROPY_GRAD_FLOPS * out_numel, traffic
     if kind is OpKind.ROUTE:
