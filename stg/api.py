@@ -128,13 +128,14 @@ def build(model: Model | str | Path | Mapping, plan: Plan | Mapping) -> Workload
     plan = plan if isinstance(plan, Plan) else Plan.from_dict(plan)
     _check_fits(model, plan)
     mesh = plan.mesh()
+    stages = stage_plan(plan, model.layers) if plan.pp > 1 else None
     forward, ties = model.forward_graph(plan.flash_attention), {}
-    if plan.pp > 1:  # weights read on two stages (tied embeddings) get a copy per stage
-        forward, ties = untie(forward, stage_plan(plan, model.layers))
+    if stages:  # weights read on two stages (tied embeddings) get a copy per stage
+        forward, ties = untie(forward, stages)
     train = training_graph(forward, DType.parse(plan.grad_dtype))
     sharded = shard(recompute(train, plan.recompute, last_block=model.layers), sharding_spec(plan))
     if ties:
-        sharded = tie_gradients(sharded, ties, stage_plan(plan, model.layers))
+        sharded = tie_gradients(sharded, ties, stages)
     bindings = {
         **model.config.sizes(vocab_multiple=plan.make_vocab_divisible_by * plan.tp),
         B: plan.micro_batch * plan.data_ranks,
@@ -146,13 +147,14 @@ def build(model: Model | str | Path | Mapping, plan: Plan | Mapping) -> Workload
     }
     check_divisibility(sharded, bindings)
     evaluate = Evaluator(bindings)
-    pipeline = _pipeline(model, plan, sharded)
+    pipeline = _pipeline(model, plan, sharded, stages)
     loads = expert_loads(plan, bindings.get(E))
     programs, memories = [], []
     for rank in range(plan.pp):  # one rank class per pipeline stage (x expert slot under skew)
         stage_memory = memory(sharded, evaluate, pipeline.stages, pipeline.schedule[rank], rank)
         for load in loads:
-            programs.append(lower(sharded, Evaluator({**bindings, LOAD: load}), device_spec(plan.device),
+            per_class = evaluate if load == 1 else Evaluator({**bindings, LOAD: load})
+            programs.append(lower(sharded, per_class, device_spec(plan.device),
                                   pipeline=pipeline, bucket_bytes=int(plan.bucket_mb * 2**20), rank=rank))
             memories.append(stage_memory)  # buffers are padded: memory does not follow the load
     class_axes = ("pp", "ep") if len(loads) > 1 else ("pp",)
@@ -173,10 +175,9 @@ def expert_loads(plan: Plan, experts: int | None) -> list[sympy.Expr]:
 TAG_LIMIT = 400_000_000  # below ASTRA-sim's 500,000,000 limit on comm_tag
 
 
-def _pipeline(model: Model, plan: Plan, sharded: ShardedGraph) -> Pipeline:
-    if plan.pp == 1:
+def _pipeline(model: Model, plan: Plan, sharded: ShardedGraph, stages) -> Pipeline:
+    if stages is None:
         return Pipeline.single_stage(plan.microbatches)
-    stages = stage_plan(plan, model.layers)
     for weight in sharded.graph.weights:  # e.g. an output layer tied to the embedding
         used_on = {stages.virtual_stage(op.layer) for op in sharded.graph.consumers.get(weight.name, ())
                    if op.phase is not Phase.STEP}
