@@ -204,7 +204,7 @@ def generate(
     OUT/summary.json, stamping with `workers` processes; return the summary."""
     workload = build(model, plan)
     summary = workload.summary()
-    write_trace_set(Path(out), workload, summary, progress, ranks=_check_ranks(ranks, workload), workers=workers)
+    write_trace_set(Path(out), workload, summary, progress, ranks=check_ranks(ranks, workload), workers=workers)
     return summary
 
 
@@ -214,7 +214,7 @@ def count(model: Model | str | Path | Mapping, plan: Plan | Mapping) -> dict:
     return {**count_trace_set(workload), "summary": workload.summary()}
 
 
-def _check_ranks(ranks: range | None, workload: Workload) -> range | None:
+def check_ranks(ranks: range | None, workload: Workload) -> range | None:
     world = workload.mesh.size
     if ranks is not None and not (0 <= ranks.start < ranks.stop <= world and ranks.step == 1):
         raise PlanError(f"ranks: {ranks.start}:{ranks.stop} is not a non-empty range within 0:{world}")

@@ -14,7 +14,7 @@ import shutil
 from pathlib import Path
 
 from model_zoo import Model
-from stg.api import _check_ranks, build
+from stg.api import check_ranks, build
 from stg.emit import Progress, Stamper, split_ranks, commit_output, prepare_output, prepare_range, write_groups, write_json
 from stg.errors import StgError
 from stg.plan import Plan
@@ -35,7 +35,7 @@ def generate_on_dask(model: Model, plan: Plan, out: Path, *, scheduler: str | No
     workload = build(model, plan)
     summary = workload.summary()
     world = workload.mesh.size
-    ranks = _check_ranks(ranks, workload) or range(world)
+    ranks = check_ranks(ranks, workload) or range(world)
     whole = ranks == range(world)
     out = Path(out)
     folder = prepare_output(out) if whole else prepare_range(out)
