@@ -138,7 +138,7 @@ def tie_gradients(sharded, ties: dict, stages: StagePlan):
     tensors, layouts, global_tensors = dict(graph.tensors), dict(sharded.layouts), dict(sharded.global_tensors)
     ops = []
     for op in graph.ops:
-        weight = op.name[: -len(".adamw")] if op.kind is OpKind.OPTIMIZER else None
+        weight = op.attrs["weight"] if op.kind is OpKind.OPTIMIZER else None
         if weight in members:
             grad = op.inputs[0]
             summed = f"{grad}.tied_all_reduce"

@@ -12,13 +12,10 @@ from dataclasses import replace
 from typing import Callable
 
 from stg.builder import GraphBuilder, broadcast_dims
-from stg.costs import Pointwise
+from stg.costs import Optimizer, Pointwise
 from stg.graph import DType, Graph, Op, OpKind, Phase, Role, Tensor
 
-# Mixed precision (Micikevicius et al. 2018): fp32 master weights and Adam moments, the
-# ZeRO paper's K = 12 bytes of optimizer state per parameter.
-OPTIMIZER_STATES = ("master", "exp_avg", "exp_avg_sq")
-OPTIMIZER_STATE_DTYPE = DType.FP32
+OPTIMIZER_STATE_DTYPE = DType.FP32  # mixed precision keeps optimizer states in fp32
 
 
 def grad_name(tensor: str) -> str:
@@ -34,6 +31,8 @@ class _Backward:
         self.needs_grad = _needs_grad(forward)
         self.stored_grads: dict[str, str] = {}  # weight -> its gradient as accumulated and stored
         self.layer_of: dict[str, int] = {}  # gradient tensor -> the block of the op that made it
+        self.optimizer: dict[str, Optimizer] = {}  # weights not stepped by AdamW
+        self.updated: set[str] = set()  # weights updated in the backward (fused embedding kernels)
 
     # -- bookkeeping ------------------------------------------------------------------------
     def _is_weight(self, name: str) -> bool:
@@ -126,6 +125,28 @@ class _Backward:
         if table in self.needs_grad:
             self.emit(op, OpKind.EMBEDDING_GRAD, (dout, ids), [table])
 
+    def embedding_bag(self, op: Op, dout: str) -> None:
+        table, ids = op.inputs
+        fn = op.attrs.get("fn", Optimizer.ADAMW)
+        self.optimizer[table] = fn
+        if op.attrs.get("update") != "fused":
+            self.emit(op, OpKind.EMBEDDING_BAG_GRAD, (dout, ids), [table], {"fn": fn})
+            return
+        # no gradient: the touched rows and their states are updated where they are found
+        states = self._states(self.forward.tensors[table], fn)
+        updated = replace(self.forward.tensors[table], name=f"{table}.next")
+        self.g.add_op(f"{table}.{fn.label}", OpKind.EMBEDDING_BAG_UPDATE, (dout, ids, table, *states), [updated],
+                      {"fn": fn, "weight": table, "grad_of": (table,)}, phase=Phase.BACKWARD_WEIGHT, layer=op.layer)
+        self.updated.add(table)
+
+    def concat(self, op: Op, dout: str) -> None:
+        targets = [x for x in op.inputs if x in self.needs_grad]
+        if targets:
+            self.emit(op, OpKind.CONCAT_GRAD, (dout,), targets, {"dim": op.attrs["dim"]})
+
+    def gather(self, op: Op, dout: str) -> None:
+        self.emit(op, OpKind.GATHER_GRAD, (dout,), [op.inputs[0]])
+
     def dropout(self, op: Op, dout: str) -> None:
         self.emit(op, OpKind.POINTWISE_GRAD, (dout, op.outputs[1]), [op.inputs[0]],
                   {"fn": Pointwise.DROPOUT, **_density(op)})
@@ -159,6 +180,9 @@ class _Backward:
         OpKind.SOFTMAX: softmax,
         OpKind.NORM: norm,
         OpKind.EMBEDDING: embedding,
+        OpKind.EMBEDDING_BAG: embedding_bag,
+        OpKind.CONCAT: concat,
+        OpKind.GATHER: gather,
         OpKind.DROPOUT: dropout,
         OpKind.ROUTE: route,
         OpKind.DISPATCH: dispatch,
@@ -180,9 +204,11 @@ class _Backward:
             elif (dout := self.grad_of(op.outputs[0], op.layer)) is not None:
                 self.RULES[op.kind](self, op, dout)
             for weight in finished_by.get(op.name, ()):
-                self._store_grad(weight, op.layer)
+                if weight not in self.updated:
+                    self._store_grad(weight, op.layer)
         for weight in self.forward.weights:
-            self._optimizer(weight, first_use[weight.name].layer)
+            if weight.name not in self.updated:
+                self._optimizer(weight, first_use[weight.name].layer)
         return self.g.build()
 
     def _store_grad(self, weight: str, layer: int) -> None:
@@ -194,16 +220,18 @@ class _Backward:
                       {"tag": "grad"}, phase=Phase.BACKWARD_WEIGHT, layer=layer)
         self.stored_grads[weight] = name
 
+    def _states(self, weight: Tensor, fn: Optimizer) -> list[str]:
+        shape, dims = (weight.shape[:1], weight.dims[:1]) if fn.per_row else (weight.shape, weight.dims)
+        return [self.g.state(f"{weight.name}.{s}", shape, dims, OPTIMIZER_STATE_DTYPE) for s in fn.states]
+
     def _optimizer(self, weight: Tensor, layer: int) -> None:
         grad = self.stored_grads[weight.name]
-        states = [
-            self.g.state(f"{weight.name}.{s}", weight.shape, weight.dims, OPTIMIZER_STATE_DTYPE)
-            for s in OPTIMIZER_STATES
-        ]
-        # the states update in place; the op's one output is the new (bf16) weight
+        fn = self.optimizer.get(weight.name, Optimizer.ADAMW)
+        states = self._states(weight, fn)
+        # the states update in place; the op's one output is the new weight
         updated = Tensor(f"{weight.name}.next", weight.shape, weight.dims, weight.dtype, Role.WEIGHT)
-        self.g.add_op(f"{weight.name}.adamw", OpKind.OPTIMIZER, (grad, *states), [updated],
-                      {"fn": "adamw"}, phase=Phase.STEP, layer=layer)
+        self.g.add_op(f"{weight.name}.{fn.label}", OpKind.OPTIMIZER, (grad, *states), [updated],
+                      {"fn": fn, "weight": weight.name}, phase=Phase.STEP, layer=layer)
         # the new parameters go back to the layout they are stored in (ZeRO-1/2 gather them)
         stored = replace(updated, name=f"{weight.name}.next.stored")
         self.g.add_op(stored.name, OpKind.CONSTRAIN, (updated.name,), [stored], {"tag": "param"},
@@ -223,7 +251,8 @@ def _needs_grad(forward: Graph) -> set[str]:
 
 
 def training_graph(forward: Graph, grad_dtype: DType | None = None) -> Graph:
-    """Forward, backward (B and W ops apart) and the AdamW step of one training step.
+    """Forward, backward (B and W ops apart) and the optimizer step of one training step
+    (AdamW; row-wise Adagrad for embedding tables that ask for it, fused ones in the backward).
     Weight gradients are `grad_dtype` (default: the weight's own dtype)."""
     graph = _Backward(forward, grad_dtype).run()
     graph.verify()

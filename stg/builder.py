@@ -115,6 +115,44 @@ class GraphBuilder:
         self.add_op(name, OpKind.EMBEDDING, (table, ids), (out,))
         return name
 
+    def embedding_bag(self, name: str, table: str, ids: str, features: Any, features_axis: str, **attrs) -> str:
+        """Tables stacked by rows, `table` [rows, dim], looked up by `ids` [batch, ids] and
+        sum-pooled per feature: output [batch, features, dim]. `attrs` say how the backward
+        updates the table (`update`: "fused" or "dense", `fn`: the optimizer)."""
+        t, i = self.tensors[table], self.tensors[ids]
+        out = Tensor(name, (i.shape[0], sympy.sympify(features), t.shape[-1]), (i.dims[0], features_axis, t.dims[-1]),
+                     t.dtype, Role.ACTIVATION)
+        self.add_op(name, OpKind.EMBEDDING_BAG, (table, ids), (out,), attrs)
+        return name
+
+    def concat(self, name: str, inputs: Sequence[str], dim: int, size: Any, axis: str) -> str:
+        """`inputs` side by side along dimension `dim`, which becomes logical axis `axis` of
+        `size` elements (the real ones: a padded input contributes only its real part). An
+        input one dimension short counts as one slice."""
+        first = self.tensors[inputs[0]]
+        rank = max(len(self.tensors[x].shape) for x in inputs)
+        like = next(self.tensors[x] for x in inputs if len(self.tensors[x].shape) == rank)
+        for x in inputs:
+            t = self.tensors[x]
+            kept = [i for i in range(rank) if i != dim] if len(t.shape) == rank else range(rank - 1)
+            other = [i for i in range(rank) if i != dim]
+            if len(t.shape) not in (rank, rank - 1) or any(
+                    sympy.simplify(t.shape[a] - like.shape[b]) != 0 for a, b in zip(kept, other)):
+                raise GraphError(f"op {name}: {t.name} {list(t.shape)} cannot be concatenated with "
+                                 f"{like.name} {list(like.shape)} along dimension {dim}")
+        shape = like.shape[:dim] + (sympy.sympify(size),) + like.shape[dim + 1:]
+        dims = like.dims[:dim] + (axis,) + like.dims[dim + 1:]
+        out = Tensor(name, shape, dims, first.dtype, Role.ACTIVATION)
+        self.add_op(name, OpKind.CONCAT, tuple(inputs), (out,), {"dim": dim})
+        return name
+
+    def gather(self, name: str, x: str, shape: Sequence, dims: Sequence[str], **attrs) -> str:
+        """A fixed selection of `x`'s elements, shaped `shape` (e.g. a lower triangle)."""
+        src = self.tensors[x]
+        out = Tensor(name, tuple(shape), tuple(dims), src.dtype, Role.ACTIVATION)
+        self.add_op(name, OpKind.GATHER, (x,), (out,), attrs)
+        return name
+
     def dropout(self, name: str, x: str, **attrs) -> str:
         """Dropout; its 1-byte mask is an output because the backward reads it."""
         attrs = self._masked(x, attrs)

@@ -29,6 +29,8 @@ class Pointwise(Enum):
     SWIGLU = ("swiglu", 5, 10, True)  # silu(gate) * up, one fused kernel with two inputs
     ROPE = ("rope", 3, 3, False)  # a rotation: linear, so its backward rotates back, no inputs
     DROPOUT = ("dropout", 2, 1, False)  # draw and scale; backward multiplies by the saved mask
+    RELU = ("relu", 1, 1, True)  # max(x, 0); backward masks by x > 0
+    MUL = ("mul", 1, 2, True)  # a * b; backward: dout * b and dout * a
 
     def __init__(self, label: str, forward_flops: int, backward_flops: int, reads_input: bool):
         self.label = label
@@ -58,9 +60,31 @@ REDUCE_FLOPS = 1  # one add per input element
 ROUTE_FLOPS = 6  # softmax over the experts (5) and a top-k comparison (1) per router logit
 ROUTE_GRAD_FLOPS = 4  # softmax backward
 EMBEDDING_GRAD_FLOPS = 1  # scatter-add: one add per gradient element
-# AdamW per parameter: m = b1*m + (1-b1)*g (3), v = b2*v + (1-b2)*g^2 (4), bias corrections
-# m/c1, v/c2 (2), sqrt, +eps, divide (3), decay p*(1-lr*wd) (1), p -= lr*u (2).
-ADAMW_FLOPS = 15
+EMBEDDING_BAG_FLOPS = 1  # sum pooling: one add per looked-up element
+
+
+class Optimizer(Enum):
+    """Optimizers: (FLOPs per parameter, FLOPs per row, whether the states are one value per
+    row rather than one per parameter, the states' names)."""
+
+    # AdamW per parameter: m = b1*m + (1-b1)*g (3), v = b2*v + (1-b2)*g^2 (4), bias
+    # corrections m/c1, v/c2 (2), sqrt, +eps, divide (3), decay p*(1-lr*wd) (1), p -= lr*u (2).
+    # States: fp32 master weights and both moments (Micikevicius et al. 2018; ZeRO's K = 12).
+    ADAMW = ("adamw", 15, 0, False, ("master", "exp_avg", "exp_avg_sq"))
+    # Row-wise Adagrad (FBGEMM's EXACT_ROWWISE_ADAGRAD, TorchRec's and MLPerf DLRM's choice for
+    # embeddings): per parameter g^2 and its sum (2), p -= lr * g / sqrt(s) (2); per row the
+    # mean, s += mean, rsqrt (3). One fp32 state per row.
+    ROWWISE_ADAGRAD = ("rowwise_adagrad", 4, 3, True, ("sum_sq",))
+
+    def __init__(self, label: str, flops: int, row_flops: int, per_row: bool, states: tuple[str, ...]):
+        self.label = label
+        self.flops = flops
+        self.row_flops = row_flops
+        self.per_row = per_row
+        self.states = states
+
+    def step_flops(self, weight: Tensor) -> sympy.Expr:
+        return self.flops * weight.numel + self.row_flops * weight.shape[0]
 
 
 def _memory(tensors: Sequence[Tensor]) -> sympy.Expr:
@@ -112,6 +136,34 @@ def op_cost(
         # reads the gradient and ids, read-modify-writes the touched rows of the table gradient
         grad, ids = inputs
         return EMBEDDING_GRAD_FLOPS * grad.numel, ids.memory_bytes + 3 * grad.memory_bytes
+    if kind is OpKind.EMBEDDING_BAG:
+        # every id reads one row of the table and adds it into its sample's pooled vector:
+        # bytes = the ids, the rows touched x dim, the pooled output
+        table, ids = inputs
+        touched = ids.numel * table.shape[-1]
+        return EMBEDDING_BAG_FLOPS * touched, ids.memory_bytes + touched * table.dtype.nbytes + _memory(outputs)
+    if kind is OpKind.EMBEDDING_BAG_GRAD:
+        # every id scatter-adds its sample's pooled gradient into its row (read-modify-write)
+        dpooled, ids = inputs
+        touched = ids.numel * outputs[0].shape[-1]
+        return EMBEDDING_GRAD_FLOPS * touched, _memory(inputs) + 2 * touched * outputs[0].dtype.nbytes
+    if kind is OpKind.EMBEDDING_BAG_UPDATE:
+        # per id: its sample's pooled gradient read, its row and its state read and written, the
+        # optimizer's work on that row. A row hit by several ids counts each time (the batch's
+        # unique rows are at most this many).
+        dpooled, ids, table, *states = inputs
+        rows, dim = ids.numel, table.shape[-1]
+        row_bytes = dim * table.dtype.nbytes + sum(t.dtype.nbytes for t in states)
+        fn = attrs["fn"]
+        flops = rows * (fn.flops * dim + fn.row_flops)
+        return flops, ids.memory_bytes + rows * dim * dpooled.dtype.nbytes + 2 * rows * row_bytes
+    if kind in (OpKind.CONCAT, OpKind.CONCAT_GRAD, OpKind.GATHER):
+        # a copy: what is written is read once (padded inputs contribute only their real part)
+        written = _memory(outputs) if kind is not OpKind.CONCAT_GRAD else inputs[0].memory_bytes
+        return sympy.Integer(0), 2 * written
+    if kind is OpKind.GATHER_GRAD:
+        # the selected gradient read, the whole input gradient written (zeros elsewhere)
+        return sympy.Integer(0), traffic
     if kind is OpKind.CROSS_ENTROPY:
         return CROSS_ENTROPY_FLOPS * inputs[0].numel, traffic
     if kind is OpKind.LOSS:
@@ -138,7 +190,7 @@ def op_cost(
     if kind is OpKind.OPTIMIZER:
         # inputs: gradient and states, all read; output: the new weight. The states are
         # updated in place, so they are written back as well.
-        return ADAMW_FLOPS * outputs[0].numel, traffic + _memory(inputs[1:])
+        return attrs["fn"].step_flops(outputs[0]), traffic + _memory(inputs[1:])
     if kind is OpKind.COLLECTIVE:
         # a collective moves its (local) input; see stg/redistribute.py for comm_size semantics
         return sympy.Integer(0), inputs[0].nbytes

@@ -58,6 +58,17 @@ class OpKind(Enum):
     NORM_GRAD = "norm_grad"
     EMBEDDING = "embedding"
     EMBEDDING_GRAD = "embedding_grad"
+    # a batch of embedding tables looked up and sum-pooled by one kernel (FBGEMM's
+    # table-batched embedding, what TorchRec runs): ids [batch, ids] -> [batch, features, dim]
+    EMBEDDING_BAG = "embedding_bag"
+    EMBEDDING_BAG_GRAD = "embedding_bag_grad"  # the dense table gradient: touched rows scatter-added
+    # the backward fused with the optimizer (TorchRec's fused kernel): the touched rows are
+    # updated in place and no table gradient is ever made
+    EMBEDDING_BAG_UPDATE = "embedding_bag_update"
+    CONCAT = "concat"  # inputs side by side along one dimension
+    CONCAT_GRAD = "concat_grad"  # the gradient split back to the inputs
+    GATHER = "gather"  # a fixed selection of elements (the interaction's lower triangle)
+    GATHER_GRAD = "gather_grad"  # scattered back into zeros
     DROPOUT = "dropout"  # outputs the kept values and the mask the backward reads
     CROSS_ENTROPY = "cross_entropy"  # per-token statistics (max, sum of exp, target logit)
     CROSS_ENTROPY_GRAD = "cross_entropy_grad"

@@ -18,7 +18,7 @@ from typing import Sequence
 import sympy
 
 from stg.errors import LayoutError
-from stg.mesh import Layout, Partial, Placement, Replicate, Shard
+from stg.mesh import Layout, Partial, Replicate, Shard
 
 
 class Collective(Enum):
@@ -57,8 +57,10 @@ class CommStep:
 def plan_redistribution(
     tensor: str, shape: Sequence[sympy.Expr], src: Layout, dst: Layout, mesh_order: Sequence[str]
 ) -> list[CommStep]:
-    """Steps that turn `src` into `dst`; axes that need the same collective go together."""
-    by_rule: dict[tuple[Collective | None, Placement, Placement], list[str]] = {}
+    """Steps that turn `src` into `dst`; axes that need the same collective go together, as
+    one collective over their combined group (each axis reaching its own placement: a
+    table-row-wise input distribution is one all-to-all over all ranks, as in TorchRec)."""
+    by_rule: dict[Collective | None, list[str]] = {}
     for axis in mesh_order:
         a, b = src.get(axis), dst.get(axis)
         if a == b:
@@ -66,13 +68,13 @@ def plan_redistribution(
         key = (type(a), type(b))
         if key not in RULES:
             raise LayoutError(f"tensor {tensor}: cannot turn {a} into {b} on mesh axis {axis}")
-        by_rule.setdefault((RULES[key], a, b), []).append(axis)
+        by_rule.setdefault(RULES[key], []).append(axis)
 
     steps, current = [], src
-    for (collective, _, target), axes in sorted(by_rule.items(), key=lambda kv: _ORDER.index(kv[0][0])):
+    for collective, axes in sorted(by_rule.items(), key=lambda kv: _ORDER.index(kv[0])):
         placements = current.as_dict()
         for axis in axes:
-            placements[axis] = target
+            placements[axis] = dst.get(axis)
         after = Layout.of(placements, mesh_order)
         steps.append(
             CommStep(collective, tuple(axes), current.local_shape(shape), after.local_shape(shape), after)

@@ -17,6 +17,7 @@ from typing import Callable, Mapping, Sequence
 
 from stg.builder import GraphBuilder
 from stg.costs import Pointwise
+from stg.errors import LayoutError
 from stg.graph import Graph, Op, OpKind, Phase, Role, Tensor
 from stg.mesh import FLAT, REPLICATED, Layout, Partial, Placement, Replicate, Shard
 from stg.redistribute import Collective, plan_redistribution
@@ -330,6 +331,89 @@ def _embedding_grad(op, ins, lays, outs, sharder):
     return [Layout.of(need_grad, order), Layout.of(need_ids, order)], [Layout.of(out, order)]
 
 
+def _own_features(sharder, pooled: Tensor) -> dict:
+    """Mesh axes on which a rank's pooled embeddings are whole features of its own tables
+    (table- and column-wise sharding: the `pooled` rules split the features on them); on any
+    other axis that splits the table rows, every rank holds partial sums (row-wise)."""
+    rules = sharder.spec.anchors.get("pooled")
+    return rules.layout(pooled, sharder.mesh_axes).as_dict() if rules else {}
+
+
+def _embedding_bag(op, ins, lays, outs, sharder):
+    """A table split by rows needs the ids of its rows (routed to it: the input
+    distribution); its pooled output is then its own features or a partial sum. A table
+    split by columns needs every id. A replicated table looks up where the ids are."""
+    table, pooled = lays[0], outs[0]
+    need_ids, out = lays[1].as_dict(), {}
+    own = _own_features(sharder, pooled)
+    for axis in sharder.mesh_axes:
+        placement = table.get(axis)
+        if placement == Shard(0):
+            need_ids[axis] = Shard(1)
+            out[axis] = Shard(1) if own.get(axis) == Shard(1) else Partial()
+        elif placement == Shard(1):
+            need_ids.pop(axis, None)
+            out[axis] = Shard(2)
+        elif need_ids.get(axis) == Shard(0):
+            out[axis] = Shard(0)
+        else:
+            need_ids.pop(axis, None)
+    order = sharder.mesh_axes
+    return [table, Layout.of(need_ids, order)], [Layout.of(out, order)]
+
+
+def _embedding_bag_backward(op, ins, lays, outs, sharder):
+    """The table gradient (or the fused update) is made where the table is: the ids as the
+    lookup had them, and the pooled gradient of every sample whose ids hit the rank's rows
+    (gathered for a row-wise split) or of the rank's own features."""
+    dpooled, ids = ins[:2]
+    (table_name,) = op.attrs["grad_of"]
+    table = unflattened(sharder.layouts[table_name])
+    need_grad, need_ids, out = lays[0].as_dict(), lays[1].as_dict(), {}
+    own = _own_features(sharder, dpooled)
+    for axis in sharder.mesh_axes:
+        placement = table.get(axis)
+        if isinstance(placement, Shard):
+            need_ids[axis] = Shard(1) if placement.dim == 0 else Replicate()
+            need_grad[axis] = own.get(axis, Replicate()) if placement.dim == 0 else Shard(2)
+            out[axis] = placement
+        elif need_grad.get(axis) == Shard(0):
+            if op.kind is OpKind.EMBEDDING_BAG_UPDATE:
+                raise LayoutError(f"op {op.name}: a fused update needs table {table_name} split on mesh axis "
+                                  f"{axis}, which splits the batch (a replicated table needs its gradient reduced)")
+            need_ids[axis] = Shard(0)
+            out[axis] = Partial()
+        else:
+            need_grad.pop(axis, None)
+            need_ids.pop(axis, None)
+    order = sharder.mesh_axes
+    needed = [Layout.of(need_grad, order), Layout.of(need_ids, order), *lays[2:]]
+    return needed, [Layout.of(out, order)]
+
+
+def _concat(op, ins, lays, outs, sharder):
+    """Inputs whole along the concatenated dimension and laid out like the first input
+    otherwise (a padded, table-wise input is brought to the batch split: an all-to-all)."""
+    dim, rank = op.attrs["dim"], len(outs[0].shape)
+    first = without(lays[0], dims=[dim] if len(ins[0].shape) == rank else [])
+    target = project(first, ins[0], outs[0])
+    return [project(target, outs[0], t) for t in ins], [target]
+
+
+def _concat_grad(op, ins, lays, outs, sharder):
+    target = without(lays[0], dims=[op.attrs["dim"]])
+    return [target], [project(target, ins[0], o) for o in outs]
+
+
+def _gather(op, ins, lays, outs, sharder):
+    """A selection keeps the splits of the dimensions it keeps; the others must be whole.
+    Its gradient scatters back where the selection is (partial sums pass: it is linear)."""
+    target = lays[0]
+    if op.kind is OpKind.GATHER:
+        target = without(target, dims=[i for i, logical in enumerate(ins[0].dims) if logical not in outs[0].dims])
+    return [target], [project(target, ins[0], outs[0])]
+
+
 def _cross_entropy(op, ins, lays, outs, sharder):
     """Vocabulary-parallel cross-entropy (Megatron): logits may stay split on the vocabulary;
     the per-token statistics then come out as partial sums over that split."""
@@ -416,6 +500,13 @@ _RULES: dict[OpKind, Callable] = {
     OpKind.NORM_GRAD: _along_last_dim,
     OpKind.EMBEDDING: _embedding,
     OpKind.EMBEDDING_GRAD: _embedding_grad,
+    OpKind.EMBEDDING_BAG: _embedding_bag,
+    OpKind.EMBEDDING_BAG_GRAD: _embedding_bag_backward,
+    OpKind.EMBEDDING_BAG_UPDATE: _embedding_bag_backward,
+    OpKind.CONCAT: _concat,
+    OpKind.CONCAT_GRAD: _concat_grad,
+    OpKind.GATHER: _gather,
+    OpKind.GATHER_GRAD: _gather,
     OpKind.CROSS_ENTROPY: _cross_entropy,
     OpKind.CROSS_ENTROPY_GRAD: _cross_entropy,
     OpKind.LOSS: _loss,
