@@ -16,17 +16,32 @@ import sympy
 import yaml
 
 from model_zoo.described import DescribedConfig, build_described
+from model_zoo.dlrm import DLRMConfig, TableGroup, build_dlrm
 from model_zoo.transformer import TransformerConfig, build_transformer
 from stg.errors import ModelSpecError
 from stg.graph import Graph
 
+
+@dataclass(frozen=True)
+class GraphOptions:
+    """What a plan decides about the forward graph itself."""
+
+    flash_attention: bool = True  # attention scores stay on chip
+    table_groups: tuple[TableGroup, ...] | None = None  # embedding tables as the plan groups them
+
+
+def _transformer(config, options: GraphOptions) -> Graph:
+    return build_transformer(config, options.flash_attention)
+
+
 # family -> (config parser, graph builder)
 FAMILIES = {
-    "gpt": (TransformerConfig.from_dict, build_transformer),
-    "llama": (TransformerConfig.from_dict, build_transformer),
-    "mixtral": (TransformerConfig.from_dict, build_transformer),
-    "deepseek": (TransformerConfig.from_dict, build_transformer),
-    "graph": (DescribedConfig.from_dict, build_described),  # any architecture, op by op
+    "gpt": (TransformerConfig.from_dict, _transformer),
+    "llama": (TransformerConfig.from_dict, _transformer),
+    "mixtral": (TransformerConfig.from_dict, _transformer),
+    "deepseek": (TransformerConfig.from_dict, _transformer),
+    "graph": (DescribedConfig.from_dict, lambda config, options: build_described(config, options.flash_attention)),
+    "dlrm": (DLRMConfig.from_dict, lambda config, options: build_dlrm(config, options.table_groups)),  # recommendation
 }
 
 
@@ -55,15 +70,15 @@ class Model:
 
     @cached_property
     def graph(self) -> Graph:
-        """Forward graph of one micro-batch, sizes symbolic (fused attention)."""
-        return self.forward_graph(flash_attention=True)
+        """Forward graph of one micro-batch, sizes symbolic (fused attention, unsharded tables)."""
+        return self.forward_graph(GraphOptions())
 
-    def forward_graph(self, flash_attention: bool = True) -> Graph:
+    def forward_graph(self, options: GraphOptions = GraphOptions()) -> Graph:
         """Forward graph of one micro-batch; without flash attention the attention scores
         and probabilities are materialised (and saved for the backward)."""
-        if flash_attention and "graph" in self.__dict__:
+        if options == GraphOptions() and "graph" in self.__dict__:
             return self.__dict__["graph"]
-        graph = FAMILIES[self.family][1](self.config, flash_attention)
+        graph = FAMILIES[self.family][1](self.config, options)
         graph.verify()
         return graph
 

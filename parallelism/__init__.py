@@ -10,22 +10,23 @@ from __future__ import annotations
 
 from typing import Callable
 
-from parallelism import context, data, expert, tensor, zero
+from parallelism import context, data, embedding, expert, tensor, zero
 from stg.plan import Plan
 from stg.sharding import LayoutRules, ShardingSpec
 
-# name -> rules(plan): {target: {logical axis: mesh axes}}; targets: data, params, residual
+# name -> rules(plan): {target: {logical axis: mesh axes}}; targets: data, params, residual, pooled
 STRATEGIES: dict[str, Callable[[Plan], dict[str, dict[str, tuple[str, ...]]]]] = {
     "data": data.rules,
     "context": context.rules,
     "tensor": tensor.rules,
     "expert": expert.rules,
+    "embedding": embedding.rules,
 }
 
 
 def sharding_spec(plan: Plan) -> ShardingSpec:
     in_play = tuple(axis for axis, size in plan.mesh().axes if size > 1)
-    merged: dict[str, dict[str, tuple[str, ...]]] = {"data": {}, "params": {}, "residual": {}}
+    merged: dict[str, dict[str, tuple[str, ...]]] = {"data": {}, "params": {}, "residual": {}, "pooled": {}}
     for strategy in STRATEGIES.values():
         for target, split in strategy(plan).items():
             for logical, axes in split.items():
@@ -43,6 +44,8 @@ def sharding_spec(plan: Plan) -> ShardingSpec:
                 for k in {**merged["data"], **merged["residual"]}}
     stored = zero.layouts(plan, merged["params"], in_play)
     anchors = {"residual": LayoutRules(residual), "param": stored["param"]}
+    if merged["pooled"]:  # a slot's pooled embeddings: whole features of its own tables
+        anchors["pooled"] = LayoutRules(merged["pooled"])
     if stored["grad"] is not None:
         anchors["grad"] = stored["grad"]
     return ShardingSpec(in_play, stored["params"], stored["states"], LayoutRules(merged["data"]), anchors)

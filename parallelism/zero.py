@@ -25,7 +25,7 @@ from stg.sharding import LayoutRules
 def layouts(plan: Plan, params: Mapping[str, tuple[str, ...]], in_play: tuple[str, ...]) -> dict:
     # the data-parallel axes; an expert's weights are split on ep already, so their flat
     # shards span dp (and cp) only: the expert-data-parallel group
-    axes = tuple(a for a in ("dp", "ep", "cp") if a in in_play)
+    axes = tuple(a for a in ("dp", "ep", "cp", "local") if a in in_play)
     return {
         "params": LayoutRules(params, axes if plan.zero >= 3 else ()),
         "states": LayoutRules(params, axes if plan.zero >= 1 else ()),

@@ -9,6 +9,7 @@ its sharded graph, its rank-class programs, its summary.
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
@@ -16,8 +17,10 @@ from typing import Any, Mapping
 
 import sympy
 
-from model_zoo import Model, load_model
+from model_zoo import GraphOptions, Model, load_model
+from model_zoo.dlrm import DLRMConfig
 from parallelism import sharding_spec
+from parallelism.embedding import EmbeddingPlan, plan_embeddings
 from stg.autodiff import training_graph
 from stg.device import device_spec
 from stg.emit import Progress, count_trace_set, write_trace_set
@@ -46,28 +49,55 @@ class Workload:
     plan: Plan
     mesh: DeviceMesh
     sharded: ShardedGraph
-    programs: tuple[RankProgram, ...]
+    programs: tuple[RankProgram, ...]  # per pipeline stage, per variant
     memory: tuple[Memory, ...]  # per rank class
     bindings: Mapping[sympy.Symbol, Any]
-    class_axes: tuple[str, ...] = ("pp",)  # mesh axes whose coordinates decide a rank's program
+    # Ranks of one pipeline stage run one program up to their groups and peers, unless their
+    # coordinates on variant_axes give them different work (an expert slot's load under
+    # routing skew, the embedding tables a rank holds): variant_map[i] is the variant of
+    # coordinate i on those axes (mixed radix, slowest first).
+    variant_axes: tuple[str, ...] = ()
+    variant_map: tuple[int, ...] = ()
+    embeddings: EmbeddingPlan | None = None
 
-    def class_of(self, rank: int) -> int:
-        """Ranks of one pipeline stage (and, under routing skew, one expert slot) run the same
-        program up to their groups and peers: the class is their coordinates on class_axes."""
+    @property
+    def variants(self) -> int:
+        return len(self.programs) // self.plan.pp
+
+    def _variant_index(self, rank: int) -> int:
         index = 0
-        for axis in self.class_axes:
+        for axis in self.variant_axes:
             index = index * self.mesh.sizes[axis] + (rank // self.mesh.stride(axis)) % self.mesh.sizes[axis]
         return index
 
-    def class_coords(self, cls: int) -> dict[str, int]:
-        coords = {}
-        for axis in reversed(self.class_axes):
-            cls, coords[axis] = divmod(cls, self.mesh.sizes[axis])
-        return {axis: coords[axis] for axis in self.class_axes}
+    def class_of(self, rank: int) -> int:
+        stage = (rank // self.mesh.stride("pp")) % self.plan.pp
+        variant = self.variant_map[self._variant_index(rank)] if self.variant_axes else 0
+        return stage * self.variants + variant
+
+    @cached_property
+    def _members(self) -> tuple[tuple[int, int], ...]:
+        """Per class: (its lowest rank, how many ranks it has), by arithmetic on the mesh."""
+        per_stage = self.mesh.size // self.plan.pp
+        width = len(self.variant_map) if self.variant_axes else 1
+        first, count = {}, Counter()
+        for index in range(width):
+            variant = self.variant_map[index] if self.variant_axes else 0
+            count[variant] += per_stage // width
+            if variant not in first:
+                coords, rest = {}, index
+                for axis in reversed(self.variant_axes):
+                    rest, coords[axis] = divmod(rest, self.mesh.sizes[axis])
+                first[variant] = self.mesh.rank(coords)
+        return tuple((first[v] + stage * self.mesh.stride("pp"), count[v])
+                     for stage in range(self.plan.pp) for v in range(self.variants))
 
     def representative(self, cls: int) -> int:
         """The lowest rank of class `cls`."""
-        return self.mesh.rank(self.class_coords(cls))
+        return self._members[cls][0]
+
+    def class_count(self, cls: int) -> int:
+        return self._members[cls][1]
 
     def hole_values(self, rank: int, holes) -> dict:
         """The bytes that stamp `rank` from its class skeleton: group ids, rank numbers."""
@@ -89,15 +119,17 @@ class Workload:
 
     def summary(self) -> dict:
         world = self.mesh.size
-        count = world // len(self.programs)
         classes = []
         for index, program in enumerate(self.programs):
-            where = {"class": index, "coords": self.class_coords(index), "count": count}
-            if self.class_axes == ("pp",):  # pp is the slowest axis: a stage is one block of ranks
-                where["ranks"] = [[index * count, (index + 1) * count - 1]]
+            stage, variant = divmod(index, self.variants)
+            where = {"class": index, "coords": {"pp": stage}, "count": self.class_count(index)}
+            if self.variants > 1:
+                where["variant"] = variant
+            else:  # pp is the slowest axis: a stage is one block of ranks
+                where["ranks"] = [[index * where["count"], (index + 1) * where["count"] - 1]]
             classes.append({**where, **program.stats.to_dict(), "memory": self.memory[index].to_dict()})
         per_rank = [self.class_of(rank) for rank in range(world)]
-        return {
+        summary = {
             "stg_version": __version__,
             "model": {**self.model.describe(), "source": self.model.source},
             "plan": self.plan.to_dict(),
@@ -114,6 +146,10 @@ class Workload:
             "rank_classes": classes,
             "rank_class": per_rank,
         }
+        if self.embeddings is not None:
+            summary["samples_per_step"] = summary.pop("tokens_per_step") // self.plan.seq
+            summary["embedding_plan"] = self.embeddings.table()
+        return summary
 
 
 def _check_fits(model: Model, plan: Plan) -> None:
@@ -128,11 +164,14 @@ def build(model: Model | str | Path | Mapping, plan: Plan | Mapping) -> Workload
     plan = plan if isinstance(plan, Plan) else Plan.from_dict(plan)
     _check_fits(model, plan)
     mesh = plan.mesh()
+    embeddings = embedding_plan(model, plan)
     stages = stage_plan(plan, model.layers) if plan.pp > 1 else None
-    forward, ties = model.forward_graph(plan.flash_attention), {}
+    options = GraphOptions(plan.flash_attention, embeddings.groups if embeddings else None)
+    forward, ties = model.forward_graph(options), {}
     if stages:  # weights read on two stages (tied embeddings) get a copy per stage
         forward, ties = untie(forward, stages)
-    train = training_graph(forward, DType.parse(plan.grad_dtype))
+    grad_dtype = DType.parse(plan.grad_dtype) if plan.grad_dtype else None
+    train = training_graph(forward, grad_dtype)
     sharded = shard(recompute(train, plan.recompute, last_block=model.layers), sharding_spec(plan))
     if ties:
         sharded = tie_gradients(sharded, ties, stages)
@@ -143,22 +182,58 @@ def build(model: Model | str | Path | Mapping, plan: Plan | Mapping) -> Workload
         ATTN_FRACTION: plan.attention_flops.fraction,
         CF: sympy.Rational(str(plan.capacity_factor)),
         LOAD: 1,
+        **(embeddings.bindings() if embeddings else {}),
         **{axis_symbol(axis): size for axis, size in mesh.axes},
     }
     check_divisibility(sharded, bindings)
-    evaluate = Evaluator(bindings)
+    # what every rank of a stage shares sizes the collectives (slots padded to the widest);
+    # each variant's own values size its compute and memory
+    shared = Evaluator(bindings)
     pipeline = _pipeline(model, plan, sharded, stages)
-    loads = expert_loads(plan, bindings.get(E))
+    variants, variant_axes, variant_map = _variants(plan, bindings, embeddings)
     programs, memories = [], []
-    for rank in range(plan.pp):  # one rank class per pipeline stage (x expert slot under skew)
-        stage_memory = memory(sharded, evaluate, pipeline.stages, pipeline.schedule[rank], rank)
-        for load in loads:
-            per_class = evaluate if load == 1 else Evaluator({**bindings, LOAD: load})
-            programs.append(lower(sharded, per_class, device_spec(plan.device),
-                                  pipeline=pipeline, bucket_bytes=int(plan.bucket_mb * 2**20), rank=rank))
-            memories.append(stage_memory)  # buffers are padded: memory does not follow the load
-    class_axes = ("pp", "ep") if len(loads) > 1 else ("pp",)
-    return Workload(model, plan, mesh, sharded, tuple(programs), tuple(memories), bindings, class_axes)
+    for rank in range(plan.pp):  # one rank class per pipeline stage and variant
+        for variant in variants:
+            evaluate = Evaluator({**bindings, **variant}) if variant else shared
+            memories.append(memory(sharded, evaluate, pipeline.stages, pipeline.schedule[rank], rank))
+            programs.append(lower(sharded, evaluate, device_spec(plan.device), pipeline=pipeline,
+                                  bucket_bytes=int(plan.bucket_mb * 2**20), rank=rank, comm_evaluate=shared))
+    return Workload(model, plan, mesh, sharded, tuple(programs), tuple(memories), bindings, variant_axes,
+                    variant_map, embeddings)
+
+
+def _variants(plan: Plan, bindings, embeddings: EmbeddingPlan | None) -> tuple[list[dict], tuple, tuple]:
+    """(per-variant bindings, the mesh axes that pick a rank's variant, coordinate -> variant)."""
+    if embeddings is not None and embeddings.variant_axes:
+        distinct, index = embeddings.variants
+        return list(distinct), embeddings.variant_axes, index
+    loads = expert_loads(plan, bindings.get(E))
+    if len(loads) > 1:
+        return [{LOAD: load} for load in loads], ("ep",), tuple(range(plan.ep))
+    return [{}], (), ()
+
+
+def embedding_plan(model: Model, plan: Plan) -> EmbeddingPlan | None:
+    """The tables' sharding for a recommendation model (None for other models, which must
+    not ask for one)."""
+    asked = [k for k in ("embedding_sharding", "embeddings", "column_shards", "embedding_memory_gib")
+             if getattr(plan, k) is not None] + (["local_world_size"] if plan.local_world_size > 1 else [])
+    if not isinstance(model.config, DLRMConfig):
+        if asked:
+            raise PlanError(f"{asked[0]}: applies to models with embedding tables (family dlrm), not "
+                            f"{model.name} (family {model.family})")
+        return None
+    for name in ("tp", "pp", "cp", "ep"):
+        if getattr(plan, name) != 1:
+            raise PlanError(f"{name}={getattr(plan, name)}: model {model.name} is a recommendation model; its dense "
+                            "part is data parallel and its tables are sharded by embedding_sharding (use dp and "
+                            "local_world_size)")
+    if plan.recompute.value != "none" or plan.zero:
+        raise PlanError(f"{'zero' if plan.zero else 'recompute'}: not supported for recommendation model {model.name}")
+    memory_gib = plan.embedding_memory_gib or device_spec(plan.device).memory_gib
+    return plan_embeddings(model.config, default=plan.embedding_sharding, overrides=plan.embeddings,
+                           hosts=plan.dp, local=plan.local_world_size, batch=plan.micro_batch * plan.data_ranks,
+                           limit_bytes=int(memory_gib * 2**30), columns=plan.column_shards)
 
 
 def expert_loads(plan: Plan, experts: int | None) -> list[sympy.Expr]:

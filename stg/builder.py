@@ -125,24 +125,19 @@ class GraphBuilder:
         self.add_op(name, OpKind.EMBEDDING_BAG, (table, ids), (out,), attrs)
         return name
 
-    def concat(self, name: str, inputs: Sequence[str], dim: int, size: Any, axis: str) -> str:
-        """`inputs` side by side along dimension `dim`, which becomes logical axis `axis` of
-        `size` elements (the real ones: a padded input contributes only its real part). An
-        input one dimension short counts as one slice."""
-        first = self.tensors[inputs[0]]
-        rank = max(len(self.tensors[x].shape) for x in inputs)
-        like = next(self.tensors[x] for x in inputs if len(self.tensors[x].shape) == rank)
+    def concat(self, name: str, inputs: Sequence[str], shape: Sequence, dims: Sequence[str], dim: int) -> str:
+        """`inputs` side by side along output dimension `dim`; the output is `shape` with
+        logical axes `dims`. An input dimension whose axis the output shares must match it
+        in size; an input's other dimensions are what it contributes along `dim` (its real
+        part, when an input is padded or holds column shards)."""
+        out = Tensor(name, tuple(shape), tuple(dims), self.tensors[inputs[0]].dtype, Role.ACTIVATION)
         for x in inputs:
             t = self.tensors[x]
-            kept = [i for i in range(rank) if i != dim] if len(t.shape) == rank else range(rank - 1)
-            other = [i for i in range(rank) if i != dim]
-            if len(t.shape) not in (rank, rank - 1) or any(
-                    sympy.simplify(t.shape[a] - like.shape[b]) != 0 for a, b in zip(kept, other)):
-                raise GraphError(f"op {name}: {t.name} {list(t.shape)} cannot be concatenated with "
-                                 f"{like.name} {list(like.shape)} along dimension {dim}")
-        shape = like.shape[:dim] + (sympy.sympify(size),) + like.shape[dim + 1:]
-        dims = like.dims[:dim] + (axis,) + like.dims[dim + 1:]
-        out = Tensor(name, shape, dims, first.dtype, Role.ACTIVATION)
+            for logical, size in zip(t.dims, t.shape):
+                if logical in out.dims and logical != out.dims[dim] and sympy.simplify(
+                        out.shape[out.dims.index(logical)] - size) != 0:
+                    raise GraphError(f"op {name}: {t.name} {list(t.shape)} axis {logical!r} does not match "
+                                     f"the output {list(out.shape)} axes {list(out.dims)}")
         self.add_op(name, OpKind.CONCAT, tuple(inputs), (out,), {"dim": dim})
         return name
 

@@ -178,9 +178,8 @@ def prepare_range(out: Path) -> Path:
 def count_trace_set(workload) -> dict:
     """What a full write would produce, without writing: bytes and nodes, per class and in all."""
     stamper = Stamper(workload)
-    count = workload.mesh.size // len(workload.programs)
     classes = [
-        {"class": cls, "ranks": count, "bytes_per_rank": stamper.size(cls, workload.representative(cls)),
+        {"class": cls, "ranks": workload.class_count(cls), "bytes_per_rank": stamper.size(cls, workload.representative(cls)),
          "nodes_per_rank": len(program.nodes)}
         for cls, program in enumerate(workload.programs)
     ]

@@ -63,7 +63,7 @@ def check_divisibility(sharded: ShardedGraph, bindings: Mapping[sympy.Symbol, in
         tensor = sharded.global_tensors[name]
         for dim, (size, logical) in enumerate(zip(tensor.shape, tensor.dims)):
             axes = layout.axes_sharding(dim)
-            if not axes or (size, axes) in checked or logical == "capacity":  # buffers are padded
+            if not axes or (size, axes) in checked or _padded(logical):
                 continue
             checked.add((size, axes))
             value = int(size.xreplace(bindings))
@@ -73,6 +73,12 @@ def check_divisibility(sharded: ShardedGraph, bindings: Mapping[sympy.Symbol, in
                 raise LayoutError(
                     f"{split} does not divide {logical} dimension {size}={value} of tensor {name}"
                 )
+
+
+def _padded(logical: str) -> bool:
+    """Dimensions split unevenly by design: expert buffers and stacked embedding rows are
+    padded up per rank; a rank's share of routed ids is a mean (model_zoo/moe.py, dlrm.py)."""
+    return logical == "capacity" or logical.endswith((".rows", ".ids"))
 
 
 def _unit(op: Op, graph) -> tuple | None:
@@ -102,9 +108,10 @@ class Pipeline:
 
 class _ProgramBuilder:
     def __init__(self, sharded: ShardedGraph, evaluate: Evaluator, device: DeviceSpec, bucket_bytes: int,
-                 pipeline: Pipeline, rank: int):
+                 pipeline: Pipeline, rank: int, comm_evaluate: Evaluator | None = None):
         self.graph = sharded.graph
         self.ev = evaluate
+        self.comm_ev = comm_evaluate or evaluate  # sizes that every member of a group must agree on
         self.device = device
         self.bucket_bytes = bucket_bytes
         self.pipeline = pipeline
@@ -161,7 +168,7 @@ class _ProgramBuilder:
         axes, collective = first.attrs["axes"], first.attrs["collective"]
         deps = {p for op in members if (p := self.producer(op.inputs[0], where)) is not None} | set(extra_deps)
         deps.add(self.last_comm)
-        nbytes = sum(self.ev(op.bytes) for op in members)
+        nbytes = sum(self.comm_ev(op.bytes) for op in members)
         node = self._add(
             name=name, type=NodeType.COMM_COLL_NODE, deps=tuple(sorted(d for d in deps if d is not None)),
             collective=collective, comm_bytes=nbytes, group=GroupHole(axes, first.attrs.get("members")),
@@ -193,7 +200,7 @@ class _ProgramBuilder:
         return microbatch * len(self.pipeline.edges) + edge.index
 
     def send(self, edge: Edge, microbatch: int, where: dict[str, int]) -> None:
-        nbytes = self.ev(self.graph.tensors[edge.tensor].nbytes)
+        nbytes = self.comm_ev(self.graph.tensors[edge.tensor].nbytes)
         deps = [d for d in (self.producer(edge.tensor, where), self.last_comm) if d is not None]
         self.last_comm = self._add(
             name=f"{microbatch} send {edge.tensor}", type=NodeType.COMM_SEND_NODE, deps=tuple(sorted(set(deps))),
@@ -202,7 +209,7 @@ class _ProgramBuilder:
         self.stats.send_bytes += nbytes
 
     def recv(self, edge: Edge, microbatch: int, where: dict[str, int]) -> None:
-        nbytes = self.ev(self.graph.tensors[edge.tensor].nbytes)
+        nbytes = self.comm_ev(self.graph.tensors[edge.tensor].nbytes)
         deps = () if self.last_compute is None else (self.last_compute,)
         where[edge.tensor] = self._add(
             name=f"{microbatch} recv {edge.tensor}", type=NodeType.COMM_RECV_NODE, deps=deps,
@@ -249,7 +256,7 @@ class _ProgramBuilder:
                 buckets.append([])
                 size = 0
             buckets[-1].append(op)
-            size += self.ev(op.bytes)
+            size += self.comm_ev(op.bytes)
         return buckets
 
     def _made_by(self, tensor: str) -> Op | None:
@@ -327,8 +334,10 @@ class _ProgramBuilder:
 
 
 def lower(sharded: ShardedGraph, evaluate: Evaluator, device: DeviceSpec, *, pipeline: Pipeline,
-          bucket_bytes: int, rank: int = 0) -> RankProgram:
-    """The program of pipeline stage `rank`'s class: its schedule's actions, then the step."""
-    builder = _ProgramBuilder(sharded, evaluate, device, bucket_bytes, pipeline, rank)
+          bucket_bytes: int, rank: int = 0, comm_evaluate: Evaluator | None = None) -> RankProgram:
+    """The program of pipeline stage `rank`'s class: its schedule's actions, then the step.
+    `comm_evaluate` sizes collectives and sends (default `evaluate`): the values that all
+    ranks of a group share, where a class's own work differs (its embedding tables)."""
+    builder = _ProgramBuilder(sharded, evaluate, device, bucket_bytes, pipeline, rank, comm_evaluate)
     nodes = builder.build()
     return RankProgram((rank,), tuple(nodes), builder.stats)

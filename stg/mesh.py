@@ -2,7 +2,8 @@
 
 A DeviceMesh is named axes with sizes and one fixed rank <-> coordinate rule: the last axis
 varies fastest. stg's standard order is pp, dp, ep, cp, tp (tp fastest, as in Megatron), so
-rank = tp + T*(cp + C*(ep + E*(dp + D*pp))). Groups along some axes are derived, never stored.
+rank = tp + T*(cp + C*(ep + E*(dp + D*pp))); recommendation models add `local`, the ranks of a
+host, after them (hosts are then dp). Groups along some axes are derived, never stored.
 
 A Layout says, per mesh axis, how a tensor sits on it: Shard(d) splits dimension d, Partial
 holds a partial sum, and any axis not named replicates it (PyTorch DTensor's vocabulary).
@@ -18,7 +19,7 @@ import sympy
 
 from stg.errors import LayoutError
 
-MESH_ORDER = ("pp", "dp", "ep", "cp", "tp")
+MESH_ORDER = ("pp", "dp", "ep", "cp", "tp", "local")
 
 
 FLAT = -1  # Shard(FLAT): the flattened tensor split evenly, padded (ZeRO / FSDP flat buffers)

@@ -61,7 +61,7 @@ class Plan:
     sp: bool | None = None  # sequence parallelism; default: on when tp > 1 (as Megatron)
     recompute: Recompute = Recompute.NONE
     flash_attention: bool = True  # attention scores stay on chip (no memory traffic, not saved)
-    grad_dtype: str = "bf16"  # weight gradients: accumulation and reduction dtype
+    grad_dtype: str | None = None  # weight gradients' accumulation and reduction dtype; default: the weight's
     # the vocabulary is padded to a multiple of this times tp (Megatron's
     # --make-vocab-size-divisible-by, whose default is 128; 1 pads only what tp needs)
     make_vocab_divisible_by: int = 1
@@ -75,10 +75,22 @@ class Plan:
     seq: int = 2048
     attention_flops: AttentionFlops = AttentionFlops.CAUSAL
     bucket_mb: float = 25.0  # gradient bucket size, MiB (PyTorch DDP's bucket_cap_mb default)
+    # recommendation models (parallelism/embedding.py): every table's sharding (data_parallel,
+    # table_wise, column_wise, row_wise, table_row_wise, or auto: the greedy planner), per-table
+    # choices that override it ({table: sharding, or {sharding, ranks | host}}), column shards
+    # per column-wise table, the planner's per-rank memory limit for tables and their
+    # optimizer state (default: the device's memory), and ranks per host (the mesh axis
+    # `local`; table_row_wise splits rows over a host's ranks, and dp then counts hosts)
+    embedding_sharding: str | None = None
+    embeddings: Mapping[str, Any] | None = None
+    column_shards: int | None = None
+    embedding_memory_gib: float | None = None
+    local_world_size: int = 1
     device: str = DEFAULT_DEVICE
 
     def __post_init__(self):
-        for name in ("dp", "tp", "pp", "cp", "ep", "vpp", "micro_batch", "seq", "make_vocab_divisible_by"):
+        for name in ("dp", "tp", "pp", "cp", "ep", "vpp", "micro_batch", "seq", "make_vocab_divisible_by",
+                     "local_world_size"):
             _positive_int(name, getattr(self, name))
         if self.global_batch is None:
             object.__setattr__(self, "global_batch", self.micro_batch * self.data_ranks)
@@ -116,17 +128,28 @@ class Plan:
                 raise PlanError(f"layers_per_stage: {len(split)} entries, but pp*vpp = {self.pp}*{self.vpp} = {self.pp * self.vpp} stages")
         if self.rules is not None:
             object.__setattr__(self, "rules", _parse_rules(self.rules))
-        if self.grad_dtype not in GRAD_DTYPES:
+        if self.column_shards is not None:
+            _positive_int("column_shards", self.column_shards)
+        if self.embedding_memory_gib is not None and (isinstance(self.embedding_memory_gib, bool) or not isinstance(
+                self.embedding_memory_gib, (int, float)) or self.embedding_memory_gib <= 0):
+            raise PlanError(f"embedding_memory_gib: must be a positive number of GiB, got {self.embedding_memory_gib!r}")
+        if self.embedding_sharding is not None and not isinstance(self.embedding_sharding, str):
+            raise PlanError(f"embedding_sharding: must be a sharding name or auto, got {self.embedding_sharding!r}")
+        if self.embeddings is not None and not isinstance(self.embeddings, Mapping):
+            raise PlanError(f"embeddings: must map table names to shardings, got {self.embeddings!r}")
+        if self.grad_dtype is not None and self.grad_dtype not in GRAD_DTYPES:
             raise PlanError(f"grad_dtype: must be one of {list(GRAD_DTYPES)}, got {self.grad_dtype!r}")
         for name, what in _NOT_YET.items():
             if getattr(self, name) != 1:
                 raise PlanError(f"{name}={getattr(self, name)}: {what} is not implemented yet (only {name}=1)")
         per_step = self.micro_batch * self.data_ranks
         if self.global_batch % per_step:
+            factors = [("micro_batch", self.micro_batch), ("dp", self.dp), ("ep", self.ep),
+                       ("local_world_size", self.local_world_size)]
+            factors = [f for f in factors if f[0] in ("micro_batch", "dp") or f[1] > 1]
             raise PlanError(
-                f"global_batch={self.global_batch} is not a multiple of micro_batch*dp"
-                + ("*ep" if self.ep > 1 else "")
-                + f" = {self.micro_batch}*{self.dp}" + (f"*{self.ep}" if self.ep > 1 else "") + f" = {per_step}"
+                f"global_batch={self.global_batch} is not a multiple of {'*'.join(n for n, _ in factors)}"
+                f" = {'*'.join(str(v) for _, v in factors)} = {per_step}"
             )
 
     def _parse_enum(self, name: str, kind: type[Enum]) -> None:
@@ -146,15 +169,16 @@ class Plan:
     @property
     def data_ranks(self) -> int:
         """Ranks that take different data: dp x ep (expert parallelism is carved out of data
-        parallelism, as in Megatron-Core)."""
-        return self.dp * self.ep
+        parallelism, as in Megatron-Core) x local_world_size."""
+        return self.dp * self.ep * self.local_world_size
 
     @property
     def world_size(self) -> int:
         return self.mesh().size
 
     def mesh(self) -> DeviceMesh:
-        return DeviceMesh.standard(pp=self.pp, dp=self.dp, ep=self.ep, cp=self.cp, tp=self.tp)
+        return DeviceMesh.standard(pp=self.pp, dp=self.dp, ep=self.ep, cp=self.cp, tp=self.tp,
+                                   local=self.local_world_size)
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any], where: str = "plan") -> "Plan":
@@ -186,6 +210,8 @@ class Plan:
             data["layers_per_stage"] = list(self.layers_per_stage)
         if self.rules is not None:
             data["rules"] = {k: list(v) if v is not None else None for k, v in self.rules}
+        if self.embeddings is not None:
+            data["embeddings"] = dict(self.embeddings)
         return data
 
 

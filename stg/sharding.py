@@ -392,11 +392,10 @@ def _embedding_bag_backward(op, ins, lays, outs, sharder):
 
 
 def _concat(op, ins, lays, outs, sharder):
-    """Inputs whole along the concatenated dimension and laid out like the first input
-    otherwise (a padded, table-wise input is brought to the batch split: an all-to-all)."""
-    dim, rank = op.attrs["dim"], len(outs[0].shape)
-    first = without(lays[0], dims=[dim] if len(ins[0].shape) == rank else [])
-    target = project(first, ins[0], outs[0])
+    """The output keeps the first input's splits of the axes it shares with it, and is
+    whole along the concatenated dimension; every input is brought to that (a table-wise
+    input, split by features, comes to the batch split: an all-to-all)."""
+    target = without(project(lays[0], ins[0], outs[0]), dims=[op.attrs["dim"]])
     return [project(target, outs[0], t) for t in ins], [target]
 
 

@@ -10,13 +10,15 @@ from stg.mesh import DeviceMesh, Layout, Partial, Shard
 def test_rank_order_is_tp_fastest_then_cp_ep_dp_pp():
     mesh = DeviceMesh.standard(pp=2, dp=2, ep=1, cp=2, tp=2)
     # rank = tp + 2*(cp + 2*(dp + 2*pp))
-    assert mesh.coords(0) == {"pp": 0, "dp": 0, "ep": 0, "cp": 0, "tp": 0}
+    assert mesh.coords(0) == {"pp": 0, "dp": 0, "ep": 0, "cp": 0, "tp": 0, "local": 0}
     assert mesh.coords(1)["tp"] == 1
     assert mesh.coords(2)["cp"] == 1
     assert mesh.coords(4)["dp"] == 1
     assert mesh.coords(8)["pp"] == 1
     for rank in range(mesh.size):
         assert mesh.rank(mesh.coords(rank)) == rank
+    hosts = DeviceMesh.standard(dp=2, local=4)  # a recommendation model's hosts x ranks per host
+    assert hosts.group(5, ["local"]) == [4, 5, 6, 7] and hosts.group(5, ["dp"]) == [1, 5]
 
 
 def test_groups_are_derived_from_coordinates():

@@ -111,7 +111,7 @@ def test_routing_skew_makes_expert_compute_uneven(tmp_path):
     plan = dict(ep=4, micro_batch=B, seq=S)
     balanced = build(MOE, Plan(**plan))
     skewed = build(MOE, Plan(**plan, expert_skew=1.0))
-    assert skewed.class_axes == ("pp", "ep") and len(skewed.programs) == 4
+    assert skewed.variant_axes == ("ep",) and len(skewed.programs) == 4
     base = expert_gemm_flops(balanced.programs[0])
     for slot, program in enumerate(skewed.programs):
         assert abs(expert_gemm_flops(program) - loads[slot] * base) <= 6  # 2 layers x 3 GEMMs, each rounds up
