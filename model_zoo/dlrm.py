@@ -66,12 +66,14 @@ class TableGroup:
                 sympy.Symbol(f"L_{self.name}", nonnegative=True),
                 sympy.Symbol(f"F_{self.name}", nonnegative=True, integer=True))
 
-    def sizes(self, tables: Sequence[Table], shards: Sequence[int] | None = None) -> dict[sympy.Symbol, Any]:
+    def sizes(self, tables: Sequence[Table], shards: Sequence[int] | None = None,
+              row_multiple: int = 1) -> dict[sympy.Symbol, Any]:
         """The symbols' values for the shards `shards` (indices into `tables`, one per column
-        shard); all the group's shards when None."""
+        shard; all the group's shards when None), each table's rows padded to a multiple of
+        `row_multiple` (the ranks it is split over, as TorchRec pads a row-wise table)."""
         shards = [t for t in self.tables for _ in range(self.columns)] if shards is None else shards
         rows, ids, features = self.symbols
-        return {rows: sum(tables[t].rows for t in shards),
+        return {rows: sum(-(-tables[t].rows // row_multiple) * row_multiple for t in shards),
                 ids: sympy.Rational(sum((tables[t].pooling for t in shards), Fraction(0))),
                 features: len(shards)}
 

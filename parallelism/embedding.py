@@ -128,8 +128,12 @@ class EmbeddingPlan:
     @cached_property
     def _slot_sizes(self) -> dict[Sharding, list[dict]]:
         tables = self.config.tables
-        return {s: [self._group(s).sizes(tables, shards) for shards in self.slot_shards(s)]
+        return {s: [self._group(s).sizes(tables, shards, self.row_split(s)) for shards in self.slot_shards(s)]
                 for s in Sharding if s.slot_axes and self._group(s)}
+
+    def row_split(self, sharding: Sharding) -> int:
+        """Over how many ranks a table's rows are split (its rows padded to a multiple)."""
+        return {Sharding.ROW_WISE: self.world, Sharding.TABLE_ROW_WISE: self.local}.get(sharding, 1)
 
     def bindings(self) -> dict[sympy.Symbol, Any]:
         """Values of the groups' symbols common to every rank: group totals, and for slotted
@@ -141,7 +145,7 @@ class EmbeddingPlan:
                 for symbol in group.symbols:
                     values[symbol] = max(slot[symbol] for slot in self._slot_sizes[sharding])
             else:
-                values.update(group.sizes(self.config.tables))
+                values.update(group.sizes(self.config.tables, row_multiple=self.row_split(sharding)))
         return values
 
     @property
@@ -182,11 +186,7 @@ class EmbeddingPlan:
         """(weights, optimizer state) bytes of one shard of the placement on one rank."""
         table = self.config.tables[placement.table]
         width = self.config.embedding_dim // (self.columns if placement.sharding is Sharding.COLUMN_WISE else 1)
-        rows = table.rows
-        if placement.sharding is Sharding.ROW_WISE:
-            rows = -(-rows // self.world)
-        elif placement.sharding is Sharding.TABLE_ROW_WISE:
-            rows = -(-rows // self.local)
+        rows = -(-table.rows // self.row_split(placement.sharding))
         return rows * width * self.weight_bytes, rows * STATE_BYTES
 
     @property

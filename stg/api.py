@@ -125,6 +125,7 @@ class Workload:
             where = {"class": index, "coords": {"pp": stage}, "count": self.class_count(index)}
             if self.variants > 1:
                 where["variant"] = variant
+                where["first_rank"] = self.representative(index)
             else:  # pp is the slowest axis: a stage is one block of ranks
                 where["ranks"] = [[index * where["count"], (index + 1) * where["count"] - 1]]
             classes.append({**where, **program.stats.to_dict(), "memory": self.memory[index].to_dict()})

@@ -29,6 +29,11 @@ app = typer.Typer(
 err = Console(stderr=True)
 
 
+def _stdout() -> Console:
+    """Tables on stdout: as wide as they need when piped (rich would cut them at 80 columns)."""
+    return Console() if sys.stdout.isatty() else Console(width=200)
+
+
 @contextmanager
 def _user_errors() -> Iterator[None]:
     try:
@@ -62,7 +67,14 @@ def models(as_json: bool = typer.Option(False, "--json", help="Print a JSON list
     table = Table("name", "family", "layers", "params")
     for row in rows:
         table.add_row(row["name"], row["family"], str(row["layers"]), f"{row['params']:,}")
-    Console().print(table)
+    _stdout().print(table)
+
+
+# options of recommendation models, shared by `generate` and `plan-embeddings`
+EMBEDDING_SHARDING = typer.Option(None, help="Recommendation models: every table's sharding (TorchRec's): data_parallel, table_wise, column_wise, row_wise, table_row_wise, or auto (a greedy planner: small tables data parallel, the rest largest first table-wise on the least-loaded rank with room, else table-row-wise, else row-wise). Per-table choices go in the plan YAML under `embeddings:`. [default: auto]")
+LOCAL_WORLD_SIZE = typer.Option(None, help="Recommendation models: ranks per host (the mesh axis `local`); dp then counts hosts and the ranks are dp x local-world-size. table_row_wise splits a table's rows over one host's ranks. [default: 1]")
+COLUMN_SHARDS = typer.Option(None, help="Recommendation models: column shards per column_wise table (each dim/shards wide). [default: as many 32-wide shards as the dim allows, at most the ranks]")
+EMBEDDING_MEMORY_GIB = typer.Option(None, help="Recommendation models: per-rank memory limit, GiB, for embedding tables and their optimizer state; no plan may exceed it. [default: the device's memory]")
 
 
 @app.command()
@@ -82,7 +94,7 @@ def generate(
     zero: Optional[int] = typer.Option(None, help="ZeRO stage over dp (x cp): 0 none, 1 optimizer states, 2 + gradients, 3 + parameters (FSDP). [default: 0]"),
     recompute: Optional[str] = typer.Option(None, help="Activation recomputation: none, selective (the attention core) or full (each layer). [default: none]"),
     flash_attention: Optional[bool] = typer.Option(None, "--flash-attention/--no-flash-attention", help="Fused attention: scores and probabilities stay on chip (no memory traffic, not saved). [default: on]"),
-    grad_dtype: Optional[str] = typer.Option(None, help="Dtype of weight gradients, their accumulation and reduction: bf16 or fp32. [default: bf16]"),
+    grad_dtype: Optional[str] = typer.Option(None, help="Dtype of weight gradients, their accumulation and reduction: bf16 or fp32. [default: the weights' dtype]"),
     expert_skew: Optional[float] = typer.Option(None, help="Routing skew: expert e gets tokens in proportion to 1/(e+1)^s (Zipf); each expert-parallel slot then computes its own load (a rank class per slot), while all-to-alls stay capacity-padded. [default: 0, balanced]"),
     capacity_factor: Optional[float] = typer.Option(None, help="Expert buffer slots per routed token (balanced routing): all-to-all sizes and expert compute scale with it. [default: 1.0]"),
     make_vocab_divisible_by: Optional[int] = typer.Option(None, help="Pad the vocabulary to a multiple of this times tp (Megatron's flag; its default is 128). [default: 1: only what tp needs]"),
@@ -92,6 +104,10 @@ def generate(
     attention_flops: Optional[str] = typer.Option(None, help="Count causal attention's score matrices as 'causal' (the unmasked half, as FlashAttention runs and Megatron-LM counts) or 'full' (the whole square, as PyTorch's FlopCounterMode). [default: causal]"),
     bucket_mb: Optional[float] = typer.Option(None, help="Gradient bucket size in MiB for the data-parallel all-reduce. [default: 25, PyTorch DDP's]"),
     device: Optional[str] = typer.Option(None, help="Device spec for compute durations: h100, h200, a100, b200, mi300x. [default: h100]"),
+    embedding_sharding: Optional[str] = EMBEDDING_SHARDING,
+    local_world_size: Optional[int] = LOCAL_WORLD_SIZE,
+    column_shards: Optional[int] = COLUMN_SHARDS,
+    embedding_memory_gib: Optional[float] = EMBEDDING_MEMORY_GIB,
     workers: Optional[int] = typer.Option(None, help="Processes that stamp rank files. [default: all cores]"),
     ranks: Optional[str] = typer.Option(None, help="Write only ranks A:B (A included, B excluded) into OUT, each file byte-identical to a full run's; workload.json and summary.json are written too, the same for every range. Split a large set over machines this way."),
     count_only: bool = typer.Option(False, "--count-only", help="Do everything but write: print the bytes and nodes a full set would have (JSON)."),
@@ -111,7 +127,8 @@ def generate(
                  make_vocab_divisible_by=make_vocab_divisible_by, capacity_factor=capacity_factor,
                  expert_skew=expert_skew,
                  global_batch=global_batch, seq=seq, attention_flops=attention_flops, bucket_mb=bucket_mb,
-                 device=device)
+                 device=device, embedding_sharding=embedding_sharding, local_world_size=local_world_size,
+                 column_shards=column_shards, embedding_memory_gib=embedding_memory_gib)
     with _user_errors():
         if layers_per_stage is not None:
             given["layers_per_stage"] = _int_list("layers_per_stage", layers_per_stage)
@@ -142,6 +159,58 @@ def generate(
             f"{summary['world_size']} ranks, {summary['microbatches']} micro-batches/rank, "
             f"{totals['flops'] / 1e15:.3f} PFLOP per step -> {out}", highlight=False,
         )
+
+
+@app.command("plan-embeddings")
+def plan_embeddings(
+    model: str = typer.Argument(..., help="A recommendation model: a zoo name (dlrm-dcnv2, ...) or a model YAML."),
+    plan_file: Optional[Path] = typer.Option(None, "--plan", help="A plan YAML (its embeddings: section gives per-table choices); options given here override it."),
+    dp: Optional[int] = typer.Option(None, help="Data-parallel degree (hosts when --local-world-size > 1). [default: 1]"),
+    micro_batch: Optional[int] = typer.Option(None, help="Samples per rank per step. [default: 1]"),
+    embedding_sharding: Optional[str] = EMBEDDING_SHARDING,
+    local_world_size: Optional[int] = LOCAL_WORLD_SIZE,
+    column_shards: Optional[int] = COLUMN_SHARDS,
+    embedding_memory_gib: Optional[float] = EMBEDDING_MEMORY_GIB,
+    device: Optional[str] = typer.Option(None, help="Device whose memory is the default limit. [default: h100]"),
+    as_json: bool = typer.Option(False, "--json", help="Print JSON: {tables: one row per table, ranks: memory per rank}."),
+):
+    """Print how each embedding table is sharded and placed, and the embedding memory of every rank."""
+    from model_zoo import load_model
+    from stg.api import embedding_plan
+    from stg.plan import Plan
+
+    given = dict(dp=dp, micro_batch=micro_batch, embedding_sharding=embedding_sharding,
+                 local_world_size=local_world_size, column_shards=column_shards,
+                 embedding_memory_gib=embedding_memory_gib, device=device)
+    with _user_errors():
+        overrides = {k: v for k, v in given.items() if v is not None}
+        plan = Plan.from_yaml(plan_file, overrides) if plan_file else Plan.from_dict(overrides)
+        loaded = load_model(model)
+        placed = embedding_plan(loaded, plan)
+        if placed is None:
+            raise PlanError(f"model {loaded.name} (family {loaded.family}) has no embedding tables to shard")
+    tables = placed.table()
+    ranks = [{"rank": r, **placed.rank_memory(r)} for r in range(placed.world)]
+    if as_json:
+        typer.echo(json.dumps({"tables": tables, "ranks": ranks}, indent=1))
+        return
+    mib = 2**20
+    table = Table("table", "rows", "dim", "pooling", "sharding", "placed on", "MiB per shard", "lookup MiB/step")
+    for row in tables:
+        table.add_row(row["table"], f"{row['rows']:,}", str(row["dim"]), f"{row['pooling']:g}", row["sharding"],
+                      row["placed_on"], f"{row['shard_bytes'] / mib:,.1f}", f"{row['lookup_bytes'] / mib:,.1f}")
+    _stdout().print(table)
+    totals = [r["weights"] + r["optimizer_states"] + r["gradients"] for r in ranks]
+    fullest = max(range(len(ranks)), key=totals.__getitem__)
+    typer.echo(f"{len(ranks)} ranks; embedding memory per rank (tables, optimizer state, data-parallel "
+               f"gradients): min {min(totals) / 2**30:.3f} GiB, max {totals[fullest] / 2**30:.3f} GiB "
+               f"(rank {fullest}), limit {plan.embedding_memory_gib or device_memory(plan.device):g} GiB")
+
+
+def device_memory(name: str) -> float:
+    from stg.device import device_spec
+
+    return device_spec(name).memory_gib
 
 
 def _rank_range(text: str) -> range:
@@ -209,6 +278,8 @@ def summary(
     def head(c: dict) -> str:
         if "rank" in c:
             return f"rank {c['rank']}"
+        if "variant" in c:
+            return f"rank {c['first_rank']}" + (f" (+{c['count'] - 1} alike)" if c["count"] > 1 else "")
         if "ranks" in c:
             return "ranks " + ", ".join(f"{a}-{b}" if a != b else f"{a}" for a, b in c["ranks"])
         return " ".join(f"{axis}={value}" for axis, value in c["coords"].items())
@@ -220,11 +291,13 @@ def summary(
     rows += [(f"{k} GiB (count)", lambda c, k=k: f"{c['comm_bytes'].get(k, 0) / gib:,.3f} ({c['comm_count'].get(k, 0)})")
              for k in kinds]
     rows += [("send / recv GiB", lambda c: f"{c['send_bytes'] / gib:,.3f} / {c['recv_bytes'] / gib:,.3f}")]
-    rows += [(f"memory {k} GiB", lambda c, k=k: f"{c['memory'][k] / gib:,.2f}")
-             for k in ("weights", "gradients", "optimizer_states", "activations", "peak")]
+    memory = ["weights", "gradients", "optimizer_states", "activations", "peak"]
+    if any("embedding_weights" in c["memory"] for c in classes):  # recommendation models: tables apart
+        memory[3:3] = ["embedding_weights", "embedding_optimizer_states"]
+    rows += [(f"memory {k} GiB", lambda c, k=k: f"{c['memory'].get(k, 0) / gib:,.2f}") for k in memory]
     for label, cell in rows:
         table.add_row(label, *(cell(c) for c in classes))
-    Console().print(table)
+    _stdout().print(table)
     typer.echo(f"{data['model']['name']} on {data['world_size']} ranks, {data['microbatches']} micro-batches per rank")
 
 

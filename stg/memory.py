@@ -13,6 +13,8 @@
                     gathers again (stg/sharding.py), so the saved tensor is the local shard.
   peak              their sum: the model states plus one step's saved activations (working
                     buffers of single kernels and collectives are not counted)
+  embedding_*       the part of weights and optimizer_states that is embedding tables (the
+                    tables and row-wise optimizer states a rank holds, recommendation models)
 
 All in bytes, per rank, from local shapes: right by construction for every strategy.
 """
@@ -36,6 +38,8 @@ class Memory:
     optimizer_states: int
     activations: int
     activations_by_layer: dict[int, int] = field(default_factory=dict)  # one micro-batch
+    embedding_weights: int = 0
+    embedding_optimizer_states: int = 0
 
     @property
     def peak(self) -> int:
@@ -48,6 +52,8 @@ class Memory:
             "optimizer_states": self.optimizer_states,
             "activations": self.activations,
             "peak": self.peak,
+            **({"embedding_weights": self.embedding_weights,
+                "embedding_optimizer_states": self.embedding_optimizer_states} if self.embedding_weights else {}),
         }
 
 
@@ -71,6 +77,10 @@ def memory(sharded: ShardedGraph, evaluate: Evaluator, stages=None, actions=None
               if name not in graph.producer and any(own(op.layer) for op in users.get(name, ()))]
     weights = sum(evaluate(t.nbytes) for t in leaves if t.role is Role.WEIGHT)
     states = sum(evaluate(t.nbytes) for t in leaves if t.role is Role.OPTIMIZER_STATE)
+    tables = {op.inputs[0] for op in graph.ops if op.kind is OpKind.EMBEDDING_BAG}
+    table_states = {name for op in graph.ops if op.attrs.get("weight") in tables for name in op.inputs
+                    if graph.tensors[name].role is Role.OPTIMIZER_STATE}
+    embedding = [sum(evaluate(t.nbytes) for t in leaves if t.name in names) for names in (tables, table_states)]
     grads = {stored_gradient(sharded, op.inputs[0]) for op in graph.ops if op.kind is OpKind.OPTIMIZER and own(op.layer)}
     gradients = sum(evaluate(graph.tensors[g].nbytes) for g in grads)
     # saved tensors per block: freed after the backward's B pass, or kept until its W pass
@@ -90,7 +100,7 @@ def memory(sharded: ShardedGraph, evaluate: Evaluator, stages=None, actions=None
         activations = sum(by_layer.values())
     else:
         activations = _peak(actions, by_layer, until_w, stages)
-    return Memory(weights, gradients, states, activations, dict(sorted(by_layer.items())))
+    return Memory(weights, gradients, states, activations, dict(sorted(by_layer.items())), *embedding)
 
 
 def _peak(actions, by_layer: Counter, until_w: Counter, stages) -> int:

@@ -43,6 +43,9 @@ def write_model(tmp_path, spec):
         (["llama3-8b", "--sp"], "sp: sequence parallelism splits the sequence over tp, so it needs tp > 1"),
         (["llama3-8b", "--zero", "4"], "zero: must be a ZeRO stage 0, 1, 2 or 3, got 4"),
         (["llama3-8b", "--recompute", "some"], "recompute: must be one of"),
+        (["dlrm-kaggle", "--dp", "8", "--embedding-sharding", "sideways"], "embedding_sharding: unknown embedding sharding 'sideways'"),
+        (["dlrm-dcnv2", "--dp", "8", "--embedding-memory-gib", "4"], "(40,000,000 rows x 128) fits on no rank under the 4.00 GiB per-rank"),
+        (["llama3-8b", "--local-world-size", "8"], "local_world_size: applies to models with embedding tables"),
     ],
 )
 def test_bad_input_is_one_line_exit_2_and_no_output(tmp_path, args, message):
@@ -166,6 +169,22 @@ def test_summary_command(tmp_path, tiny_llama):
     assert "memory peak GiB" in text and "REDUCE_SCATTER" in text
     assert run("summary", out, "--rank", "9").exit_code == 2
     assert run("summary", tmp_path).exit_code == 2
+
+
+def test_plan_embeddings_prints_the_placement(tmp_path):
+    result = run("plan-embeddings", "dlrm-kaggle", "--dp", "4", "--embedding-sharding", "table_wise", "--json")
+    assert result.exit_code == 0, result.output
+    data = json.loads(result.output)
+    assert len(data["tables"]) == 26 and len(data["ranks"]) == 4
+    # every table whole on one rank: the ranks' tables add up to all of them (16 fp32 + 1 state per row)
+    assert sum(r["weights"] for r in data["ranks"]) == 33762577 * 16 * 4
+    assert {row["sharding"] for row in data["tables"]} == {"table_wise"}
+    table = run("plan-embeddings", "dlrm-kaggle", "--dp", "2", "--local-world-size", "4")
+    assert table.exit_code == 0 and "8 ranks; embedding memory per rank" in table.output
+    out = tmp_path / "out"
+    assert run("generate", "dlrm-kaggle", "--dp", "4", "--micro-batch", "8", "-o", out, "-q").exit_code == 0
+    shown = run("summary", out)
+    assert shown.exit_code == 0 and "memory embedding_weights GiB" in shown.output
 
 
 def test_count_only_needs_no_output(tmp_path, tiny_llama):
