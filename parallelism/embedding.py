@@ -40,6 +40,7 @@ from enum import Enum
 from functools import cached_property
 from typing import Any, Mapping, Sequence
 
+import numpy as np
 import sympy
 
 from model_zoo.dlrm import DLRMConfig, TableGroup
@@ -127,9 +128,19 @@ class EmbeddingPlan:
 
     @cached_property
     def _slot_sizes(self) -> dict[Sharding, list[dict]]:
-        tables = self.config.tables
-        return {s: [self._group(s).sizes(tables, shards, self.row_split(s)) for shards in self.slot_shards(s)]
-                for s in Sharding if s.slot_axes and self._group(s)}
+        """Per slotted sharding, per slot: its symbols' values (slots with the same shards
+        share one dict)."""
+        result = {}
+        for sharding in Sharding:
+            group = self._group(sharding)
+            if not sharding.slot_axes or group is None:
+                continue
+            known: dict[tuple, dict] = {}
+            for shards in map(tuple, self.slot_shards(sharding)):
+                if shards not in known:
+                    known[shards] = group.sizes(self.config.tables, shards, self.row_split(sharding))
+            result[sharding] = [known[tuple(shards)] for shards in self.slot_shards(sharding)]
+        return result
 
     def row_split(self, sharding: Sharding) -> int:
         """Over how many ranks a table's rows are split (its rows padded to a multiple)."""
@@ -142,8 +153,9 @@ class EmbeddingPlan:
         for group in self.groups:
             sharding = next(s for s in Sharding if s.short == group.name)
             if sharding in self._slot_sizes:
+                distinct = {id(slot): slot for slot in self._slot_sizes[sharding]}.values()
                 for symbol in group.symbols:
-                    values[symbol] = max(slot[symbol] for slot in self._slot_sizes[sharding])
+                    values[symbol] = max(slot[symbol] for slot in distinct)
             else:
                 values.update(group.sizes(self.config.tables, row_multiple=self.row_split(sharding)))
         return values
@@ -161,6 +173,8 @@ class EmbeddingPlan:
         share a rank class."""
         sizes = {"dp": self.hosts, "local": self.local}
         axes = self.variant_axes
+        # a slot's values as a hashable key, once per distinct dict
+        keys = {id(slot): tuple(slot.values()) for per_slot in self._slot_sizes.values() for slot in per_slot}
         found: dict[tuple, int] = {}
         distinct: list[dict] = []
         index = []
@@ -168,16 +182,16 @@ class EmbeddingPlan:
             coords, rest = {}, flat
             for axis in reversed(axes):
                 rest, coords[axis] = divmod(rest, sizes[axis])
-            values = {}
+            slots = []
             for sharding, per_slot in self._slot_sizes.items():
                 slot = 0
                 for axis in sharding.slot_axes:
                     slot = slot * sizes[axis] + coords[axis]
-                values.update(per_slot[slot])
-            key = tuple(sorted((str(k), v) for k, v in values.items()))
+                slots.append(per_slot[slot])
+            key = tuple(keys[id(slot)] for slot in slots)
             if key not in found:
                 found[key] = len(distinct)
-                distinct.append(values)
+                distinct.append({k: v for slot in slots for k, v in slot.items()})
             index.append(found[key])
         return tuple(distinct), tuple(index)
 
@@ -258,13 +272,15 @@ def plan_embeddings(config: DLRMConfig, *, default: str | None, overrides: Mappi
 
 
 class _Planner:
-    """Greedy placement under a per-rank memory limit; loads are the lookup bytes per step."""
+    """Greedy placement under a per-rank memory limit. A rank's fullness is its share of all
+    lookup bytes plus its share of all table bytes, balancing both (as TorchRec's planner
+    balances time and storage)."""
 
     def __init__(self, plan: EmbeddingPlan, limit: int):
         self.plan = plan
         self.limit = limit
-        self.used = [0] * plan.world
-        self.load = [0.0] * plan.world
+        self.used = np.zeros(plan.world, dtype=np.int64)
+        self.load = np.zeros(plan.world)
         self.placed: dict[int, Placement] = {}
         # what all tables would add, replicated once: the scales that make bytes and loads comparable
         whole = [self._cost(Placement(t, Sharding.TABLE_WISE)) for t in range(len(plan.config.tables))]
@@ -272,63 +288,49 @@ class _Planner:
         self.total_load = sum(load for _, load in whole) or 1
 
     def _cost(self, p: Placement) -> tuple[int, float]:
-        """(bytes, lookup load) one shard adds to a rank that holds it."""
+        """(bytes, lookup bytes per step) that one shard adds to each rank holding part of it."""
         w, s = self.plan.shard_bytes(p)
         grad = w if p.sharding is Sharding.DATA_PARALLEL else 0
         table = self.plan.config.tables[p.table]
-        load = self.plan.batch * float(table.pooling) * self.plan.config.embedding_dim
-        if p.sharding is Sharding.COLUMN_WISE:
-            load /= self.plan.columns
-        return w + s + grad, load
+        load = self.plan.batch * float(table.pooling) * self.plan.config.embedding_dim * self.plan.weight_bytes
+        columns = self.plan.columns if p.sharding is Sharding.COLUMN_WISE else 1
+        # replicated tables look up each rank's own samples; row-wise ones a share of every id
+        spread = self.plan.world if p.sharding is Sharding.DATA_PARALLEL else self.plan.row_split(p.sharding)
+        return w + s + grad, load / columns / spread
 
-    def _ranks(self, p: Placement, slot: int | None = None) -> range | list[int]:
-        if p.sharding in (Sharding.DATA_PARALLEL, Sharding.ROW_WISE):
-            return range(self.plan.world)
-        if p.sharding is Sharding.TABLE_ROW_WISE:
-            return range(slot * self.plan.local, (slot + 1) * self.plan.local)
-        return [slot]
+    def _by_slot(self, values: np.ndarray, sharding: Sharding) -> np.ndarray:
+        """Per slot, the largest value over its ranks (a host's ranks for table_row_wise)."""
+        return values.reshape(self.plan.hosts, self.plan.local).max(axis=1) if sharding is Sharding.TABLE_ROW_WISE else values
 
-    def _fits(self, p: Placement, slot: int | None = None) -> bool:
-        size, _ = self._cost(p)
-        return all(self.used[r] + size <= self.limit for r in self._ranks(p, slot))
-
-    def _commit(self, p: Placement) -> None:
-        size, load = self._cost(p)
-        spread = {Sharding.ROW_WISE: self.plan.world, Sharding.TABLE_ROW_WISE: self.plan.local}.get(p.sharding, 1)
-        for slot in p.slots or (None,):
-            for r in self._ranks(p, slot):
-                self.used[r] += size
-                self.load[r] += load / spread
-        self.placed[p.table] = p
-
-    def _slots(self, sharding: Sharding) -> list[int]:
-        return list(range(self.plan.hosts if sharding is Sharding.TABLE_ROW_WISE else self.plan.world))
-
-    def _slot_load(self, sharding: Sharding, slot: int) -> tuple[float, int]:
-        """How full a slot is: its fullest rank's share of all lookups plus its share of all
-        table bytes (balancing both, as TorchRec's planner balances time and storage)."""
-        ranks = self._ranks(Placement(0, sharding), slot)
-        return max(self.load[r] / self.total_load + self.used[r] / self.total_bytes for r in ranks), slot
+    def _ranks(self, sharding: Sharding, slot: int) -> slice:
+        if sharding is Sharding.TABLE_ROW_WISE:
+            return slice(slot * self.plan.local, (slot + 1) * self.plan.local)
+        return slice(slot, slot + 1) if sharding.slot_axes else slice(None)
 
     def try_place(self, table: int, sharding: Sharding, slots: Sequence[int] | None = None) -> bool:
-        """Place the table's shards one by one on the least-loaded slot with room (or on
+        """Place the table's shards one by one on the least-full slot with room (or on
         `slots`); False, and nothing placed, if one does not fit."""
+        size, load = self._cost(Placement(table, sharding))
         if not sharding.slot_axes:
-            p = Placement(table, sharding)
-            if not self._fits(p):
+            if self.used.max() + size > self.limit:
                 return False
-            self._commit(p)
+            self.used += size
+            self.load += load
+            self.placed[table] = Placement(table, sharding)
             return True
-        saved = list(self.used), list(self.load)
+        saved = self.used.copy(), self.load.copy()
         chosen: list[int] = []
         for k in range(self.plan.columns if sharding is Sharding.COLUMN_WISE else 1):
-            options = [slots[k]] if slots is not None else [s for s in self._slots(sharding) if s not in chosen]
-            candidates = [s for s in options if self._fits(Placement(table, sharding, (s,)), s)]
-            if not candidates:
+            fullness = self._by_slot(self.load / self.total_load + self.used / self.total_bytes, sharding)
+            fullness[self._by_slot(self.used, sharding) + size > self.limit] = np.inf
+            fullness[chosen] = np.inf  # a table's column shards go to different slots
+            slot = slots[k] if slots is not None else int(np.argmin(fullness))  # lowest slot on ties
+            if not np.isfinite(fullness[slot]):
                 self.used, self.load = saved
                 return False
-            chosen.append(min(candidates, key=lambda s: self._slot_load(sharding, s)))
-            self._commit(Placement(table, sharding, (chosen[-1],)))  # reserve before the next shard
+            chosen.append(slot)
+            self.used[self._ranks(sharding, slot)] += size
+            self.load[self._ranks(sharding, slot)] += load
         self.placed[table] = Placement(table, sharding, tuple(chosen))
         return True
 
@@ -384,7 +386,7 @@ class _Planner:
         for sharding in tried:
             size, _ = self._cost(Placement(table, sharding))
             needs.append(f"{sharding.label} {size / 2**30:.2f} GiB")
-        free = (self.limit - max(self.used)) / 2**30
+        free = (self.limit - int(self.used.max())) / 2**30
         return PlanError(
             f"embedding table {t.name} ({t.rows:,} rows x {self.plan.config.embedding_dim}) fits on no rank under "
             f"the {self.limit / 2**30:.2f} GiB per-rank embedding memory limit (per rank it needs: "
