@@ -211,6 +211,7 @@ def build_dlrm(config: DLRMConfig, groups: Sequence[TableGroup] | None = None) -
                                       f"{group.name}.features", update="fused" if group.fused else "dense",
                                       fn=Optimizer.ROWWISE_ADAGRAD))
     f = config.features
+    g.layer = 1  # the interaction is the model's one block (0: bottom MLP and lookups, 2: top MLP)
     x0 = g.concat("interaction.features", [bottom, *pooled], [B, f, D], ["batch", "features", "emb"], dim=1)
     if config.interaction == "dot":
         scores = g.einsum("interaction.dot", "bfd,bgd->bfg", x0, x0)  # DLRM's bmm, all f x f products
@@ -226,6 +227,7 @@ def build_dlrm(config: DLRMConfig, groups: Sequence[TableGroup] | None = None) -
             low = g.einsum(f"{p}.down", "bfd,fdr->br", top_in, v)
             up = g.pointwise(f"{p}.bias_add", Pointwise.ADD, g.einsum(f"{p}.up", "br,rfd->bfd", low, u), b)
             top_in = g.pointwise(f"{p}.residual", Pointwise.ADD, g.pointwise(f"{p}.gate", Pointwise.MUL, x0, up), top_in)
+    g.layer = 2
     logits = _mlp(g, "top", top_in, config.top_mlp, dtype, relu_last=False)
     labels = g.input("labels", [B], ["batch"], DType.FP32)
     g.cross_entropy("loss", logits, labels)  # a one-logit binary cross-entropy, costed as one

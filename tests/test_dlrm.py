@@ -74,11 +74,12 @@ DENSE = (4 * 16 + 16) + ((16 + 9 * 8 // 2) * 1 + 1)  # bottom 4-16; top on 16 + 
 
 
 def collectives(workload) -> Counter:
-    """(F forward, B backward or S step, collective) -> bytes per rank per step (the model
-    has one block: layer 0; the tables' backward is a weight-gradient, W, pass)."""
+    """(F forward, B backward or S step, collective) -> bytes per rank per step, over the
+    model's three layers (the tables' backward is a weight-gradient, W, pass)."""
     found = Counter()
-    for (phase, kind, nbytes), count in block_collectives(workload, 0).items():
-        found[("B" if phase == "W" else phase, kind)] += nbytes * count
+    for layer in range(3):
+        for (phase, kind, nbytes), count in block_collectives(workload, layer).items():
+            found[("B" if phase == "W" else phase, kind)] += nbytes * count
     return found
 
 
