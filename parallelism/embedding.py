@@ -49,7 +49,6 @@ from stg.graph import DType
 from stg.mesh import axis_symbol
 
 STATE_BYTES = 4  # row-wise Adagrad: one fp32 per row
-ID_BYTES = 8  # int64 ids
 MIN_COLUMN_WIDTH = 32  # column_wise splits a table into shards at least this wide, by default
 
 
@@ -103,19 +102,22 @@ class EmbeddingPlan:
         return math.prod({"dp": self.hosts, "local": self.local}[a] for a in sharding.slot_axes)
 
     @cached_property
-    def groups(self) -> tuple[TableGroup, ...]:
-        groups = []
+    def _groups(self) -> dict[Sharding, TableGroup]:
+        """One group per sharding type in use: its tables, stacked in slots if it has them."""
+        groups = {}
         for sharding in Sharding:
             tables = tuple(p.table for p in self.placements if p.sharding is sharding)
-            if not tables:
-                continue
-            slots = sympy.Mul(*(axis_symbol(a) for a in sharding.slot_axes))
-            columns = self.columns if sharding is Sharding.COLUMN_WISE else 1
-            groups.append(TableGroup(sharding.short, tables, slots, columns, fused=sharding is not Sharding.DATA_PARALLEL))
-        return tuple(groups)
+            if tables:
+                slots = sympy.Mul(*(axis_symbol(a) for a in sharding.slot_axes))
+                columns = self.columns if sharding is Sharding.COLUMN_WISE else 1
+                groups[sharding] = TableGroup(sharding.short, tables, slots, columns,
+                                              fused=sharding is not Sharding.DATA_PARALLEL)
+        return groups
 
-    def _group(self, sharding: Sharding) -> TableGroup | None:
-        return next((g for g in self.groups if g.name == sharding.short), None)
+    @property
+    def groups(self) -> tuple[TableGroup, ...]:
+        """The table groups the model's graph is built with (model_zoo/dlrm.py)."""
+        return tuple(self._groups.values())
 
     def slot_shards(self, sharding: Sharding) -> list[list[int]]:
         """Per slot, the tables of its shards (a column-wise table once per shard it holds)."""
@@ -131,9 +133,8 @@ class EmbeddingPlan:
         """Per slotted sharding, per slot: its symbols' values (slots with the same shards
         share one dict)."""
         result = {}
-        for sharding in Sharding:
-            group = self._group(sharding)
-            if not sharding.slot_axes or group is None:
+        for sharding, group in self._groups.items():
+            if not sharding.slot_axes:
                 continue
             known: dict[tuple, dict] = {}
             for shards in map(tuple, self.slot_shards(sharding)):
@@ -150,8 +151,7 @@ class EmbeddingPlan:
         """Values of the groups' symbols common to every rank: group totals, and for slotted
         groups the widest slot (what the collectives are padded to)."""
         values: dict[sympy.Symbol, Any] = {}
-        for group in self.groups:
-            sharding = next(s for s in Sharding if s.short == group.name)
+        for sharding, group in self._groups.items():
             if sharding in self._slot_sizes:
                 distinct = {id(slot): slot for slot in self._slot_sizes[sharding]}.values()
                 for symbol in group.symbols:
@@ -342,11 +342,10 @@ class _Planner:
             raise self._no_room(table, [sharding])
 
     def place_auto(self, table: int) -> None:
-        t = self.plan.config.tables[table]
-        d, w = self.plan.config.embedding_dim, self.plan.weight_bytes
-        # replicated, a table moves 2x its bytes in the all-reduce; sharded, its pooled
-        # vectors go out and their gradients come back: 2 x batch x dim per step
-        if 2 * t.rows * d * w <= 2 * self.plan.batch * d * w and self.try_place(table, Sharding.DATA_PARALLEL):
+        # replicated, a table's gradient is all-reduced: ~2 x rows x dim moved per rank;
+        # sharded, the batch's pooled vectors go out and their gradients come back: ~2 x
+        # batch x dim. Replicate the tables with no more rows than the batch has samples.
+        if self.plan.config.tables[table].rows <= self.plan.batch and self.try_place(table, Sharding.DATA_PARALLEL):
             return
         kinds = [Sharding.TABLE_WISE] + ([Sharding.TABLE_ROW_WISE] if self.plan.local > 1 else []) + [Sharding.ROW_WISE]
         for sharding in kinds:

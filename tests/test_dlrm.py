@@ -130,6 +130,7 @@ def test_lookup_and_update_cost_the_touched_rows():
 def test_mixed_plan_on_16_ranks_validates_and_memory_matches_the_plan(tmp_path):
     plan = yaml.safe_load((ROOT / "examples" / "dlrm-mixed-plan.yaml").read_text())
     summary = generate("dlrm-kaggle", plan, tmp_path / "out")
+    placed = build("dlrm-kaggle", plan).embeddings
     assert summary["world_size"] == 16
     assert validate(tmp_path / "out") == []
     rows = dict(zip([f"t{i}" for i in range(26)], KAGGLE_ROWS))
@@ -147,6 +148,9 @@ def test_mixed_plan_on_16_ranks_validates_and_memory_matches_the_plan(tmp_path):
         memory = summary["rank_classes"][summary["rank_class"][rank]]["memory"]
         assert memory["embedding_weights"] == held * 16 * 4
         assert memory["embedding_optimizer_states"] == held * 4
+        # the planner's accounting (what it holds to the memory limit) is the trace's
+        planned = placed.rank_memory(rank)
+        assert (planned["weights"], planned["optimizer_states"]) == (held * 16 * 4, held * 4)
 
 
 @pytest.mark.parametrize("sharding, extra", [
