@@ -207,9 +207,10 @@ def build_dlrm(config: DLRMConfig, groups: Sequence[TableGroup] | None = None) -
         table = g.weight(f"emb.{group.name}", [group.slots * rows, D / group.columns],
                          [f"{group.name}.rows", "emb" if group.columns == 1 else "emb_shard"], edtype)
         lookups = g.input(f"ids.{group.name}", [B, group.slots * ids], ["batch", f"{group.name}.ids"])
-        pooled.append(g.embedding_bag(f"pooled.{group.name}", table, lookups, group.slots * features,
-                                      f"{group.name}.features", update="fused" if group.fused else "dense",
-                                      fn=Optimizer.ROWWISE_ADAGRAD))
+        lengths = g.input(f"lengths.{group.name}", [B, group.slots * features], ["batch", f"{group.name}.features"],
+                          DType.INT32)
+        pooled.append(g.embedding_bag(f"pooled.{group.name}", table, lookups, lengths,
+                                      update="fused" if group.fused else "dense", fn=Optimizer.ROWWISE_ADAGRAD))
     f = config.features
     g.layer = 1  # the interaction is the model's one block (0: bottom MLP and lookups, 2: top MLP)
     x0 = g.concat("interaction.features", [bottom, *pooled], [B, f, D], ["batch", "features", "emb"], dim=1)

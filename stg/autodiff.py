@@ -126,16 +126,16 @@ class _Backward:
             self.emit(op, OpKind.EMBEDDING_GRAD, (dout, ids), [table])
 
     def embedding_bag(self, op: Op, dout: str) -> None:
-        table, ids = op.inputs
+        table, ids, lengths = op.inputs
         fn = op.attrs.get("fn", Optimizer.ADAMW)
         self.optimizer[table] = fn
         if op.attrs.get("update") != "fused":
-            self.emit(op, OpKind.EMBEDDING_BAG_GRAD, (dout, ids), [table], {"fn": fn})
+            self.emit(op, OpKind.EMBEDDING_BAG_GRAD, (dout, ids, lengths), [table], {"fn": fn})
             return
         # no gradient: the touched rows and their states are updated where they are found
         states = self._states(self.forward.tensors[table], fn)
         updated = replace(self.forward.tensors[table], name=f"{table}.next")
-        self.g.add_op(f"{table}.{fn.label}", OpKind.EMBEDDING_BAG_UPDATE, (dout, ids, table, *states), [updated],
+        self.g.add_op(f"{table}.{fn.label}", OpKind.EMBEDDING_BAG_UPDATE, (dout, ids, lengths, table, *states), [updated],
                       {"fn": fn, "weight": table, "grad_of": (table,)}, phase=Phase.BACKWARD_WEIGHT, layer=op.layer)
         self.updated.add(table)
 

@@ -115,14 +115,14 @@ class GraphBuilder:
         self.add_op(name, OpKind.EMBEDDING, (table, ids), (out,))
         return name
 
-    def embedding_bag(self, name: str, table: str, ids: str, features: Any, features_axis: str, **attrs) -> str:
+    def embedding_bag(self, name: str, table: str, ids: str, lengths: str, **attrs) -> str:
         """Tables stacked by rows, `table` [rows, dim], looked up by `ids` [batch, ids] and
-        sum-pooled per feature: output [batch, features, dim]. `attrs` say how the backward
+        sum-pooled per feature, `lengths` [batch, features] ids each (TorchRec's jagged
+        KeyedJaggedTensor): output [batch, features, dim]. `attrs` say how the backward
         updates the table (`update`: "fused" or "dense", `fn`: the optimizer)."""
-        t, i = self.tensors[table], self.tensors[ids]
-        out = Tensor(name, (i.shape[0], sympy.sympify(features), t.shape[-1]), (i.dims[0], features_axis, t.dims[-1]),
-                     t.dtype, Role.ACTIVATION)
-        self.add_op(name, OpKind.EMBEDDING_BAG, (table, ids), (out,), attrs)
+        t, n = self.tensors[table], self.tensors[lengths]
+        out = Tensor(name, n.shape + t.shape[-1:], n.dims + t.dims[-1:], t.dtype, Role.ACTIVATION)
+        self.add_op(name, OpKind.EMBEDDING_BAG, (table, ids, lengths), (out,), attrs)
         return name
 
     def concat(self, name: str, inputs: Sequence[str], shape: Sequence, dims: Sequence[str], dim: int) -> str:

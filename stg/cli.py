@@ -155,9 +155,10 @@ def generate(
                 summary = run(model, plan, out, progress, ranks=span, workers=workers or os.cpu_count() or 1)
     if not quiet:
         totals = summary["totals"]
+        scale, unit = next(((s, u) for s, u in ((1e15, "PFLOP"), (1e12, "TFLOP")) if totals["flops"] >= s), (1e9, "GFLOP"))
         err.print(
             f"{summary['world_size']} ranks, {summary['microbatches']} micro-batches/rank, "
-            f"{totals['flops'] / 1e15:.3f} PFLOP per step -> {out}", highlight=False,
+            f"{totals['flops'] / scale:.3f} {unit} per step -> {out}", highlight=False,
         )
 
 

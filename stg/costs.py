@@ -138,25 +138,25 @@ def op_cost(
         return EMBEDDING_GRAD_FLOPS * grad.numel, ids.memory_bytes + 3 * grad.memory_bytes
     if kind is OpKind.EMBEDDING_BAG:
         # every id reads one row of the table and adds it into its sample's pooled vector:
-        # bytes = the ids, the rows touched x dim, the pooled output
-        table, ids = inputs
+        # bytes = the ids and lengths, the rows touched x dim, the pooled output
+        table, ids, _ = inputs
         touched = ids.numel * table.shape[-1]
-        return EMBEDDING_BAG_FLOPS * touched, ids.memory_bytes + touched * table.dtype.nbytes + _memory(outputs)
+        return EMBEDDING_BAG_FLOPS * touched, _memory(inputs[1:]) + touched * table.dtype.nbytes + _memory(outputs)
     if kind is OpKind.EMBEDDING_BAG_GRAD:
         # every id scatter-adds its sample's pooled gradient into its row (read-modify-write)
-        dpooled, ids = inputs
+        ids = inputs[1]
         touched = ids.numel * outputs[0].shape[-1]
         return EMBEDDING_GRAD_FLOPS * touched, _memory(inputs) + 2 * touched * outputs[0].dtype.nbytes
     if kind is OpKind.EMBEDDING_BAG_UPDATE:
         # per id: its sample's pooled gradient read, its row and its state read and written, the
         # optimizer's work on that row. A row hit by several ids counts each time (the batch's
         # unique rows are at most this many).
-        dpooled, ids, table, *states = inputs
+        dpooled, ids, lengths, table, *states = inputs
         rows, dim = ids.numel, table.shape[-1]
         row_bytes = dim * table.dtype.nbytes + sum(t.dtype.nbytes for t in states)
         fn = attrs["fn"]
         flops = rows * (fn.flops * dim + fn.row_flops)
-        return flops, ids.memory_bytes + rows * dim * dpooled.dtype.nbytes + 2 * rows * row_bytes
+        return flops, _memory((ids, lengths)) + rows * dim * dpooled.dtype.nbytes + 2 * rows * row_bytes
     if kind in (OpKind.CONCAT, OpKind.CONCAT_GRAD, OpKind.GATHER):
         # a copy: what is written is read once (padded inputs contribute only their real part)
         written = _memory(outputs) if kind is not OpKind.CONCAT_GRAD else inputs[0].memory_bytes

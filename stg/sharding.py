@@ -176,8 +176,9 @@ class _Sharder:
         tensor = self.tensor(name)
         steps = plan_redistribution(name, tensor.shape, current, layout, self.mesh_axes)
         # A gathered copy is redundant memory: the backward gathers again rather than keep it
-        # (Megatron's sequence parallel, FSDP's parameters). A reduced value is unique: kept.
-        gathers = any(step.collective is Collective.ALL_GATHER for step in steps)
+        # (Megatron's sequence parallel, FSDP's parameters). A reduced value is unique: kept;
+        # so is distributed input data (TorchRec keeps the routed ids and lengths).
+        gathers = any(step.collective is Collective.ALL_GATHER for step in steps) and tensor.role is not Role.INPUT
         phase_group = _phase_group(consumer.phase)
         key = (name, layout, phase_group if gathers else None)
         if key in self.memo:
@@ -341,53 +342,55 @@ def _own_features(sharder, pooled: Tensor) -> dict:
 
 def _embedding_bag(op, ins, lays, outs, sharder):
     """A table split by rows needs the ids of its rows (routed to it: the input
-    distribution); its pooled output is then its own features or a partial sum. A table
-    split by columns needs every id. A replicated table looks up where the ids are."""
+    distribution) and the lengths of the features it pools -- its own features' (table- and
+    column-wise slots) or every feature's (row-wise: any sample may hit its rows); its pooled
+    output is then its own features or a partial sum. A table split by columns needs every
+    id. A replicated table looks up where the ids are."""
     table, pooled = lays[0], outs[0]
-    need_ids, out = lays[1].as_dict(), {}
+    need_ids, need_lengths, out = lays[1].as_dict(), lays[2].as_dict(), {}
     own = _own_features(sharder, pooled)
     for axis in sharder.mesh_axes:
         placement = table.get(axis)
         if placement == Shard(0):
             need_ids[axis] = Shard(1)
-            out[axis] = Shard(1) if own.get(axis) == Shard(1) else Partial()
+            out[axis] = need_lengths[axis] = own.get(axis, Partial())
         elif placement == Shard(1):
-            need_ids.pop(axis, None)
             out[axis] = Shard(2)
+            need_ids[axis] = need_lengths[axis] = Replicate()
         elif need_ids.get(axis) == Shard(0):
-            out[axis] = Shard(0)
+            out[axis] = need_lengths[axis] = Shard(0)
         else:
-            need_ids.pop(axis, None)
+            need_ids[axis] = need_lengths[axis] = Replicate()
+    need_lengths = {axis: p for axis, p in need_lengths.items() if not isinstance(p, Partial)}
     order = sharder.mesh_axes
-    return [table, Layout.of(need_ids, order)], [Layout.of(out, order)]
+    return [table, Layout.of(need_ids, order), Layout.of(need_lengths, order)], [Layout.of(out, order)]
 
 
 def _embedding_bag_backward(op, ins, lays, outs, sharder):
-    """The table gradient (or the fused update) is made where the table is: the ids as the
-    lookup had them, and the pooled gradient of every sample whose ids hit the rank's rows
-    (gathered for a row-wise split) or of the rank's own features."""
-    dpooled, ids = ins[:2]
+    """The table gradient (or the fused update) is made where the table is, from the ids and
+    lengths as the lookup had them and the pooled gradient of every sample whose ids hit the
+    rank's rows (gathered for a row-wise split) or of the rank's own features."""
     (table_name,) = op.attrs["grad_of"]
     table = unflattened(sharder.layouts[table_name])
-    need_grad, need_ids, out = lays[0].as_dict(), lays[1].as_dict(), {}
-    own = _own_features(sharder, dpooled)
+    need_grad, need_ids, need_lengths, out = lays[0].as_dict(), lays[1].as_dict(), lays[2].as_dict(), {}
+    own = _own_features(sharder, ins[0])
     for axis in sharder.mesh_axes:
         placement = table.get(axis)
         if isinstance(placement, Shard):
             need_ids[axis] = Shard(1) if placement.dim == 0 else Replicate()
-            need_grad[axis] = own.get(axis, Replicate()) if placement.dim == 0 else Shard(2)
+            need_grad[axis] = need_lengths[axis] = own.get(axis, Replicate()) if placement.dim == 0 else Shard(2)
             out[axis] = placement
         elif need_grad.get(axis) == Shard(0):
             if op.kind is OpKind.EMBEDDING_BAG_UPDATE:
                 raise LayoutError(f"op {op.name}: a fused update needs table {table_name} split on mesh axis "
                                   f"{axis}, which splits the batch (a replicated table needs its gradient reduced)")
-            need_ids[axis] = Shard(0)
+            need_ids[axis] = need_lengths[axis] = Shard(0)
             out[axis] = Partial()
         else:
-            need_grad.pop(axis, None)
-            need_ids.pop(axis, None)
+            need_grad[axis] = need_ids[axis] = need_lengths[axis] = Replicate()
+    need_lengths = {axis: p for axis, p in need_lengths.items() if p != Shard(2)}
     order = sharder.mesh_axes
-    needed = [Layout.of(need_grad, order), Layout.of(need_ids, order), *lays[2:]]
+    needed = [Layout.of(need_grad, order), Layout.of(need_ids, order), Layout.of(need_lengths, order), *lays[3:]]
     return needed, [Layout.of(out, order)]
 
 

@@ -83,25 +83,31 @@ def collectives(workload) -> Counter:
     return found
 
 
+LOCAL = BATCH // N  # samples per rank
+IDS, LENGTHS = LOCAL * T * L * 8, LOCAL * T * 4  # a rank's int64 ids and int32 lengths (one per sample and feature)
+
+
 @pytest.mark.parametrize("sharding, extra, expected", [
     # replicated: only the all-reduce of the dense table gradients (fp32), with the MLPs'
     ("data_parallel", {}, {("S", "ALL_REDUCE"): 4 * (T * R * DIM + DENSE)}),
-    # one table per rank: ids of the local samples to their table's rank (int64); pooled
+    # one table per rank: ids and lengths of the local samples to their table's rank; pooled
     # vectors of the whole batch from the table's rank to the samples' ranks, and back
-    ("table_wise", {}, {("F", "ALL_TO_ALL"): (BATCH // N) * T * L * 8 + BATCH * DIM * 4,
+    ("table_wise", {}, {("F", "ALL_TO_ALL"): IDS + LENGTHS + BATCH * DIM * 4,
                         ("B", "ALL_TO_ALL"): BATCH * DIM * 4, ("S", "ALL_REDUCE"): 4 * DENSE}),
     # two 8-wide shards per table, two shards per rank: every shard needs its table's ids
-    ("column_wise", {"column_shards": 2}, {("F", "ALL_TO_ALL"): (BATCH // N) * T * 2 * L * 8 + BATCH * 2 * (DIM // 2) * 4,
+    ("column_wise", {"column_shards": 2}, {("F", "ALL_TO_ALL"): 2 * (IDS + LENGTHS) + BATCH * 2 * (DIM // 2) * 4,
                                             ("B", "ALL_TO_ALL"): BATCH * 2 * (DIM // 2) * 4, ("S", "ALL_REDUCE"): 4 * DENSE}),
-    # rows over all ranks: ids bucketized to their rows' ranks; partial pooled sums of the
-    # whole batch reduce-scattered to the samples' ranks; their gradients all-gathered back
-    ("row_wise", {}, {("F", "ALL_TO_ALL"): (BATCH // N) * T * L * 8, ("F", "REDUCE_SCATTER"): BATCH * T * DIM * 4,
-                      ("B", "ALL_GATHER"): (BATCH // N) * T * DIM * 4, ("S", "ALL_REDUCE"): 4 * DENSE}),
-    # 2 hosts x 4 ranks, 4 tables per host: ids to every rank at once; pooled partial sums
-    # reduce-scattered inside the host, then all-to-all across hosts; backward the reverse
+    # rows over all ranks: ids bucketized to their rows' ranks, every sample's lengths to
+    # every rank; partial pooled sums of the whole batch reduce-scattered to the samples'
+    # ranks; their gradients all-gathered back
+    ("row_wise", {}, {("F", "ALL_TO_ALL"): IDS, ("F", "ALL_GATHER"): LENGTHS, ("F", "REDUCE_SCATTER"): BATCH * T * DIM * 4,
+                      ("B", "ALL_GATHER"): LOCAL * T * DIM * 4, ("S", "ALL_REDUCE"): 4 * DENSE}),
+    # 2 hosts x 4 ranks, 4 tables per host: ids to their rows' ranks, lengths to the table's
+    # host (all-to-all across hosts) and all its ranks (all-gather inside); pooled partial
+    # sums reduce-scattered inside the host, then all-to-all across hosts; backward the reverse
     ("table_row_wise", {"dp": 2, "local_world_size": 4},
-     {("F", "ALL_TO_ALL"): (BATCH // N) * T * L * 8 + (BATCH // 4) * 4 * DIM * 4,
-      ("F", "REDUCE_SCATTER"): BATCH * 4 * DIM * 4, ("B", "ALL_TO_ALL"): (BATCH // N) * T * DIM * 4,
+     {("F", "ALL_TO_ALL"): IDS + LENGTHS + (BATCH // 4) * 4 * DIM * 4, ("F", "ALL_GATHER"): (BATCH // 4) * 4 * 4,
+      ("F", "REDUCE_SCATTER"): BATCH * 4 * DIM * 4, ("B", "ALL_TO_ALL"): LOCAL * T * DIM * 4,
       ("B", "ALL_GATHER"): (BATCH // 4) * 4 * DIM * 4, ("S", "ALL_REDUCE"): 4 * DENSE}),
 ])
 def test_collective_bytes_of_each_sharding_type_on_8_ranks(sharding, extra, expected):
@@ -118,13 +124,13 @@ def test_lookup_and_update_cost_the_touched_rows():
     reads the pooled gradient per id, reads and writes the row and its one fp32 state."""
     workload = build(TOY, {"dp": N, "micro_batch": MICRO, "embedding_sharding": "table_wise"})
     nodes = {n.name.split(" ", 1)[1]: n for n in workload.programs[0].nodes}
-    ids = BATCH * L  # one table per rank: the ids of the whole batch for it
+    ids = BATCH * L  # one table per rank: the ids of the whole batch for it, and a length per sample
     lookup = nodes["pooled.tw"]
     assert lookup.flops == ids * DIM
-    assert lookup.nbytes == ids * 8 + ids * DIM * 4 + BATCH * DIM * 4
+    assert lookup.nbytes == ids * 8 + BATCH * 4 + ids * DIM * 4 + BATCH * DIM * 4
     update = nodes["emb.tw.rowwise_adagrad"]
     assert update.flops == ids * (4 * DIM + 3)
-    assert update.nbytes == ids * 8 + ids * DIM * 4 + 2 * ids * (DIM * 4 + 4)
+    assert update.nbytes == ids * 8 + BATCH * 4 + ids * DIM * 4 + 2 * ids * (DIM * 4 + 4)
 
 
 def test_mixed_plan_on_16_ranks_validates_and_memory_matches_the_plan(tmp_path):
