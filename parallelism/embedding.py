@@ -195,6 +195,18 @@ class EmbeddingPlan:
             index.append(found[key])
         return tuple(distinct), tuple(index)
 
+    def padding(self) -> dict[str, dict]:
+        """Per slotted sharding type: the slots' pooled features, most and mean. The
+        all-to-alls of pooled vectors are sized by the most (Chakra's ALL_TO_ALL is even;
+        TorchRec's is not): most / mean is how much they overstate the traffic."""
+        result = {}
+        for sharding, per_slot in self._slot_sizes.items():
+            features = [slot[self._groups[sharding].symbols[2]] for slot in per_slot]
+            mean = sum(features) / len(features)
+            result[sharding.label] = {"slots": len(features), "most_features": max(features),
+                                      "mean_features": mean, "all_to_all_overstatement": max(features) / mean}
+        return result
+
     # -- what a rank holds --------------------------------------------------------------------
     def shard_bytes(self, placement: Placement) -> tuple[int, int]:
         """(weights, optimizer state) bytes of one shard of the placement on one rank."""

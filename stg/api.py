@@ -150,6 +150,7 @@ class Workload:
         if self.embeddings is not None:
             summary["samples_per_step"] = summary.pop("tokens_per_step") // self.plan.seq
             summary["embedding_plan"] = self.embeddings.table()
+            summary["embedding_slots"] = self.embeddings.padding()
         return summary
 
 

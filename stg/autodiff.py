@@ -222,7 +222,9 @@ class _Backward:
 
     def _states(self, weight: Tensor, fn: Optimizer) -> list[str]:
         shape, dims = (weight.shape[:1], weight.dims[:1]) if fn.per_row else (weight.shape, weight.dims)
-        return [self.g.state(f"{weight.name}.{s}", shape, dims, OPTIMIZER_STATE_DTYPE) for s in fn.states]
+        # an fp32 weight is its own master copy
+        names = [s for s in fn.states if not (s == "master" and weight.dtype is OPTIMIZER_STATE_DTYPE)]
+        return [self.g.state(f"{weight.name}.{s}", shape, dims, OPTIMIZER_STATE_DTYPE) for s in names]
 
     def _optimizer(self, weight: Tensor, layer: int) -> None:
         grad = self.stored_grads[weight.name]
