@@ -196,15 +196,18 @@ class EmbeddingPlan:
         return tuple(distinct), tuple(index)
 
     def padding(self) -> dict[str, dict]:
-        """Per slotted sharding type: the slots' pooled features, most and mean. The
-        all-to-alls of pooled vectors are sized by the most (Chakra's ALL_TO_ALL is even;
-        TorchRec's is not): most / mean is how much they overstate the traffic."""
+        """Per slotted sharding type: the slots' pooled features and ids per sample, most and
+        mean. Its all-to-alls are sized by the most (Chakra's ALL_TO_ALL is even; TorchRec's
+        is not): most / mean is how much they overstate the traffic."""
         result = {}
         for sharding, per_slot in self._slot_sizes.items():
-            features = [slot[self._groups[sharding].symbols[2]] for slot in per_slot]
-            mean = sum(features) / len(features)
-            result[sharding.label] = {"slots": len(features), "most_features": max(features),
-                                      "mean_features": mean, "all_to_all_overstatement": max(features) / mean}
+            _, ids, features = self._groups[sharding].symbols
+            entry = {"slots": len(per_slot)}
+            for label, symbol in (("features", features), ("ids", ids)):
+                values = [float(slot[symbol]) for slot in per_slot]
+                mean = sum(values) / len(values)
+                entry[label] = {"most": max(values), "mean": mean, "overstatement": max(values) / mean}
+            result[sharding.label] = entry
         return result
 
     # -- what a rank holds --------------------------------------------------------------------

@@ -118,7 +118,8 @@ def test_collective_bytes_of_each_sharding_type_on_8_ranks(sharding, extra, expe
     placed = [row["placed_on"] for row in summary["embedding_plan"]]
     if sharding == "table_wise":  # equal tables: one per rank, so every rank runs one program
         assert sorted(placed) == [f"rank {r}" for r in range(N)] and len(workload.programs) == 1
-        assert summary["embedding_slots"]["table_wise"]["all_to_all_overstatement"] == 1  # no padding
+        slots = summary["embedding_slots"]["table_wise"]
+        assert slots["features"]["overstatement"] == slots["ids"]["overstatement"] == 1  # no padding
     if sharding == "data_parallel":
         # fp32 AdamW on the dense part: two moments, the weight is its own master copy;
         # row-wise Adagrad on the tables: one fp32 per row
