@@ -193,11 +193,15 @@ def build(model: Model | str | Path | Mapping, plan: Plan | Mapping) -> Workload
     shared = Evaluator(bindings)
     pipeline = _pipeline(model, plan, sharded, stages)
     variants, variant_axes, variant_map = _variants(plan, bindings, embeddings)
+    # a variant whose symbols size no tensor (an expert slot's load) shares its stage's memory
+    in_shapes = {symbol for t in sharded.graph.tensors.values() for dim in t.shape for symbol in dim.free_symbols}
     programs, memories = [], []
     for rank in range(plan.pp):  # one rank class per pipeline stage and variant
+        stage_memory = memory(sharded, shared, pipeline.stages, pipeline.schedule[rank], rank)
         for variant in variants:
             evaluate = Evaluator({**bindings, **variant}) if variant else shared
-            memories.append(memory(sharded, evaluate, pipeline.stages, pipeline.schedule[rank], rank))
+            memories.append(memory(sharded, evaluate, pipeline.stages, pipeline.schedule[rank], rank)
+                            if in_shapes & set(variant) else stage_memory)
             programs.append(lower(sharded, evaluate, device_spec(plan.device), pipeline=pipeline,
                                   bucket_bytes=int(plan.bucket_mb * 2**20), rank=rank, comm_evaluate=shared))
     return Workload(model, plan, mesh, sharded, tuple(programs), tuple(memories), bindings, variant_axes,
