@@ -35,7 +35,7 @@ limit, and a table that fits nowhere is a clear error.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from enum import Enum
 from functools import cached_property
 from typing import Any, Mapping, Sequence
@@ -274,16 +274,39 @@ def plan_embeddings(config: DLRMConfig, *, default: str | None, overrides: Mappi
     unknown = sorted(set(overrides or {}) - set(names))
     if unknown:
         raise PlanError(f"embeddings: unknown table(s) {unknown}; the model's tables: {', '.join(names)}")
-    planner = _Planner(EmbeddingPlan(config, (), hosts, local, columns, batch), limit_bytes)
-    for name, spec in (overrides or {}).items():
-        planner.place_explicit(names[name], spec)
-    auto = (default or "auto") == "auto"
-    chosen = None if auto else Sharding.parse(default, "embedding_sharding")
-    rest = [i for i in range(len(config.tables)) if i not in planner.placed]
-    for i in sorted(rest, key=lambda i: (-config.tables[i].rows, i)):  # largest first
-        planner.place_auto(i) if auto else planner.place(i, chosen)
-    placements = tuple(sorted(planner.placed.values(), key=lambda p: p.table))
-    return EmbeddingPlan(config, placements, hosts, local, columns, batch)
+    empty = EmbeddingPlan(config, (), hosts, local, columns, batch)
+    largest_first = sorted(range(len(config.tables)), key=lambda i: (-config.tables[i].rows, i))
+
+    def propose(choose) -> EmbeddingPlan:
+        planner = _Planner(empty, limit_bytes)
+        for name, spec in (overrides or {}).items():
+            planner.place_explicit(names[name], spec)
+        for i in largest_first:
+            if i not in planner.placed:
+                choose(planner, i)
+        return replace(empty, placements=tuple(sorted(planner.placed.values(), key=lambda p: p.table)))
+
+    if (default or "auto") != "auto":
+        chosen = Sharding.parse(default, "embedding_sharding")
+        return propose(lambda planner, i: planner.place(i, chosen))
+    # proposals from the least traffic to the most even memory; the first that fits wins.
+    # The last spreads every table over all ranks: if it does not fit, nothing does.
+    for kinds in AUTO_PROPOSALS[:-1]:
+        try:
+            return propose(lambda planner, i: planner.place_auto(i, kinds))
+        except PlanError:
+            continue
+    return propose(lambda planner, i: planner.place_auto(i, AUTO_PROPOSALS[-1]))
+
+
+AUTO_PROPOSALS = (
+    # whole tables where they fit, else column shards (the same traffic as whole tables), else
+    # rows over a host, else over every rank (each rank reduce-scatters the whole batch's
+    # partial sums: the most traffic)
+    (Sharding.DATA_PARALLEL, Sharding.TABLE_WISE, Sharding.COLUMN_WISE, Sharding.TABLE_ROW_WISE, Sharding.ROW_WISE),
+    (Sharding.DATA_PARALLEL, Sharding.TABLE_ROW_WISE, Sharding.ROW_WISE),
+    (Sharding.ROW_WISE,),
+)
 
 
 class _Planner:
@@ -356,17 +379,18 @@ class _Planner:
         if not self.try_place(table, sharding, slots):
             raise self._no_room(table, [sharding])
 
-    def place_auto(self, table: int) -> None:
-        # replicated, a table's gradient is all-reduced: ~2 x rows x dim moved per rank;
-        # sharded, the batch's pooled vectors go out and their gradients come back: ~2 x
-        # batch x dim. Replicate the tables with no more rows than the batch has samples.
-        if self.plan.config.tables[table].rows <= self.plan.batch and self.try_place(table, Sharding.DATA_PARALLEL):
-            return
-        kinds = [Sharding.TABLE_WISE] + ([Sharding.TABLE_ROW_WISE] if self.plan.local > 1 else []) + [Sharding.ROW_WISE]
-        for sharding in kinds:
+    def place_auto(self, table: int, kinds: Sequence[Sharding]) -> None:
+        """The first of `kinds` that fits. Replicated, a table's gradient is all-reduced: ~2 x
+        rows x dim moved per rank; sharded, the batch's pooled vectors go out and their
+        gradients come back: ~2 x batch x dim. So only tables with no more rows than the
+        batch has samples are replicated."""
+        usable = [k for k in kinds if (k is not Sharding.COLUMN_WISE or self.plan.columns > 1)
+                  and (k is not Sharding.TABLE_ROW_WISE or self.plan.local > 1)
+                  and (k is not Sharding.DATA_PARALLEL or self.plan.config.tables[table].rows <= self.plan.batch)]
+        for sharding in usable:
             if self.try_place(table, sharding):
                 return
-        raise self._no_room(table, kinds)
+        raise self._no_room(table, [k for k in usable if k is not Sharding.DATA_PARALLEL] or usable)
 
     def place_explicit(self, table: int, spec: Any) -> None:
         name = self.plan.config.tables[table].name

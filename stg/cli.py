@@ -71,7 +71,7 @@ def models(as_json: bool = typer.Option(False, "--json", help="Print a JSON list
 
 
 # options of recommendation models, shared by `generate` and `plan-embeddings`
-EMBEDDING_SHARDING = typer.Option(None, help="Recommendation models: every table's sharding (TorchRec's): data_parallel, table_wise, column_wise, row_wise, table_row_wise, or auto (a greedy planner: small tables data parallel, the rest largest first table-wise on the least-loaded rank with room, else table-row-wise, else row-wise). Per-table choices go in the plan YAML under `embeddings:`. [default: auto]")
+EMBEDDING_SHARDING = typer.Option(None, help="Recommendation models: every table's sharding (TorchRec's): data_parallel, table_wise, column_wise, row_wise, table_row_wise, or auto (a greedy planner: small tables data parallel, the rest largest first table-wise on the least-loaded rank with room, else column-wise, else table-row-wise, else row-wise; falling back to more even plans when it runs out of room). Per-table choices go in the plan YAML under `embeddings:`. [default: auto]")
 LOCAL_WORLD_SIZE = typer.Option(None, help="Recommendation models: ranks per host (the mesh axis `local`); dp then counts hosts and the ranks are dp x local-world-size. table_row_wise splits a table's rows over one host's ranks. [default: 1]")
 COLUMN_SHARDS = typer.Option(None, help="Recommendation models: column shards per column_wise table (each dim/shards wide). [default: as many 32-wide shards as the dim allows, at most the ranks]")
 EMBEDDING_MEMORY_GIB = typer.Option(None, help="Recommendation models: per-rank memory limit, GiB, for embedding tables and their optimizer state; no plan may exceed it. [default: the device's memory]")

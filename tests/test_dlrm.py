@@ -203,6 +203,19 @@ def test_planner_respects_the_memory_limit_and_says_when_nothing_fits():
         for rank in range(hosts * local):
             assert sum(plan.rank_memory(rank).values()) <= limit
     assert fitted and refused
+    # a 40M-row table (20.6 GB with its state) does not fit a 16 GiB rank whole, but four
+    # 32-wide column shards (5.2 GB each) do
+    plan = plan_embeddings(config, default="auto", overrides=None, hosts=16, local=1, batch=65536,
+                           limit_bytes=16 * 2**30)
+    assert plan.placements[0].sharding is Sharding.COLUMN_WISE and len(set(plan.placements[0].slots)) == 4
+    # the least any rank can hold: 1/16 of every table's rows (padded up), 128 fp32 + one
+    # fp32 state each. With exactly that much, only the most even plan fits -- every table
+    # row-wise; with a byte less, none does
+    least = sum(-(-rows // 16) for rows in DCN_ROWS) * (128 * 4 + 4)
+    tight = plan_embeddings(config, default="auto", overrides=None, hosts=16, local=1, batch=65536, limit_bytes=least)
+    assert {p.sharding for p in tight.placements} == {Sharding.ROW_WISE}
+    with pytest.raises(PlanError, match="fits on no rank under the 6.13 GiB"):
+        plan_embeddings(config, default="auto", overrides=None, hosts=16, local=1, batch=65536, limit_bytes=least - 1)
     # four 40M-row tables (20.5 GB each with their state) cannot fit 8 ranks of 8 GiB
     with pytest.raises(PlanError, match=r"embedding table t\d+ \(40,000,000 rows x 128\) fits on no rank under the 8.00 GiB"):
         plan_embeddings(config, default="table_wise", overrides=None, hosts=8, local=1, batch=65536, limit_bytes=8 * 2**30)
