@@ -25,7 +25,9 @@ touched rows); data-parallel tables get a dense gradient and a row-wise Adagrad 
 
 Slots hold different tables, so their ranks differ: a slot's rows, ids and features are bound
 per rank class, and the collectives are sized by the widest slot (an all-to-all is even in
-Chakra; TorchRec's is uneven, so the padded size bounds it). The automatic planner is greedy
+Chakra; TorchRec's is uneven). Every rank then receives what the busiest really receives: the
+all-to-all lasts as long as the real one where ports run in parallel, and its total bytes are
+overstated by `EmbeddingPlan.padding()`'s factor. The automatic planner is greedy
 (TorchRec's planner, simplified): tables that move fewer bytes replicated than sharded are data
 parallel; the others, largest first, go table-wise to the least-loaded rank with room, else
 table-row-wise to a host with room, else row-wise; none may take a rank past the memory
