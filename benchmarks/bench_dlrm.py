@@ -15,11 +15,10 @@ import argparse
 import json
 import os
 import shutil
-import subprocess
-import sys
 import tempfile
-import time
 from pathlib import Path
+
+from child import run_stg
 
 SHARDINGS = {  # name -> extra options (table_row_wise: hosts of 8 ranks)
     "table_wise": [],
@@ -27,17 +26,6 @@ SHARDINGS = {  # name -> extra options (table_row_wise: hosts of 8 ranks)
     "auto": [],
     "table_row_wise": ["--local-world-size", "8"],
 }
-
-
-def run(args: list[str]) -> tuple[float, float]:
-    """(wall seconds, peak RSS MB) of one `stg` child process."""
-    start = time.perf_counter()
-    child = subprocess.Popen([sys.executable, "-m", "stg", *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-    child.stdout.read()
-    _, status, usage = os.wait4(child.pid, 0)
-    if status:
-        raise SystemExit(f"stg {' '.join(args)} failed: {child.stderr.read().decode()}")
-    return time.perf_counter() - start, usage.ru_maxrss / 1024
 
 
 def main() -> None:
@@ -53,7 +41,7 @@ def main() -> None:
         for sharding, extra in SHARDINGS.items():
             dp = ranks // 8 if extra else ranks
             out = Path(tempfile.mkdtemp(dir=args.scratch)) / "set"
-            wall, rss = run(["generate", "dlrm-dcnv2", "--dp", str(dp), *extra, "--micro-batch", str(micro),
+            wall, rss, _ = run_stg(["generate", "dlrm-dcnv2", "--dp", str(dp), *extra, "--micro-batch", str(micro),
                              "--embedding-sharding", sharding, "-o", str(out), "-q", "--workers", str(args.workers)])
             size = sum(p.stat().st_size for p in out.iterdir())
             summary = json.loads((out / "summary.json").read_text())

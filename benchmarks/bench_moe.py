@@ -11,13 +11,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import shutil
-import subprocess
-import sys
 import tempfile
-import time
 from pathlib import Path
+
+from child import run_stg
 
 PLAN = ["moe-2t", "--pp", "8", "--layers-per-stage", "8,8,8,8,8,7,7,7", "--dp", "4", "--ep", "64", "--tp", "8",
         "--zero", "1", "--seq", "4096", "--global-batch", "512"]
@@ -29,16 +27,11 @@ def main() -> None:
     parser.add_argument("--keep", action="store_true", help="Keep the set (default: delete it).")
     args = parser.parse_args()
     out = Path(tempfile.mkdtemp(dir=args.scratch)) / "moe-2t"
-    start = time.perf_counter()
-    child = subprocess.Popen([sys.executable, "-m", "stg", "generate", *PLAN, "-o", str(out), "-q"])
-    _, status, usage = os.wait4(child.pid, 0)
-    wall = time.perf_counter() - start
-    if status:
-        raise SystemExit("generation failed")
+    wall, rss, _ = run_stg(["generate", *PLAN, "-o", str(out), "-q"])
     size = sum(p.stat().st_size for p in out.iterdir())
     summary = json.loads((out / "summary.json").read_text())
     print(f"{summary['model']['name']}: {summary['model']['params']:,} parameters on {summary['world_size']:,} ranks")
-    print(f"generated in {wall:.1f} s, peak RSS {usage.ru_maxrss / 1024:.0f} MB, {size / 1e9:.2f} GB")
+    print(f"generated in {wall:.1f} s, peak RSS {rss:.0f} MB, {size / 1e9:.2f} GB")
     print(f"{'stage':>5} {'weights':>9} {'grads':>9} {'states':>9} {'activ.':>9} {'peak GiB':>9} {'A2A GiB':>8}")
     for cls in summary["rank_classes"]:
         mem = {k: v / 2**30 for k, v in cls["memory"].items()}

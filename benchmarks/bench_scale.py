@@ -15,25 +15,13 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
-import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
 
+from child import run_stg as run
+
 SPLIT = ",".join(["8"] * 14 + ["7"] * 2)
-
-
-def run(args: list[str]) -> tuple[float, float, str]:
-    """(wall seconds, peak RSS MB, stdout) of one `stg` child process."""
-    start = time.perf_counter()
-    child = subprocess.Popen([sys.executable, "-m", "stg", *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-    out = child.stdout.read().decode()
-    _, status, usage = os.wait4(child.pid, 0)
-    wall = time.perf_counter() - start
-    if status:
-        raise SystemExit(f"stg {' '.join(args)} failed: {child.stderr.read().decode()}")
-    return wall, usage.ru_maxrss / 1024, out
 
 
 def plain_write(folder: Path, files: int, size: int) -> float:
