@@ -22,6 +22,7 @@ from model_zoo.dlrm import DLRMConfig
 from parallelism import sharding_spec
 from parallelism.embedding import EmbeddingPlan, plan_embeddings
 from stg.autodiff import training_graph
+from stg.costs import Optimizer
 from stg.device import device_spec
 from stg.emit import Progress, count_trace_set, write_trace_set
 from stg.errors import PlanError
@@ -173,7 +174,7 @@ def build(model: Model | str | Path | Mapping, plan: Plan | Mapping) -> Workload
     if stages:  # weights read on two stages (tied embeddings) get a copy per stage
         forward, ties = untie(forward, stages)
     grad_dtype = DType.parse(plan.grad_dtype) if plan.grad_dtype else None
-    train = training_graph(forward, grad_dtype)
+    train = training_graph(forward, grad_dtype, Optimizer.parse(plan.optimizer))
     sharded = shard(recompute(train, plan.recompute, last_block=model.layers), sharding_spec(plan))
     if ties:
         sharded = tie_gradients(sharded, ties, stages)

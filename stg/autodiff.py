@@ -23,9 +23,10 @@ def grad_name(tensor: str) -> str:
 
 
 class _Backward:
-    def __init__(self, forward: Graph, grad_dtype: DType | None):
+    def __init__(self, forward: Graph, grad_dtype: DType | None, optimizer: Optimizer):
         self.forward = forward
         self.grad_dtype = grad_dtype
+        self.default_optimizer = optimizer
         self.g = GraphBuilder(forward)
         self.contributions: dict[str, list[str]] = {}
         self.needs_grad = _needs_grad(forward)
@@ -127,7 +128,7 @@ class _Backward:
 
     def embedding_bag(self, op: Op, dout: str) -> None:
         table, ids, lengths = op.inputs
-        fn = op.attrs.get("fn", Optimizer.ADAMW)
+        fn = op.attrs.get("fn", self.default_optimizer)
         self.optimizer[table] = fn
         if op.attrs.get("update") != "fused":
             self.emit(op, OpKind.EMBEDDING_BAG_GRAD, (dout, ids, lengths), [table], {"fn": fn})
@@ -228,7 +229,7 @@ class _Backward:
 
     def _optimizer(self, weight: Tensor, layer: int) -> None:
         grad = self.stored_grads[weight.name]
-        fn = self.optimizer.get(weight.name, Optimizer.ADAMW)
+        fn = self.optimizer.get(weight.name, self.default_optimizer)
         states = self._states(weight, fn)
         # the states update in place; the op's one output is the new weight
         updated = Tensor(f"{weight.name}.next", weight.shape, weight.dims, weight.dtype, Role.WEIGHT)
@@ -252,10 +253,11 @@ def _needs_grad(forward: Graph) -> set[str]:
     return needs
 
 
-def training_graph(forward: Graph, grad_dtype: DType | None = None) -> Graph:
+def training_graph(forward: Graph, grad_dtype: DType | None = None, optimizer: Optimizer = Optimizer.ADAMW) -> Graph:
     """Forward, backward (B and W ops apart) and the optimizer step of one training step
-    (AdamW; row-wise Adagrad for embedding tables that ask for it, fused ones in the backward).
-    Weight gradients are `grad_dtype` (default: the weight's own dtype)."""
-    graph = _Backward(forward, grad_dtype).run()
+    (`optimizer`; embedding tables that ask for another, such as row-wise Adagrad, get it,
+    fused ones in the backward). Weight gradients are `grad_dtype` (default: the weight's
+    own dtype)."""
+    graph = _Backward(forward, grad_dtype, optimizer).run()
     graph.verify()
     return graph

@@ -65,7 +65,15 @@ EMBEDDING_BAG_FLOPS = 1  # sum pooling: one add per looked-up element
 
 class Optimizer(Enum):
     """Optimizers: (FLOPs per parameter, FLOPs per row, whether the states are one value per
-    row rather than one per parameter, the states' names)."""
+    row rather than one per parameter, the states' names; a `master` state is the fp32 copy of
+    a low-precision weight, absent for an fp32 one)."""
+
+    @classmethod
+    def parse(cls, text: str) -> "Optimizer":
+        for member in cls:
+            if member.label == text:
+                return member
+        raise ValueError(f"unknown optimizer {text!r}; expected one of {[m.label for m in cls]}")
 
     # AdamW per parameter: m = b1*m + (1-b1)*g (3), v = b2*v + (1-b2)*g^2 (4), bias
     # corrections m/c1, v/c2 (2), sqrt, +eps, divide (3), decay p*(1-lr*wd) (1), p -= lr*u (2).
@@ -75,6 +83,10 @@ class Optimizer(Enum):
     # embeddings): per parameter g^2 and its sum (2), p -= lr * g / sqrt(s) (2); per row the
     # mean, s += mean, rsqrt (3). One fp32 state per row.
     ROWWISE_ADAGRAD = ("rowwise_adagrad", 4, 3, True, ("sum_sq",))
+    # Adagrad (Duchi et al. 2011; MLPerf DLRM-DCNv2's dense optimizer): s += g^2 (2),
+    # p -= lr * g / (sqrt(s) + eps) (4). One state per parameter (and the fp32 master copy of a
+    # low-precision weight).
+    ADAGRAD = ("adagrad", 6, 0, False, ("master", "sum_sq"))
 
     def __init__(self, label: str, flops: int, row_flops: int, per_row: bool, states: tuple[str, ...]):
         self.label = label

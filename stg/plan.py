@@ -45,6 +45,7 @@ class Recompute(Enum):
 # parallel degrees that later strategies bring; refused until they exist, never ignored
 _NOT_YET: dict[str, str] = {}
 GRAD_DTYPES = ("bf16", "fp32")
+OPTIMIZERS = ("adamw", "adagrad")  # for the dense weights (embedding tables choose their own)
 
 
 @dataclass(frozen=True)
@@ -62,6 +63,7 @@ class Plan:
     recompute: Recompute = Recompute.NONE
     flash_attention: bool = True  # attention scores stay on chip (no memory traffic, not saved)
     grad_dtype: str | None = None  # weight gradients' accumulation and reduction dtype; default: the weight's
+    optimizer: str = "adamw"  # the dense weights' optimizer: adamw or adagrad
     # the vocabulary is padded to a multiple of this times tp (Megatron's
     # --make-vocab-size-divisible-by, whose default is 128; 1 pads only what tp needs)
     make_vocab_divisible_by: int = 1
@@ -137,6 +139,8 @@ class Plan:
             raise PlanError(f"embedding_sharding: must be a sharding name or auto, got {self.embedding_sharding!r}")
         if self.embeddings is not None and not isinstance(self.embeddings, Mapping):
             raise PlanError(f"embeddings: must map table names to shardings, got {self.embeddings!r}")
+        if self.optimizer not in OPTIMIZERS:
+            raise PlanError(f"optimizer: must be one of {list(OPTIMIZERS)}, got {self.optimizer!r}")
         if self.grad_dtype is not None and self.grad_dtype not in GRAD_DTYPES:
             raise PlanError(f"grad_dtype: must be one of {list(GRAD_DTYPES)}, got {self.grad_dtype!r}")
         for name, what in _NOT_YET.items():

@@ -46,6 +46,7 @@ def write_model(tmp_path, spec):
         (["dlrm-kaggle", "--dp", "8", "--embedding-sharding", "sideways"], "embedding_sharding: unknown embedding sharding 'sideways'"),
         (["dlrm-dcnv2", "--dp", "8", "--embedding-memory-gib", "4"], "(40,000,000 rows x 128) fits on no rank under the 4.00 GiB per-rank"),
         (["llama3-8b", "--local-world-size", "8"], "local_world_size: applies to models with embedding tables"),
+        (["llama3-8b", "--optimizer", "sgd"], "optimizer: must be one of ['adamw', 'adagrad'], got 'sgd'"),
     ],
 )
 def test_bad_input_is_one_line_exit_2_and_no_output(tmp_path, args, message):

@@ -124,6 +124,14 @@ def test_collective_bytes_of_each_sharding_type_on_8_ranks(sharding, extra, expe
         # fp32 AdamW on the dense part: two moments, the weight is its own master copy;
         # row-wise Adagrad on the tables: one fp32 per row
         assert summary["rank_classes"][0]["memory"]["optimizer_states"] == DENSE * 8 + T * R * 4
+        # the step: AdamW's 15 FLOPs per dense parameter; row-wise Adagrad's 4 per table
+        # element and 3 per row on the all-reduced dense table gradient
+        assert summary["rank_classes"][0]["flops_optimizer"] == 15 * DENSE + 4 * T * R * DIM + 3 * T * R
+        adagrad = build(TOY, {"dp": N, "micro_batch": MICRO, "embedding_sharding": sharding,
+                              "optimizer": "adagrad"}).summary()["rank_classes"][0]
+        # MLPerf DCNv2's dense Adagrad: one fp32 state and 6 FLOPs per parameter
+        assert adagrad["memory"]["optimizer_states"] == DENSE * 4 + T * R * 4
+        assert adagrad["flops_optimizer"] == 6 * DENSE + 4 * T * R * DIM + 3 * T * R
 
 
 def test_lookup_and_update_cost_the_touched_rows():
