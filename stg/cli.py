@@ -25,6 +25,7 @@ app = typer.Typer(
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,
+    rich_markup_mode=None,  # help texts print as written: rich markup ate "[default: 1]", markdown "<rank>"
 )
 err = Console(stderr=True)
 

@@ -188,6 +188,15 @@ def test_plan_embeddings_prints_the_placement(tmp_path):
     assert shown.exit_code == 0 and "memory embedding_weights GiB" in shown.output
 
 
+def test_help_prints_every_option_with_its_default():
+    text = run("generate", "--help").output
+    for option in ("--dp", "--embedding-sharding", "--local-world-size", "--optimizer", "--count-only"):
+        assert option in text
+    # help texts print as written (rich markup would drop "[default: 1]", markdown "<rank>")
+    assert "Data-parallel degree. [default: 1]" in " ".join(text.split())
+    assert "OUT/workload.<rank>.et" in text
+
+
 def test_count_only_needs_no_output(tmp_path, tiny_llama):
     model = write_model(tmp_path, tiny_llama)
     result = run("generate", model, "--dp", "2", *TINY, "--count-only")
