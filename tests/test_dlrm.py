@@ -134,6 +134,25 @@ def test_collective_bytes_of_each_sharding_type_on_8_ranks(sharding, extra, expe
         assert adagrad["flops_optimizer"] == 6 * DENSE + 4 * T * R * DIM + 3 * T * R
 
 
+def test_uneven_table_wise_slots_are_rank_classes_with_padded_all_to_alls():
+    """Two tables with 1 and 3 ids per sample, one per rank: each rank looks up its own
+    table's ids for the whole batch, while both ranks' all-to-alls are sized by the busier
+    slot (Chakra's all-to-all is even) -- 3 ids per sample, 1.5x the mean."""
+    model = {**TOY, "tables": [{"name": "a", "rows": 100, "pooling": 1}, {"name": "b", "rows": 100, "pooling": 3}]}
+    plan = {"dp": 2, "micro_batch": 4, "embedding_sharding": "table_wise",
+            "embeddings": {"a": {"sharding": "table_wise", "ranks": 0}, "b": {"sharding": "table_wise", "ranks": 1}}}
+    workload = build(model, plan)
+    assert len(workload.programs) == 2 and [workload.class_of(r) for r in (0, 1)] == [0, 1]
+    batch = 8
+    for rank, pooling in ((0, 1), (1, 3)):
+        nodes = {n.name.split(" ", 1)[1]: n for n in workload.programs[workload.class_of(rank)].nodes}
+        assert nodes["pooled.tw"].flops == batch * pooling * DIM
+        assert nodes["ids.tw.all_to_all[dp]"].comm_bytes == (batch // 2) * 2 * 3 * 8  # each peer's share padded to 3
+        assert nodes["pooled.tw.all_to_all[dp]"].comm_bytes == batch * 1 * DIM * 4  # one table each: even
+    ids = workload.summary()["embedding_slots"]["table_wise"]["ids"]
+    assert ids == {"most": 3.0, "mean": 2.0, "overstatement": 1.5}
+
+
 def test_lookup_and_update_cost_the_touched_rows():
     """Forward: every id reads one row (dim x fp32) and adds it; the fused row-wise Adagrad
     reads the pooled gradient per id, reads and writes the row and its one fp32 state."""
