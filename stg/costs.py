@@ -160,15 +160,17 @@ def op_cost(
         touched = ids.numel * outputs[0].shape[-1]
         return EMBEDDING_GRAD_FLOPS * touched, _memory(inputs) + 2 * touched * outputs[0].dtype.nbytes
     if kind is OpKind.EMBEDDING_BAG_UPDATE:
-        # per id: its sample's pooled gradient read, its row and its state read and written, the
-        # optimizer's work on that row. A row hit by several ids counts each time (the batch's
-        # unique rows are at most this many).
+        # FBGEMM's fused backward: per id, its sample's pooled gradient is read and added into
+        # its row's gradient; per touched row, the row and its states are read and written and
+        # the optimizer runs. Touched rows: at most one per id and at most the table's rows
+        # (which rows repeat depends on the data; no distribution is assumed).
         dpooled, ids, lengths, table, *states = inputs
-        rows, dim = ids.numel, table.shape[-1]
+        dim = table.shape[-1]
+        touched = sympy.Min(ids.numel, table.shape[0])
         row_bytes = dim * table.dtype.nbytes + sum(t.dtype.nbytes for t in states)
         fn = attrs["fn"]
-        flops = rows * (fn.flops * dim + fn.row_flops)
-        return flops, _memory((ids, lengths)) + rows * dim * dpooled.dtype.nbytes + 2 * rows * row_bytes
+        flops = EMBEDDING_GRAD_FLOPS * ids.numel * dim + touched * (fn.flops * dim + fn.row_flops)
+        return flops, _memory((ids, lengths)) + ids.numel * dim * dpooled.dtype.nbytes + 2 * touched * row_bytes
     if kind in (OpKind.CONCAT, OpKind.CONCAT_GRAD, OpKind.GATHER):
         # a copy: what is written is read once (padded inputs contribute only their real part)
         written = _memory(outputs) if kind is not OpKind.CONCAT_GRAD else inputs[0].memory_bytes

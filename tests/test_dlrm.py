@@ -153,18 +153,23 @@ def test_uneven_table_wise_slots_are_rank_classes_with_padded_all_to_alls():
     assert ids == {"most": 3.0, "mean": 2.0, "overstatement": 1.5}
 
 
-def test_lookup_and_update_cost_the_touched_rows():
-    """Forward: every id reads one row (dim x fp32) and adds it; the fused row-wise Adagrad
-    reads the pooled gradient per id, reads and writes the row and its one fp32 state."""
-    workload = build(TOY, {"dp": N, "micro_batch": MICRO, "embedding_sharding": "table_wise"})
+@pytest.mark.parametrize("rows", [1000, 10])
+def test_lookup_and_update_cost_the_touched_rows(rows):
+    """Forward: every id reads one row (dim x fp32) and adds it. The fused row-wise Adagrad
+    reads every id's pooled gradient and adds it into its row's; then each touched row -- at
+    most one per id, at most all the table's rows -- is read and written with its fp32 state,
+    4 FLOPs per element and 3 per row."""
+    model = {**TOY, "tables": [{"name": f"t{i}", "rows": rows, "pooling": L} for i in range(T)]}
+    workload = build(model, {"dp": N, "micro_batch": MICRO, "embedding_sharding": "table_wise"})
     nodes = {n.name.split(" ", 1)[1]: n for n in workload.programs[0].nodes}
     ids = BATCH * L  # one table per rank: the ids of the whole batch for it, and a length per sample
     lookup = nodes["pooled.tw"]
     assert lookup.flops == ids * DIM
     assert lookup.nbytes == ids * 8 + BATCH * 4 + ids * DIM * 4 + BATCH * DIM * 4
+    touched = min(ids, rows)  # 64 ids; a 10-row table has only 10 rows to touch
     update = nodes["emb.tw.rowwise_adagrad"]
-    assert update.flops == ids * (4 * DIM + 3)
-    assert update.nbytes == ids * 8 + BATCH * 4 + ids * DIM * 4 + 2 * ids * (DIM * 4 + 4)
+    assert update.flops == ids * DIM + touched * (4 * DIM + 3)
+    assert update.nbytes == ids * 8 + BATCH * 4 + ids * DIM * 4 + 2 * touched * (DIM * 4 + 4)
 
 
 def test_mixed_plan_on_16_ranks_validates_and_memory_matches_the_plan(tmp_path):
