@@ -139,10 +139,11 @@ class EmbeddingPlan:
             if not sharding.slot_axes:
                 continue
             known: dict[tuple, dict] = {}
-            for shards in map(tuple, self.slot_shards(sharding)):
+            slots = [tuple(shards) for shards in self.slot_shards(sharding)]
+            for shards in slots:
                 if shards not in known:
                     known[shards] = group.sizes(self.config.tables, shards, self.row_split(sharding))
-            result[sharding] = [known[tuple(shards)] for shards in self.slot_shards(sharding)]
+            result[sharding] = [known[shards] for shards in slots]
         return result
 
     def row_split(self, sharding: Sharding) -> int:

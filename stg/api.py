@@ -22,7 +22,6 @@ from model_zoo.dlrm import DLRMConfig
 from parallelism import sharding_spec
 from parallelism.embedding import EmbeddingPlan, plan_embeddings
 from stg.autodiff import training_graph
-from stg.costs import Optimizer
 from stg.device import device_spec
 from stg.emit import Progress, count_trace_set, write_trace_set
 from stg.errors import PlanError
@@ -35,7 +34,7 @@ from stg.program import GroupHole, RankProgram
 from stg.schedule import SPLIT_BACKWARD, make_schedule
 from stg.memory import Memory, memory
 from stg.mesh import DeviceMesh, axis_symbol
-from stg.plan import Plan
+from stg.plan import OPTIMIZERS, Plan
 from stg.recompute import recompute
 from stg.sharding import ShardedGraph, shard
 from model_zoo.moe import CF, LOAD, E
@@ -174,7 +173,7 @@ def build(model: Model | str | Path | Mapping, plan: Plan | Mapping) -> Workload
     if stages:  # weights read on two stages (tied embeddings) get a copy per stage
         forward, ties = untie(forward, stages)
     grad_dtype = DType.parse(plan.grad_dtype) if plan.grad_dtype else None
-    train = training_graph(forward, grad_dtype, Optimizer.parse(plan.optimizer))
+    train = training_graph(forward, grad_dtype, OPTIMIZERS[plan.optimizer])
     sharded = shard(recompute(train, plan.recompute, last_block=model.layers), sharding_spec(plan))
     if ties:
         sharded = tie_gradients(sharded, ties, stages)
@@ -198,11 +197,14 @@ def build(model: Model | str | Path | Mapping, plan: Plan | Mapping) -> Workload
     in_shapes = {symbol for t in sharded.graph.tensors.values() for dim in t.shape for symbol in dim.free_symbols}
     programs, memories = [], []
     for rank in range(plan.pp):  # one rank class per pipeline stage and variant
-        stage_memory = memory(sharded, shared, pipeline.stages, pipeline.schedule[rank], rank)
+        stage_memory = None
         for variant in variants:
             evaluate = Evaluator({**bindings, **variant}) if variant else shared
-            memories.append(memory(sharded, evaluate, pipeline.stages, pipeline.schedule[rank], rank)
-                            if in_shapes & set(variant) else stage_memory)
+            if in_shapes & set(variant):
+                memories.append(memory(sharded, evaluate, pipeline.stages, pipeline.schedule[rank], rank))
+            else:
+                stage_memory = stage_memory or memory(sharded, shared, pipeline.stages, pipeline.schedule[rank], rank)
+                memories.append(stage_memory)
             programs.append(lower(sharded, evaluate, device_spec(plan.device), pipeline=pipeline,
                                   bucket_bytes=int(plan.bucket_mb * 2**20), rank=rank, comm_evaluate=shared))
     return Workload(model, plan, mesh, sharded, tuple(programs), tuple(memories), bindings, variant_axes,

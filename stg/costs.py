@@ -68,13 +68,6 @@ class Optimizer(Enum):
     row rather than one per parameter, the states' names; a `master` state is the fp32 copy of
     a low-precision weight, absent for an fp32 one)."""
 
-    @classmethod
-    def parse(cls, text: str) -> "Optimizer":
-        for member in cls:
-            if member.label == text:
-                return member
-        raise ValueError(f"unknown optimizer {text!r}; expected one of {[m.label for m in cls]}")
-
     # AdamW per parameter: m = b1*m + (1-b1)*g (3), v = b2*v + (1-b2)*g^2 (4), bias
     # corrections m/c1, v/c2 (2), sqrt, +eps, divide (3), decay p*(1-lr*wd) (1), p -= lr*u (2).
     # States: fp32 master weights and both moments (Micikevicius et al. 2018; ZeRO's K = 12).

@@ -18,6 +18,7 @@ from typing import Any, Mapping
 import sympy
 import yaml
 
+from stg.costs import Optimizer
 from stg.device import DEFAULT_DEVICE, DEVICES
 from stg.errors import PlanError
 from stg.mesh import MESH_ORDER, DeviceMesh
@@ -45,7 +46,8 @@ class Recompute(Enum):
 # parallel degrees that later strategies bring; refused until they exist, never ignored
 _NOT_YET: dict[str, str] = {}
 GRAD_DTYPES = ("bf16", "fp32")
-OPTIMIZERS = ("adamw", "adagrad")  # for the dense weights (embedding tables choose their own)
+# dense weights' optimizers by name (per-row ones are for embedding tables, which choose their own)
+OPTIMIZERS = {o.label: o for o in Optimizer if not o.per_row}
 
 
 @dataclass(frozen=True)
