@@ -30,13 +30,14 @@ from stg.graph import DType, Phase
 from parallelism.pipeline import cut, stage_plan, tie_gradients, untie
 from stg.chakra.writer import fixed_varint, rank_width
 from stg.lower import Evaluator, Pipeline, check_divisibility, lower
-from stg.program import GroupHole, RankProgram
+from stg.program import GroupHole, RankHole, RankProgram
 from stg.schedule import SPLIT_BACKWARD, make_schedule
 from stg.memory import Memory, memory
 from stg.mesh import DeviceMesh, axis_symbol
 from stg.plan import OPTIMIZERS, Plan
 from stg.recompute import recompute
 from stg.sharding import ShardedGraph, shard
+from stg.slice_check import check_slice
 from model_zoo.moe import CF, LOAD, E
 from stg.symbols import ATTN_FRACTION, B, S
 
@@ -107,11 +108,15 @@ class Workload:
             if isinstance(hole, GroupHole):
                 values[hole] = str(self.group_ids.id(rank, hole)).encode()
             else:
-                stride = self.mesh.stride("pp")
-                stage = (rank // stride) % self.plan.pp
-                peer = rank if hole.stage is None else rank + (hole.stage - stage) * stride
-                values[hole] = fixed_varint(peer, width)
+                values[hole] = fixed_varint(self.peer(rank, hole), width)
         return values
+
+    def peer(self, rank: int, hole: RankHole) -> int:
+        """The rank a RankHole of `rank`'s program stands for: itself, or its pipeline peer."""
+        if hole.stage is None:
+            return rank
+        stride = self.mesh.stride("pp")
+        return rank + (hole.stage - (rank // stride) % self.plan.pp) * stride
 
     @cached_property
     def group_ids(self) -> GroupIds:
@@ -169,14 +174,9 @@ def build(model: Model | str | Path | Mapping, plan: Plan | Mapping) -> Workload
     embeddings = embedding_plan(model, plan)
     stages = stage_plan(plan, model.layers) if plan.pp > 1 else None
     options = GraphOptions(plan.flash_attention, embeddings.groups if embeddings else None)
-    forward, ties = model.forward_graph(options), {}
-    if stages:  # weights read on two stages (tied embeddings) get a copy per stage
-        forward, ties = untie(forward, stages)
-    grad_dtype = DType.parse(plan.grad_dtype) if plan.grad_dtype else None
-    train = training_graph(forward, grad_dtype, OPTIMIZERS[plan.optimizer])
-    sharded = shard(recompute(train, plan.recompute, last_block=model.layers), sharding_spec(plan))
-    if ties:
-        sharded = tie_gradients(sharded, ties, stages)
+    structure = Structure(model.config, options, stages, plan.grad_dtype, plan.optimizer, plan.recompute,
+                          sharding_spec(plan))
+    sharded = _symbolic_passes(structure) if _hashable(structure) else structure.passes()
     bindings = {
         **model.config.sizes(vocab_multiple=plan.make_vocab_divisible_by * plan.tp),
         B: plan.micro_batch * plan.data_ranks,
@@ -209,6 +209,58 @@ def build(model: Model | str | Path | Mapping, plan: Plan | Mapping) -> Workload
                                   bucket_bytes=int(plan.bucket_mb * 2**20), rank=rank, comm_evaluate=shared))
     return Workload(model, plan, mesh, sharded, tuple(programs), tuple(memories), bindings, variant_axes,
                     variant_map, embeddings)
+
+
+@dataclass(frozen=True)
+class Structure:
+    """What the symbolic passes (forward graph, autodiff, recompute, sharding) depend on: the
+    model and the plan's structural choices, not its degrees or sizes, which are bindings."""
+
+    config: Any
+    options: GraphOptions
+    stages: Any  # StagePlan or None: which blocks share a stage (tied weights get copies)
+    grad_dtype: str | None
+    optimizer: Any
+    recompute: Any
+    spec: Any  # ShardingSpec: which mesh axes split which logical axes
+
+    def passes(self) -> ShardedGraph:
+        model = Model(self.config, "")
+        forward, ties = model.forward_graph(self.options), {}
+        if self.stages:  # weights read on two stages (tied embeddings) get a copy per stage
+            forward, ties = untie(forward, self.stages)
+        grad_dtype = DType.parse(self.grad_dtype) if self.grad_dtype else None
+        train = training_graph(forward, grad_dtype, OPTIMIZERS[self.optimizer])
+        sharded = shard(recompute(train, self.recompute, last_block=model.layers), self.spec)
+        return tie_gradients(sharded, ties, self.stages) if ties else sharded
+
+    def key(self) -> tuple:
+        # the spec holds dicts: its printed form is the key (built in a fixed order)
+        return (self.config, self.options, self.stages, self.grad_dtype, self.optimizer, self.recompute,
+                repr(self.spec))
+
+
+def _hashable(structure: Structure) -> bool:
+    try:
+        hash(structure.key())
+    except TypeError:
+        return False
+    return True
+
+
+_CACHE: dict[tuple, ShardedGraph] = {}
+_CACHE_SIZE = 8  # sharded graphs of the largest models hold tens of thousands of ops
+
+
+def _symbolic_passes(structure: Structure) -> ShardedGraph:
+    """Structure.passes(), once per structure in a process (plans that differ only in degrees,
+    batch sizes, sequence length, schedule or device share it)."""
+    key = structure.key()
+    if key not in _CACHE:
+        if len(_CACHE) >= _CACHE_SIZE:
+            del _CACHE[next(iter(_CACHE))]
+        _CACHE[key] = structure.passes()
+    return _CACHE[key]
 
 
 def _variants(plan: Plan, bindings, embeddings: EmbeddingPlan | None) -> tuple[list[dict], tuple, tuple]:
@@ -287,6 +339,7 @@ def generate(
     """Write OUT/workload.<rank>.et (for `ranks`, default all), OUT/workload.json and
     OUT/summary.json, stamping with `workers` processes; return the summary."""
     workload = build(model, plan)
+    check_slice(workload)
     summary = workload.summary()
     write_trace_set(Path(out), workload, summary, progress, ranks=check_ranks(ranks, workload), workers=workers)
     return summary

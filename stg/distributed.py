@@ -17,6 +17,7 @@ from model_zoo import Model
 from stg.api import check_ranks, build
 from stg.emit import Progress, Stamper, split_ranks, commit_output, prepare_output, prepare_range, write_groups, write_json
 from stg.errors import StgError
+from stg.slice_check import check_slice
 from stg.plan import Plan
 
 
@@ -33,6 +34,7 @@ def generate_on_dask(model: Model, plan: Plan, out: Path, *, scheduler: str | No
     except ImportError:
         raise StgError("executor dask: dask.distributed is not installed (pip install 'stg[dask]')") from None
     workload = build(model, plan)
+    check_slice(workload)
     summary = workload.summary()
     world = workload.mesh.size
     ranks = check_ranks(ranks, workload) or range(world)

@@ -272,7 +272,10 @@ class _ProgramBuilder:
         finishes its last gradient, in the last action that runs that op."""
         position = {op.name: n for n, op in enumerate(self.graph.ops)}
         run_of = {op.name: key for key, ops in runs.items() for op in ops}
-        ready = [op for op in step if op.kind is OpKind.COLLECTIVE
+        # A reduction over pipeline stages (a tied embedding's) waits for the flush, as Megatron's
+        # embedding all-reduce does: on the one comm chain it would otherwise go ahead of sends
+        # that its peer stage needs before it can join (a deadlock).
+        ready = [op for op in step if op.kind is OpKind.COLLECTIVE and "pp" not in op.attrs["axes"]
                  and (made := self._made_by(op.inputs[0])) is not None and made.phase is not Phase.STEP]
         by_run: dict[tuple, list[Op]] = {}
         for op in sorted(ready, key=lambda op: position[self._made_by(op.inputs[0]).name]):

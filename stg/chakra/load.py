@@ -290,7 +290,7 @@ def _load_rank(rank: int, path: Path, n_ranks: int, groups: dict[int, tuple[int,
         return None, [*problems, Problem(rank, None, str(err))], None
     if not raw_ids:
         return None, [*problems, Problem(rank, None, f"{path.name} has no nodes (ASTRA-sim aborts on it)")], None
-    graph, file_pos = _build_graph(rank, raw_ids, raw_types, n_deps, flat_deps, raw_comm, problems)
+    graph, file_pos = build_graph(rank, raw_ids, raw_types, n_deps, flat_deps, raw_comm, problems)
     if raw_durations is None:
         return graph, problems, None
     return graph, problems, array("d", np.array(raw_durations, dtype=np.float64)[file_pos].tobytes())
@@ -333,7 +333,7 @@ def _cpu_count() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
-def _build_graph(rank: int, raw_ids: list[int], raw_types: list[int], n_deps: list[int], flat_deps: list[int],
+def build_graph(rank: int, raw_ids: list[int], raw_types: list[int], n_deps: list[int], flat_deps: list[int],
                  raw_comm: dict[int, CommKey], problems: list[Problem]) -> tuple[RankGraph, np.ndarray]:
     """Index nodes by ascending id and build the dependency CSR (vectorised: ~1M edges per run).
 

@@ -6,7 +6,7 @@ communicator groups). Checks, in the terms of shared/reference/chakra-astrasim.m
 a. layout and workload.json (D.1, D.7)      d. per-group collective sequences (D.6, B.4)
 b. per-rank graph structure (D.2, D.3)       e. send/recv matching (D.8)
 c. attribute types and values (D.4-D.8)      f. a zero-time replay of all ranks under the issue
-                                                rules of B.4/B.5, which finds cross-rank deadlocks
+g. RECVs and collectives nobody waits for       rules of B.4/B.5, which finds cross-rank deadlocks
 Each rank file is read once into compact arrays (the pb2 nodes are not kept), by worker
 processes when the set is large (stg/chakra/load.py, which also makes checks a-c). The replay is logical, not timed: it proves that the issue
 order ASTRA-sim follows (lowest ready id first, one collective or send in flight per rank)
@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from stg.chakra.load import Progress, _load_groups, _load_ranks, _rank_files
-from stg.chakra.rank_graph import (ALL_RANKS, COLL, RECV, SEND, CommKey, Problem, RankGraph, coll_name,
+from stg.chakra.rank_graph import (ALL_RANKS, COLL, COMP, RECV, SEND, CommKey, Problem, RankGraph, coll_name,
                                    group_label, p2p_text)
 from stg.chakra.replay import CommCost, CommModel, Replay, ReplayError, TimedReplay, Timing
 
@@ -98,6 +98,30 @@ def _check_point_to_point(graphs: list[RankGraph]) -> list[Problem]:
     return problems
 
 
+# --- g. data nobody waits for ---------------------------------------------------------------
+
+
+def unread_problems(graphs: list[RankGraph]) -> list[Problem]:
+    """A RECV or collective that no node depends on: compute that does not wait for the data
+    it needs simulates too fast, silently. Allowed: collectives after the rank's last COMP
+    node (the step's parameter all-gathers for the next step may end a program)."""
+    problems = []
+    for g in graphs:
+        last_comp = g.types.rfind(COMP)
+        for i in sorted(g.comm):
+            if g.child_start[i + 1] > g.child_start[i]:
+                continue
+            if g.types[i] == RECV:
+                problems.append(Problem(g.rank, g.ids[i], f"{p2p_text(RECV, g.comm[i])}: no node depends on "
+                                                          f"it, so nothing waits for the data it brings"))
+            elif g.types[i] == COLL and i < last_comp:
+                group, ctype, size = g.comm[i]
+                problems.append(Problem(g.rank, g.ids[i], f"{coll_name(ctype)} of {size} B on "
+                                                          f"{group_label(group)}: no node depends on it, though "
+                                                          f"compute follows (node {g.ids[last_comp]})"))
+    return problems
+
+
 # --- entry points ---------------------------------------------------------------------------
 
 
@@ -120,6 +144,8 @@ def _load_and_check(out: Path, progress: Progress | None, durations: bool) -> _L
     structural = bool(problems)
     problems.extend(_check_collectives(graphs, groups))
     problems.extend(_check_point_to_point(graphs))
+    if not structural:
+        problems.extend(unread_problems(graphs))
     return _LoadedSet(graphs, groups, per_node, problems, structural)
 
 

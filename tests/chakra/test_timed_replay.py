@@ -125,8 +125,8 @@ def test_alpha_beta_send_delays_the_recv(tmp_path):
 
 def test_a_send_waits_for_the_collective_holding_the_comm_slot(tmp_path):
     # rank 0's ALL_REDUCE holds the slot until rank 1 joins at t=50; only then can its SEND go
-    ranks = {0: [coll(0, AR, 64), send(1, 0, 1, tag=1), comp(2, 10, deps=[1])],
-             1: [comp(0, 50), coll(1, AR, 64, deps=[0]), recv(2, 0, 1, tag=1)]}
+    ranks = {0: [coll(0, AR, 64), send(1, 0, 1, tag=1), comp(2, 10, deps=[0, 1])],
+             1: [comp(0, 50), coll(1, AR, 64, deps=[0]), recv(2, 0, 1, tag=1), comp(3, 0, deps=[1, 2])]}
     assert timed_replay(write_set(tmp_path / "out", ranks)).finish_us == [60, 50]
 
 
@@ -158,7 +158,7 @@ def test_deadlock_raises_with_the_stuck_ranks(tmp_path):
 
 
 def test_an_invalid_set_is_refused(tmp_path):
-    out = write_set(tmp_path / "out", {0: [recv(0, 1, 0, tag=1)], 1: chain([1])})
+    out = write_set(tmp_path / "out", {0: [recv(0, 1, 0, tag=1), comp(1, 5, deps=[0])], 1: chain([1])})
     with pytest.raises(ReplayError, match="has 1 problem; fix them before a timed replay") as caught:
         timed_replay(out)
     assert "has no matching SEND" in caught.value.problems[0].reason

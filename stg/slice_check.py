@@ -1,0 +1,97 @@
+"""Before a set is written: replay one pipeline slice of the rank-class programs.
+
+A slice is one rank per pipeline stage with the same coordinates on every other mesh axis
+(for each variant: an expert slot, an embedding slot). It holds every send/recv pattern of
+the set and every collective over pipeline stages (the tied-embedding group). A collective
+over other axes (tp, dp, cp, ep, ...) joins ranks of other slices that run the same class
+programs in the same order, so in a zero-time replay it completes when this slice's member
+issues it; the slice then wedges exactly when the whole set does on account of the pipeline
+or of one rank's own order. The cost is independent of dp, tp, cp and ep.
+
+What only `stg validate` of the written set covers: the bytes as written (schema, types,
+widths), the group file, and the members' agreement on each group's collective sequence,
+which holds here by construction (ranks of a class share one program; groups over variant
+axes get sizes every member shares).
+"""
+
+from __future__ import annotations
+
+import re
+
+from stg.chakra.load import build_graph
+from stg.chakra.rank_graph import Problem, RankGraph
+from stg.chakra.replay import Replay
+from stg.chakra.validate import unread_problems
+from stg.errors import StgError
+from stg.program import GroupHole, NodeType, RankProgram
+
+
+class SliceDeadlockError(StgError):
+    """The programs of a pipeline slice cannot run to the end; writing the set would give
+    a simulator a trace that hangs."""
+
+
+def _graph(index: int, rank: int, program: RankProgram, index_of: dict[int, int], workload) -> RankGraph:
+    """Rank `rank`'s program as the replay's compact graph, ranks renumbered by `index_of`."""
+    comm = {}
+    for node in program.nodes:
+        if node.type is NodeType.COMM_COLL_NODE:
+            comm[node.id] = (workload.group_ids.id(rank, node.group), node.collective.value, node.comm_bytes)
+        elif node.type in (NodeType.COMM_SEND_NODE, NodeType.COMM_RECV_NODE):
+            src, dst = (index_of[workload.peer(rank, hole)] for hole in (node.src, node.dst))
+            comm[node.id] = (src, dst, node.tag, node.comm_bytes)
+    problems: list[Problem] = []
+    graph, _ = build_graph(index, [n.id for n in program.nodes], [int(n.type) for n in program.nodes],
+                           [len(n.deps) for n in program.nodes], [d for n in program.nodes for d in n.deps],
+                           comm, problems)
+    assert not problems, problems  # lowering numbers nodes 0..n-1, each depending on earlier ones
+    return graph
+
+
+def replay_ranks(workload, ranks: list[int]) -> list[Problem]:
+    """Replay the programs of `ranks` together (problems name them by their index in `ranks`).
+    A collective's members are those of `ranks` in its group; its other members are taken to
+    join when this one does (true when they are copies of these ranks, as a slice's are)."""
+    index_of = {rank: i for i, rank in enumerate(ranks)}
+    programs = [workload.programs[workload.class_of(rank)] for rank in ranks]
+    graphs = [_graph(i, rank, program, index_of, workload) for i, (rank, program) in enumerate(zip(ranks, programs))]
+    members: dict[int, set[int]] = {}
+    for i, (rank, program) in enumerate(zip(ranks, programs)):
+        for hole in program.holes:
+            if isinstance(hole, GroupHole):
+                members.setdefault(workload.group_ids.id(rank, hole), set()).add(i)
+    return unread_problems(graphs) or Replay(graphs, {g: tuple(m) for g, m in members.items()}).run()
+
+
+def slice_problems(workload) -> list[str]:
+    """Problems of each pipeline slice (one per variant), as lines naming stage, rank and node."""
+    stride, pp = workload.mesh.stride("pp"), workload.plan.pp
+    for variant in range(workload.variants):
+        base = workload.representative(variant)
+        ranks = [base + stage * stride for stage in range(pp)]
+        problems = replay_ranks(workload, ranks)
+        if problems:
+            programs = [workload.programs[workload.class_of(rank)] for rank in ranks]
+            return [_describe(p, ranks, programs) for p in problems]
+    return []
+
+
+def _describe(problem: Problem, ranks: list[int], programs: list[RankProgram]) -> str:
+    """A replay problem of slice index i, told as pipeline stage i (rank r), with the node's name."""
+    reason = re.sub(r"\branks \[([\d, ]*)\]", lambda m: "stages [" + m.group(1) + "]", problem.reason)
+    reason = re.sub(r"\brank (\d+)", lambda m: f"stage {m.group(1)} (rank {ranks[int(m.group(1))]})", reason)
+    if problem.rank is None:
+        return reason
+    where = f"stage {problem.rank} (rank {ranks[problem.rank]})"
+    if problem.node is not None:
+        where += f", node {problem.node} ({programs[problem.rank].nodes[problem.node].name})"
+    return f"{where}: {reason}"
+
+
+def check_slice(workload) -> None:
+    """Raise SliceDeadlockError (one line) if a pipeline slice cannot run to the end."""
+    lines = slice_problems(workload)
+    if lines:
+        shown = lines[:4] + ([f"... {len(lines) - 4} more"] if len(lines) > 4 else [])
+        raise SliceDeadlockError("the generated programs would not run to the end, nothing written: "
+                                 + "; ".join(shown))
