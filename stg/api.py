@@ -26,7 +26,7 @@ from stg.device import device_spec
 from stg.emit import Progress, count_trace_set, write_trace_set
 from stg.errors import PlanError
 from stg.groups import GroupIds
-from stg.graph import DType, Phase
+from stg.graph import DType, OpKind, Phase
 from parallelism.pipeline import cut, stage_plan, tie_gradients, untie
 from stg.chakra.writer import fixed_varint, rank_width
 from stg.lower import Evaluator, Pipeline, check_divisibility, lower
@@ -177,6 +177,11 @@ def build(model: Model | str | Path | Mapping, plan: Plan | Mapping) -> Workload
     structure = Structure(model.config, options, stages, plan.grad_dtype, plan.optimizer, plan.recompute,
                           sharding_spec(plan))
     sharded = _symbolic_passes(structure) if _hashable(structure) else structure.passes()
+    if plan.tp > 1 and not plan.sp and any(op.kind is OpKind.DISPATCH for op in sharded.graph.ops):
+        # without sp every tp rank holds every token and would route and compute them all;
+        # Megatron-Core refuses MoE with tp but without sp for the same reason
+        raise PlanError(f"sp: model {model.name} routes tokens to experts; with tp={plan.tp} it needs sequence "
+                        "parallelism (--sp), so each tp rank routes its own tokens, as Megatron-Core requires")
     bindings = {
         **model.config.sizes(vocab_multiple=plan.make_vocab_divisible_by * plan.tp),
         B: plan.micro_batch * plan.data_ranks,

@@ -42,7 +42,8 @@ class Pointwise(Enum):
 class NormKind(Enum):
     """Normalisations: (FLOPs per element forward, input-gradient backward)."""
 
-    LAYER_NORM = ("layernorm", 8, 16)  # mean, sub, square, mean, rsqrt-mul, scale, shift
+    # per element, reductions one op each (derived in tests/test_flop_constants.py)
+    LAYER_NORM = ("layernorm", 7, 16)  # mean, sub, square, variance, rsqrt-mul, scale, shift
     RMS_NORM = ("rmsnorm", 4, 8)  # square, mean, rsqrt-mul, scale
 
     def __init__(self, label: str, forward_flops: int, backward_flops: int):
@@ -73,13 +74,13 @@ class Optimizer(Enum):
     # States: fp32 master weights and both moments (Micikevicius et al. 2018; ZeRO's K = 12).
     ADAMW = ("adamw", 15, 0, False, ("master", "exp_avg", "exp_avg_sq"))
     # Row-wise Adagrad (FBGEMM's EXACT_ROWWISE_ADAGRAD, TorchRec's and MLPerf DLRM's choice for
-    # embeddings): per parameter g^2 and its sum (2), p -= lr * g / sqrt(s) (2); per row the
-    # mean, s += mean, rsqrt (3). One fp32 state per row.
-    ROWWISE_ADAGRAD = ("rowwise_adagrad", 4, 3, True, ("sum_sq",))
-    # Adagrad (Duchi et al. 2011; MLPerf DLRM-DCNv2's dense optimizer): s += g^2 (2),
-    # p -= lr * g / (sqrt(s) + eps) (4). One state per parameter (and the fp32 master copy of a
-    # low-precision weight).
-    ADAGRAD = ("adagrad", 6, 0, False, ("master", "sum_sq"))
+    # embeddings): per parameter g^2 and its sum (2), p -= multiplier * g (2); per row the
+    # mean, s += mean, multiplier = lr / (sqrt(s) + eps) (5). One fp32 state per row.
+    ROWWISE_ADAGRAD = ("rowwise_adagrad", 4, 5, True, ("sum_sq",))
+    # Adagrad (Duchi et al. 2011; MLPerf DLRM-DCNv2's dense optimizer; torch.optim.Adagrad):
+    # s += g^2 (2), p -= lr * g / (sqrt(s) + eps) (5). One state per parameter (and the fp32
+    # master copy of a low-precision weight).
+    ADAGRAD = ("adagrad", 7, 0, False, ("master", "sum_sq"))
 
     def __init__(self, label: str, flops: int, row_flops: int, per_row: bool, states: tuple[str, ...]):
         self.label = label

@@ -50,9 +50,6 @@ class CommStep:
     after: tuple[sympy.Expr, ...]  # local shape coming out
     layout: Layout  # the tensor's layout after this step
 
-    def comm_elements(self) -> sympy.Expr:
-        return sympy.Mul(*self.before)
-
 
 def plan_redistribution(
     tensor: str, shape: Sequence[sympy.Expr], src: Layout, dst: Layout, mesh_order: Sequence[str]

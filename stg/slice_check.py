@@ -26,9 +26,9 @@ from stg.errors import StgError
 from stg.program import GroupHole, NodeType, RankProgram
 
 
-class SliceDeadlockError(StgError):
-    """The programs of a pipeline slice cannot run to the end; writing the set would give
-    a simulator a trace that hangs."""
+class SliceCheckError(StgError):
+    """The programs of a pipeline slice hang, or receive data that nothing waits for; writing
+    the set would give a simulator a trace that hangs or runs too fast."""
 
 
 def _graph(index: int, rank: int, program: RankProgram, index_of: dict[int, int], workload) -> RankGraph:
@@ -89,9 +89,9 @@ def _describe(problem: Problem, ranks: list[int], programs: list[RankProgram]) -
 
 
 def check_slice(workload) -> None:
-    """Raise SliceDeadlockError (one line) if a pipeline slice cannot run to the end."""
+    """Raise SliceCheckError (one line) if a pipeline slice hangs or has unread data."""
     lines = slice_problems(workload)
     if lines:
         shown = lines[:4] + ([f"... {len(lines) - 4} more"] if len(lines) > 4 else [])
-        raise SliceDeadlockError("the generated programs would not run to the end, nothing written: "
+        raise SliceCheckError("the pipeline slice check failed, nothing written: "
                                  + "; ".join(shown))

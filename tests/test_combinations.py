@@ -1,11 +1,13 @@
-"""Every combination of the issue's plan space writes a set that `stg validate` accepts:
-consistent collectives in every group, every send with its receive, no deadlock."""
+"""Every combination of the issue's plan space writes a set that `stg validate` accepts
+(consistent collectives in every group, every send with its receive, no deadlock) and that
+obeys the conservation laws of tests/properties.py."""
 
 import itertools
 
 import pytest
 
-from stg import Plan, generate
+from properties import check_flops, check_weights, check_zero
+from stg import Plan, build, generate
 from stg.chakra.validate import validate
 
 MODEL = dict(name="one-block", family="llama", layers=1, hidden=32, ffn=64, heads=4, kv_heads=4, vocab=64)
@@ -19,12 +21,23 @@ PLANS = [
 @pytest.mark.parametrize("plan", PLANS, ids=lambda p: "-".join(f"{k}{int(v)}" for k, v in p.items()))
 def test_validates(tmp_path, plan):
     out = tmp_path / "set"
-    generate(MODEL, Plan(**plan, global_batch=2 * plan["dp"], seq=16), out)
+    plan = Plan(**plan, global_batch=2 * plan["dp"], seq=16)
+    generate(MODEL, plan, out)
     assert validate(out) == []
+    workload = build(MODEL, plan)
+    check_flops(MODEL, plan, workload)
+    check_weights(workload)
+    if plan.tp == plan.cp == 1 and plan.dp > 1:
+        check_zero(build(MODEL, Plan(dp=plan.dp, zero=plan.zero, global_batch=plan.dp, seq=16)))
 
 
 @pytest.mark.parametrize("recompute", ["selective", "full"])
 def test_recompute_validates(tmp_path, recompute):
     out = tmp_path / "set"
-    generate(MODEL, Plan(dp=2, tp=2, cp=2, zero=3, recompute=recompute, global_batch=4, seq=16), out)
+    plan = Plan(dp=2, tp=2, cp=2, zero=3, recompute=recompute, global_batch=4, seq=16)
+    generate(MODEL, plan, out)
     assert validate(out) == []
+    workload = build(MODEL, plan)
+    check_flops(MODEL, plan, workload)
+    check_weights(workload)
+    assert workload.summary()["rank_classes"][0]["flops_recompute"] > 0

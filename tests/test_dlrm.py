@@ -125,13 +125,15 @@ def test_collective_bytes_of_each_sharding_type_on_8_ranks(sharding, extra, expe
         # row-wise Adagrad on the tables: one fp32 per row
         assert summary["rank_classes"][0]["memory"]["optimizer_states"] == DENSE * 8 + T * R * 4
         # the step: AdamW's 15 FLOPs per dense parameter; row-wise Adagrad's 4 per table
-        # element and 3 per row on the all-reduced dense table gradient
-        assert summary["rank_classes"][0]["flops_optimizer"] == 15 * DENSE + 4 * T * R * DIM + 3 * T * R
+        # element and 5 per row (FBGEMM: mean, s += mean, lr / (sqrt(s) + eps)) on the
+        # all-reduced dense table gradient
+        assert summary["rank_classes"][0]["flops_optimizer"] == 15 * DENSE + 4 * T * R * DIM + 5 * T * R
         adagrad = build(TOY, {"dp": N, "micro_batch": MICRO, "embedding_sharding": sharding,
                               "optimizer": "adagrad"}).summary()["rank_classes"][0]
-        # MLPerf DCNv2's dense Adagrad: one fp32 state and 6 FLOPs per parameter
+        # MLPerf DCNv2's dense Adagrad: one fp32 state and 7 FLOPs per parameter (s += g^2,
+        # p -= lr * g / (sqrt(s) + eps))
         assert adagrad["memory"]["optimizer_states"] == DENSE * 4 + T * R * 4
-        assert adagrad["flops_optimizer"] == 6 * DENSE + 4 * T * R * DIM + 3 * T * R
+        assert adagrad["flops_optimizer"] == 7 * DENSE + 4 * T * R * DIM + 5 * T * R
 
 
 def test_uneven_table_wise_slots_are_rank_classes_with_padded_all_to_alls():
@@ -158,7 +160,7 @@ def test_lookup_and_update_cost_the_touched_rows(rows):
     """Forward: every id reads one row (dim x fp32) and adds it. The fused row-wise Adagrad
     reads every id's pooled gradient and adds it into its row's; then each touched row -- at
     most one per id, at most all the table's rows -- is read and written with its fp32 state,
-    4 FLOPs per element and 3 per row."""
+    4 FLOPs per element and 5 per row."""
     model = {**TOY, "tables": [{"name": f"t{i}", "rows": rows, "pooling": L} for i in range(T)]}
     workload = build(model, {"dp": N, "micro_batch": MICRO, "embedding_sharding": "table_wise"})
     nodes = {n.name.split(" ", 1)[1]: n for n in workload.programs[0].nodes}
@@ -168,7 +170,7 @@ def test_lookup_and_update_cost_the_touched_rows(rows):
     assert lookup.nbytes == ids * 8 + BATCH * 4 + ids * DIM * 4 + BATCH * DIM * 4
     touched = min(ids, rows)  # 64 ids; a 10-row table has only 10 rows to touch
     update = nodes["emb.tw.rowwise_adagrad"]
-    assert update.flops == ids * DIM + touched * (4 * DIM + 3)
+    assert update.flops == ids * DIM + touched * (4 * DIM + 5)
     assert update.nbytes == ids * 8 + BATCH * 4 + ids * DIM * 4 + 2 * touched * (DIM * 4 + 4)
 
 
@@ -209,9 +211,13 @@ def test_every_sharding_type_gives_a_consistent_trace_set(tmp_path, sharding, ex
 
 
 def test_recommendation_sets_are_byte_identical_run_to_run(tmp_path):
-    plan = {"dp": 2, "local_world_size": 2, "micro_batch": 8, "embedding_sharding": "auto", "embedding_memory_gib": 40}
-    for name in ("a", "b"):
-        generate("dlrm-dcnv2", plan, tmp_path / name)
+    from test_cli import stg_process
+
+    for name, seed in (("a", "1"), ("b", "2")):
+        done = stg_process("generate", "dlrm-dcnv2", "--dp", "2", "--local-world-size", "2", "--micro-batch", "8",
+                           "--embedding-sharding", "auto", "--embedding-memory-gib", "40", "-o", tmp_path / name, "-q",
+                           hash_seed=seed)
+        assert done.returncode == 0, done.stderr
     for path in sorted((tmp_path / "a").iterdir()):
         assert path.read_bytes() == (tmp_path / "b" / path.name).read_bytes(), path.name
 

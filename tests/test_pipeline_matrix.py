@@ -15,6 +15,7 @@ import json
 import pytest
 import yaml
 
+from properties import check_flops, check_pipeline_sends
 from stg.api import build, generate
 from stg.chakra.validate import validate
 from stg.errors import PlanError
@@ -70,6 +71,8 @@ def test_every_schedule_replays_to_the_end(family, pp, tmp_path_factory):
             continue
         problems = replay_ranks(workload, list(range(workload.mesh.size)))
         assert not problems, f"{plan}: {problems[:3]}"
+        check_flops(model, plan, workload)
+        check_pipeline_sends(workload)
         checked += 1
     # every plan but interleaved ones whose micro-batches are not a multiple of pp
     assert checked == 2 * 4 * (3 * len(counts) + sum(m % pp == 0 for m in counts))
@@ -111,6 +114,34 @@ def test_a_broken_schedule_is_refused_before_writing(tmp_path, monkeypatch):
                                       "-o", str(out)])
     assert result.exit_code == 2
     lines = result.output.strip().splitlines()
-    assert len(lines) == 1 and "would not run to the end, nothing written" in lines[0], result.output
+    assert len(lines) == 1 and "slice check failed, nothing written: replay deadlocks" in lines[0], result.output
     assert "stage 0 (rank 0)" in lines[0] and "RECV" in lines[0]
     assert not out.exists() and list(tmp_path.iterdir()) == [model]
+
+
+def test_a_receive_nobody_waits_for_is_named(tmp_path, monkeypatch):
+    """Issue 19: a lowering that emits receives without making their readers depend on them
+    (compute no longer waits for the data) must fail `stg validate` and the pre-write check."""
+    from stg.emit import write_trace_set
+    from stg.lower import _ProgramBuilder
+    from stg.slice_check import SliceCheckError
+
+    real = _ProgramBuilder.recv
+
+    def recv(self, edge, microbatch, where):
+        saved = dict(where)
+        real(self, edge, microbatch, where)
+        where.clear()
+        where.update(saved)
+
+    monkeypatch.setattr(_ProgramBuilder, "recv", recv)
+    plan = Plan(pp=2, global_batch=2, seq=32)
+    workload = build(FAMILIES["llama"], plan)
+    out = tmp_path / "out"
+    write_trace_set(out, workload, workload.summary())  # bypasses generate's check
+    problems = [str(p) for p in validate(out)]
+    assert any(p.startswith("rank 0, node ") and "RECV from rank 1" in p
+               and p.endswith("no node depends on it, so nothing waits for the data it brings") for p in problems)
+    with pytest.raises(SliceCheckError, match="RECV from stage 1 .rank 1.* nothing waits"):
+        generate(FAMILIES["llama"], plan, tmp_path / "refused")
+    assert not (tmp_path / "refused").exists()

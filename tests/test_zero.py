@@ -79,4 +79,6 @@ def test_zero2_scatters_every_micro_batch_zero1_once(tiny_llama):
         counts[zero] = workload.summary()["rank_classes"][0]["comm_count"]["REDUCE_SCATTER"]
     units = tiny_llama["layers"] + 2
     assert counts[2] == 3 * units
-    assert counts[1] < counts[2]
+    # ZeRO-1: one reduce-scatter per gradient bucket per step; the tiny model's gradients
+    # (well under --bucket-mb 25) fill one bucket, however many micro-batches
+    assert counts[1] == 1

@@ -138,15 +138,6 @@ def test_ready_compute_is_issued_in_ascending_id(tmp_path, after, receiver_done)
     assert timed_replay(write_set(tmp_path / "out", ranks)).finish_us == [20, receiver_done]
 
 
-def test_same_input_same_numbers(tmp_path):
-    ranks = one_f_one_b(3, 5, 3, 7)
-    ranks = {s: [*nodes, coll(len(nodes), AR, 10**7, deps=[len(nodes) - 1])] for s, nodes in ranks.items()}
-    out = write_set(tmp_path / "out", ranks)
-    first = timed_replay(out, comm="alpha-beta", alpha_us=2.5, bandwidth_gbps=12.5)
-    assert timed_replay(out, comm="alpha-beta", alpha_us=2.5, bandwidth_gbps=12.5) == first
-    assert first.to_dict() == timed_replay(out, comm="alpha-beta", alpha_us=2.5, bandwidth_gbps=12.5).to_dict()
-
-
 def test_deadlock_raises_with_the_stuck_ranks(tmp_path):
     ranks = {0: [recv(0, 1, 0, tag=1), send(1, 0, 1, tag=2, deps=[0])],
              1: [recv(0, 0, 1, tag=2), send(1, 1, 0, tag=1, deps=[0])]}
