@@ -175,8 +175,9 @@ def chrome_trace(timeline: Timeline) -> dict:
         for s in slices:
             tid = (COMPUTE_TID if s.kind is SliceKind.COMPUTE else recv_tid[s.node_id] if s.kind is SliceKind.RECV
                    else COMM_TID)
-            event = {"name": s.name, "cat": s.kind.value, "ph": "X", "ts": _us(s.start_us),
-                     "dur": _us(s.duration_us), "pid": rank, "tid": tid, "args": s.args}
+            start = _us(s.start_us)  # dur from the rounded ends, so consecutive slices never overlap
+            event = {"name": s.name, "cat": s.kind.value, "ph": "X", "ts": start,
+                     "dur": _us(_us(s.end_us) - start), "pid": rank, "tid": tid, "args": s.args}
             if (rank, s.node_id) in flow_out:
                 event.update(bind_id=f"0x{flow_out[rank, s.node_id]:x}", flow_out=True)
             if (rank, s.node_id) in flow_in:
@@ -217,11 +218,15 @@ def write_timeline(out: str | Path, path: str | Path, *, comm: CommModel | str =
 
 
 def write_text_atomically(path: Path, text: str) -> None:
+    write_bytes_atomically(path, text.encode())
+
+
+def write_bytes_atomically(path: Path, data: bytes) -> None:
     """Write to a temporary file beside ``path`` and rename it into place: no half-written file."""
     try:
         fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent if str(path.parent) else ".")
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
         umask = os.umask(0)
         os.umask(umask)
         os.chmod(tmp, 0o666 & ~umask)  # mkstemp's 0600 would make the file private

@@ -51,6 +51,13 @@ class TraceSet:
             first.setdefault(c, rank)
         return sorted(first.values())
 
+    def one_per_stage(self) -> list[int]:
+        """The lowest representative rank of every pipeline stage: the rows of a Gantt chart."""
+        first: dict[int, int] = {}
+        for rank in self.representatives():
+            first.setdefault(self.stage(rank), rank)
+        return sorted(first.values())
+
     def stage(self, rank: int) -> int:
         """The rank's pipeline stage (its own rank number in a set without summary)."""
         mesh = self.mesh
