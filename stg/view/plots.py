@@ -77,8 +77,8 @@ def gantt_figure(chart: Gantt, title: str = "Pipeline schedule") -> "Figure":
     for stage, bars in enumerate(chart.bars):
         ax.broken_barh([(b.start_us, b.end_us - b.start_us) for b in bars], (stage - 0.4, 0.8),
                        facecolors=[KIND_COLOURS[b.kind] for b in bars], edgecolor="white", linewidth=0.5)
-        if len(bars) <= 64:  # labels only where they can be read
-            for b in bars:
+        for b in bars:
+            if b.end_us - b.start_us > chart.makespan_us / 45:  # a label only where it fits
                 ax.text((b.start_us + b.end_us) / 2, stage, b.label, ha="center", va="center", fontsize=6,
                         color="white", clip_on=True)
         ax.text(chart.makespan_us * 1.005, stage, f"idle {chart.idle_share(stage):.0%}", va="center", fontsize=7)
@@ -90,7 +90,8 @@ def gantt_figure(chart: Gantt, title: str = "Pipeline schedule") -> "Figure":
     from matplotlib.patches import Patch
 
     used = sorted({b.kind for bars in chart.bars for b in bars}, key="FBWS".index)
-    names = {"F": "forward", "B": "backward (input grad)", "W": "weight grad", "S": "optimizer step"}
+    names = {"F": "forward", "B": "backward (input grad)" if "W" in used else "backward", "W": "weight grad",
+             "S": "optimizer step"}
     ax.legend(handles=[Patch(color=KIND_COLOURS[k], label=names[k]) for k in used], fontsize="small",
               loc="upper left", bbox_to_anchor=(1.0, 1.0))
     return fig

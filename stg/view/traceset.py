@@ -72,12 +72,14 @@ class TraceSet:
         return f"rank {rank} (class {c['class']}" + (f": {where})" if where else ")")
 
     def class_label(self, c: int) -> str:
-        """A rank class by its coordinates (`pp=1`), else by its first rank."""
+        """A rank class by its coordinates (`pp=1`); classes that share coordinates (embedding
+        slots, expert loads) by their first rank and how many ranks are alike (`rank 3 +7`)."""
         cls = self.summary["rank_classes"][c]
         coords = cls.get("coords")
-        if coords:
+        if coords and "variant" not in cls:
             return " ".join(f"{ax}={v}" for ax, v in coords.items())
-        return f"rank {cls.get('first_rank', self.representatives()[c])}"
+        first = cls.get("first_rank", self.summary["rank_class"].index(c))
+        return f"rank {first}" + (f" +{cls['count'] - 1}" if cls.get("count", 1) > 1 else "")
 
     def axes_of(self, members: tuple[int, ...] | list[int]) -> str:
         """The mesh axes a set of ranks spans (`dp+tp`), from their coordinates."""
