@@ -285,11 +285,14 @@ def test_cli_writes_timeline_plot_and_report_and_refuses_bad_input(sets, tmp_pat
            (["timeline", str(tmp_path / "nothing"), "-o", str(tmp_path / "x.json")], "not a trace set"),
            (["plot", out, "pie", "-o", str(tmp_path / "x.png")], "kind"),
            (["plot", out, "memory", "-o", str(tmp_path / "x.pdf")], ".png or .svg"),
-           (["report", out, "-o", str(tmp_path / "no" / "r.html")], "cannot write")]
+           (["report", out, "-o", str(tmp_path / "no" / "r.html")], "cannot write"),
+           (["report", out, "-o", str(tmp_path / "x.html"), "--bandwidth-gbps", "0"], "bandwidth_gbps"),
+           (["plot", out, "gantt", "-o", str(tmp_path / "x.png"), "--comm", "alpha-beta", "--alpha-us", "-1"],
+            "alpha_us")]
     for args, message in bad:
         result = runner.invoke(app, args)
         assert result.exit_code == 2 and message in result.output, (args, result.output)
-    assert not (tmp_path / "x.json").exists() and not (tmp_path / "x.png").exists()
+    assert not any((tmp_path / name).exists() for name in ("x.json", "x.png", "x.html"))
     help_text = runner.invoke(app, ["timeline", "--help"]).output
     for option in ("--output", "--comm", "--ranks", "--alpha-us", "--bandwidth-gbps"):
         assert option in help_text

@@ -18,6 +18,7 @@ from pathlib import Path
 
 from stg.chakra.replay import CommModel, Timing
 from stg.chakra.validate import timed_replay
+from stg.errors import ViewError
 from stg.view import plots
 from stg.view.comm import comm_by_class
 from stg.view.gantt import gantt
@@ -45,7 +46,10 @@ def make_report(out: str | Path, *, alpha_us: float = 5.0, bandwidth_gbps: float
     """The report page of ``out`` as HTML text."""
     trace_set = TraceSet.open(out)
     free = record_timeline(out, comm=CommModel.FREE, ranks=trace_set.one_per_stage())
-    costed = timed_replay(out, comm=CommModel.ALPHA_BETA, alpha_us=alpha_us, bandwidth_gbps=bandwidth_gbps)
+    try:
+        costed = timed_replay(out, comm=CommModel.ALPHA_BETA, alpha_us=alpha_us, bandwidth_gbps=bandwidth_gbps)
+    except ValueError as error:  # a bad alpha or bandwidth
+        raise ViewError(str(error)) from None
     headline = Headline.of(free.timing, costed)
     figures = [("Memory per rank", plots.memory_figure(trace_set) if trace_set.summary else None),
                ("Pipeline schedule (free communication)", plots.gantt_figure(gantt(free))),

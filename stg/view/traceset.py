@@ -5,7 +5,7 @@ OUT/workload.json). A set without summary.json (written by hand) is one stage pe
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from stg.chakra.rank_graph import ALL_RANKS
@@ -19,6 +19,8 @@ class TraceSet:
     world_size: int
     summary: dict | None  # OUT/summary.json, when there is one
     groups: dict[int, tuple[int, ...]]  # workload.json, by id
+    _axes: dict[int | tuple[int, ...], str] = field(default_factory=dict, compare=False, repr=False)  # memo:
+    # group id or member tuple -> axes
 
     @classmethod
     def open(cls, out: str | Path) -> "TraceSet":
@@ -83,16 +85,20 @@ class TraceSet:
 
     def axes_of(self, members: tuple[int, ...] | list[int]) -> str:
         """The mesh axes a set of ranks spans (`dp+tp`), from their coordinates."""
-        mesh = self.mesh
-        if mesh is None:
-            return "?"
-        coords = [mesh.coords(m) for m in members]
-        varying = [ax for ax in mesh.names if len({c[ax] for c in coords}) > 1]
-        return "+".join(varying) or "-"
+        key = tuple(members)
+        if key not in self._axes:
+            mesh = self.mesh
+            if mesh is None:
+                return "?"
+            coords = [mesh.coords(m) for m in key]
+            self._axes[key] = "+".join(ax for ax in mesh.names if len({c[ax] for c in coords}) > 1) or "-"
+        return self._axes[key]
 
     def group_axes(self, group: int) -> str:
-        members = tuple(range(self.world_size)) if group == ALL_RANKS else self.groups.get(group, ())
-        return self.axes_of(members)
+        if group not in self._axes:
+            members = range(self.world_size) if group == ALL_RANKS else self.groups.get(group, ())
+            self._axes[group] = self.axes_of(tuple(members))
+        return self._axes[group]
 
 
 def parse_ranks(text: str, world_size: int) -> list[int]:
