@@ -195,6 +195,33 @@ def one_f_one_b_set(out, p, m):
     return out
 
 
+def test_replay_records_each_nodes_start_and_end(tmp_path):
+    """Worked on paper: rank 0 computes 10 µs then sends 256 B to rank 1, which waits for it and
+    computes 5 µs. Alpha-beta (5 µs, 50 GB/s): the message takes 5 + 256 / 50e3 µs."""
+    out = tmp_path / "set"
+    out.mkdir()
+    (out / "workload.json").write_text("{}")
+    comp = dict(num_ops={"int64_val": 1}, tensor_size={"uint64_val": 1})
+
+    def p2p(a, b):
+        return dict(comm_src={"int32_val": a}, comm_dst={"int32_val": b}, comm_tag={"int32_val": 7},
+                    comm_size={"int64_val": 256})
+    ranks = {0: [_node(0, pb.COMP_NODE, "0F0 a", (), 10, **comp),
+                 _node(1, pb.COMM_SEND_NODE, "0 send", [0], **p2p(0, 1))],
+             1: [_node(0, pb.COMM_RECV_NODE, "0 recv", **p2p(0, 1)),
+                 _node(1, pb.COMP_NODE, "0F0 b", [0], 5, **comp)]}
+    for rank, nodes in ranks.items():
+        write_trace(out / f"workload.{rank}.et", pb.GlobalMetadata(version="0.0.4"), nodes)
+    arrive = 10 + 5 + 256 / 50e3
+    times = timed_replay(out, comm="alpha-beta", record=[0, 1]).nodes
+    assert list(times.start_us[0]) == [0, 10] and list(times.end_us[0]) == pytest.approx([10, arrive])
+    assert list(times.start_us[1]) == pytest.approx([0, arrive])
+    assert list(times.end_us[1]) == pytest.approx([arrive, arrive + 5])
+    assert times.messages == [(0, 1, 1, 0)]
+    assert timed_replay(out).nodes is None  # nothing recorded unless asked
+    assert set(timed_replay(out, record=[1]).nodes.start_us) == {1}
+
+
 def test_gantt_of_1f1b_shows_the_textbook_bubble(tmp_path):
     """4 stages, 8 micro-batches, F = B = 1: every stage idles (p - 1) / (m + p - 1) of the step
     (Narayanan et al. 2021, eq. 1), and each row runs the actions in 1F1B order."""
@@ -234,7 +261,10 @@ def test_plots_of_pipeline_dlrm_and_moe_sets(sets, tmp_path, name):
         path = tmp_path / f"{kind}.{suffix}"
         save_plot(sets / name, kind, path)
         data = path.read_bytes()
-        assert data.startswith(PNG) if suffix == "png" else (b"<svg" in data[:400] and data.rstrip().endswith(b"</svg>"))
+        if suffix == "png":
+            assert data.startswith(PNG)
+        else:
+            assert b"<svg" in data[:400] and data.rstrip().endswith(b"</svg>")
 
 
 def test_comm_by_axis_adds_up_to_comm_by_type(sets):

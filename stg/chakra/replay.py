@@ -459,7 +459,8 @@ class TimedReplay(_DeadlockReport):
             chosen = set(self.record)
             messages = sorted((*s, *d) for key in arrivals for s, d in zip(arrivals[key], posts[key])
                               if s[0] in chosen or d[0] in chosen)
-            nodes = NodeTimes({r: graphs[r].ids for r in self.record}, {r: starts[r] for r in self.record}, {r: ends[r] for r in self.record}, messages)
+            nodes = NodeTimes({r: graphs[r].ids for r in self.record}, {r: starts[r] for r in self.record},
+                              {r: ends[r] for r in self.record}, messages)
         return Timing(makespan_us=makespan, busy_us=list(busy), idle_us=[makespan - b for b in busy],
                       finish_us=list(finish), nodes=nodes)
 

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 from stg.chakra import et_def_pb2 as pb
 from stg.chakra.reader import iter_nodes, node_attrs
-from stg.chakra.rank_graph import ALL_RANKS, coll_name
+from stg.chakra.rank_graph import coll_name
 from stg.view.traceset import TraceSet
 
 
@@ -31,8 +31,8 @@ def comm_by_class(trace_set: TraceSet) -> list[ClassComm]:
                 continue
             attrs = node_attrs(node)
             if node.type == pb.COMM_COLL_NODE:
-                pg = attrs.get("pg_name", "")
-                kind, axes = coll_name(attrs["comm_type"]), trace_set.group_axes(ALL_RANKS if pg in ("", "0") else int(pg))
+                kind = coll_name(attrs["comm_type"])
+                axes = trace_set.group_axes(trace_set.group_of(attrs.get("pg_name", "")))
             else:
                 kind = "SEND" if node.type == pb.COMM_SEND_NODE else "RECV"
                 axes = trace_set.axes_of((attrs["comm_src"], attrs["comm_dst"]))

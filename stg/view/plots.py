@@ -62,7 +62,8 @@ def memory_figure(trace_set: TraceSet) -> "Figure":
             ax.bar(labels, values, bottom=bottom, label=name)
             bottom = [b + v for b, v in zip(bottom, values)]
     capacity = device_spec(summary["plan"]["device"]).memory_gib
-    ax.axhline(capacity, color="#c44e52", linestyle="--", label=f"{summary['plan']['device']} memory ({capacity:g} GiB)")
+    device = summary["plan"]["device"]
+    ax.axhline(capacity, color="#c44e52", linestyle="--", label=f"{device} memory ({capacity:g} GiB)")
     ax.set_ylabel("GiB per rank")
     ax.set_title(f"Memory per rank class: {summary['model']['name']}")
     ax.tick_params(axis="x", labelrotation=45 if len(classes) > 6 else 0)

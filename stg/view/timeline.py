@@ -23,7 +23,7 @@ from pathlib import Path
 
 from stg.chakra import et_def_pb2 as pb
 from stg.chakra.reader import iter_nodes, node_attrs
-from stg.chakra.rank_graph import ALL_RANKS, coll_name
+from stg.chakra.rank_graph import coll_name
 from stg.chakra.replay import CommModel, Timing
 from stg.chakra.validate import timed_replay
 from stg.errors import OutputError, ViewError
@@ -126,11 +126,9 @@ def _args(trace_set: TraceSet, rank: int, node: pb.Node) -> dict:
     if node.type == pb.COMP_NODE:
         args.update(flops=attrs["num_ops"], bytes=attrs["tensor_size"], op=attrs.get("op_type", ""))
     elif node.type == pb.COMM_COLL_NODE:
-        pg = attrs.get("pg_name", "")
-        group = ALL_RANKS if pg in ("", "0") else int(pg)
-        members = trace_set.groups.get(group, ()) if group != ALL_RANKS else range(trace_set.world_size)
+        group = trace_set.group_of(attrs.get("pg_name", ""))
         args.update(comm_type=coll_name(attrs["comm_type"]), bytes=attrs["comm_size"], group=group,
-                    group_size=len(members), axes=trace_set.group_axes(group))
+                    group_size=len(trace_set.members(group)), axes=trace_set.group_axes(group))
     else:
         src, dst = attrs["comm_src"], attrs["comm_dst"]
         args.update(peer=dst if node.type == pb.COMM_SEND_NODE else src, tag=attrs["comm_tag"],

@@ -94,10 +94,17 @@ class TraceSet:
             self._axes[key] = "+".join(ax for ax in mesh.names if len({c[ax] for c in coords}) > 1) or "-"
         return self._axes[key]
 
+    @staticmethod
+    def group_of(pg_name: str) -> int:
+        """The group id of a collective's pg_name ("" and "0": all ranks, as ASTRA-sim reads it)."""
+        return ALL_RANKS if pg_name in ("", "0") else int(pg_name)
+
+    def members(self, group: int) -> tuple[int, ...] | range:
+        return range(self.world_size) if group == ALL_RANKS else self.groups.get(group, ())
+
     def group_axes(self, group: int) -> str:
         if group not in self._axes:
-            members = range(self.world_size) if group == ALL_RANKS else self.groups.get(group, ())
-            self._axes[group] = self.axes_of(tuple(members))
+            self._axes[group] = self.axes_of(tuple(self.members(group)))
         return self._axes[group]
 
 
