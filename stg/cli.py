@@ -411,7 +411,7 @@ def timeline(
         made = write_timeline(out, output, comm=comm, ranks=chosen, alpha_us=alpha_us, bandwidth_gbps=bandwidth_gbps)
     nodes = sum(len(made.slices[r]) for r in made.ranks)
     err.print(f"{nodes:,} nodes of ranks {list(made.ranks)}, makespan {made.makespan_us:,.1f} us -> {output}",
-              highlight=False)
+              highlight=False, soft_wrap=True)
 
 
 @app.command()
