@@ -27,3 +27,7 @@ class GraphError(StgError):
 
 class OutputError(StgError):
     """The output location cannot be written."""
+
+
+class ViewError(StgError):
+    """A timeline, plot or report cannot be made from the given trace set or options."""

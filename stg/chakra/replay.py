@@ -10,8 +10,8 @@ from __future__ import annotations
 import heapq
 from array import array
 from collections import Counter, defaultdict, deque
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Collection
+from dataclasses import dataclass, field
 from enum import Enum
 
 from stg.chakra import et_def_pb2 as pb
@@ -243,6 +243,19 @@ class CommCost:
 
 
 @dataclass(frozen=True)
+class NodeTimes:
+    """Each node's issue and completion time on the ranks a timed replay recorded, in µs, by
+    node index (a RankGraph's ascending-id order). A COLL is issued when its rank joins, a RECV
+    when it is posted; ``messages`` pairs every SEND with the RECV that took its message
+    (send rank, send index, recv rank, recv index), where either side is recorded."""
+
+    ids: dict[int, array]  # node id by index
+    start_us: dict[int, array]
+    end_us: dict[int, array]
+    messages: list[tuple[int, int, int, int]]
+
+
+@dataclass(frozen=True)
 class Timing:
     """What a timed replay measured, in µs; per-rank lists are indexed by rank."""
 
@@ -250,6 +263,7 @@ class Timing:
     busy_us: list[float]  # sum of the rank's COMP durations
     idle_us: list[float]  # makespan - busy: the bubble plus exposed communication
     finish_us: list[float]  # when the rank's last node completed
+    nodes: NodeTimes | None = field(default=None, compare=False, repr=False)  # when asked to record
 
     def to_dict(self) -> dict[str, float | list[float]]:
         return {"makespan_us": self.makespan_us, "busy_us": list(self.busy_us),
@@ -283,11 +297,12 @@ class TimedReplay(_DeadlockReport):
     already taken at t: that is the limit of ASTRA-sim's tiny-but-positive times. ASTRA-sim runs a
     0 µs COMP for 1 ns; here it takes 0. Event keys (time, kind, rank, index) are unique, so the
     order never depends on the order of pushes, and the same input gives the same numbers.
-    ``run`` consumes the state: one run per instance.
+    ``run`` consumes the state: one run per instance. ``record``: ranks whose per-node times the
+    Timing carries (NodeTimes); all ranks are replayed regardless.
     """
 
     def __init__(self, graphs: list[RankGraph], groups: dict[int, tuple[int, ...]],
-                 durations: list[array], cost: CommCost) -> None:
+                 durations: list[array], cost: CommCost, record: Collection[int] = ()) -> None:
         assert [g.rank for g in graphs] == list(range(len(graphs))), "graphs must be ranks 0..N-1"
         assert all(set(g.types) <= {COMP, COLL, pb.COMM_SEND_NODE, RECV} for g in graphs), "validate first"
         self.graphs, self.durations, self.cost = graphs, durations, cost
@@ -315,6 +330,7 @@ class TimedReplay(_DeadlockReport):
         self.posted: dict[CommKey, deque[tuple[int, int]]] = defaultdict(deque)  # RECVs waiting
         self.coll_us: dict[CommKey, float] = {}  # (group, type, size) -> duration
         self.events: list[tuple] = []  # heap of (time, kind, a, b)
+        self.record = sorted(set(record))
 
     def run(self) -> Timing:
         """The timing of a complete run; raises ReplayError (with the stuck ranks) on a deadlock."""
@@ -329,10 +345,20 @@ class TimedReplay(_DeadlockReport):
         size = {group: len(m) for group, m in self.members.items()}
         push, pop, send_us, collective_us = heapq.heappush, heapq.heappop, self.cost.send_us, self.cost.collective_us
         changed, is_changed = list(range(len(graphs))), [True] * len(graphs)  # ranks to issue on
+        # recording: per-node times of the chosen ranks; arrivals and posts per p2p key, whose
+        # FIFO order is the matching (the n-th message of a key goes to its n-th posted RECV)
+        starts: list[array | None] = [None] * len(graphs)
+        ends: list[array | None] = [None] * len(graphs)
+        for r in self.record:
+            starts[r], ends[r] = array("d", bytes(8 * len(graphs[r].ids))), array("d", bytes(8 * len(graphs[r].ids)))
+        arrivals: dict[CommKey, list[tuple[int, int]]] | None = defaultdict(list) if self.record else None
+        posts: dict[CommKey, list[tuple[int, int]]] | None = defaultdict(list) if self.record else None
 
         def complete(r: int, i: int, now: float) -> None:
             done[r] += 1
             finish[r] = now
+            if ends[r] is not None:
+                ends[r][i] = now
             pending, types, children, start, comp_q, comm_q, recv_q = state[r]
             lo, hi = start[i], start[i + 1]
             for c in (children[lo],) if hi - lo == 1 else children[lo:hi]:
@@ -368,14 +394,19 @@ class TimedReplay(_DeadlockReport):
             for r in work:
                 is_changed[r] = False
                 _, types, _, _, comp_q, comm_q, recv_q = state[r]
+                issued_at = starts[r]
                 if comp_q and not computing[r]:
                     i = pop(comp_q)
+                    if issued_at is not None:
+                        issued_at[i] = now
                     computing[r] = True
                     d = durations[r][i]
                     busy[r] += d
                     push(events, (now + d, _COMP_DONE, r, i))
                 if comm_q and in_slot[r] < 0:
                     i = in_slot[r] = pop(comm_q)
+                    if issued_at is not None:
+                        issued_at[i] = now
                     if types[i] == COLL:
                         join(r, i, now)
                     else:
@@ -383,6 +414,10 @@ class TimedReplay(_DeadlockReport):
                 while recv_q:
                     i = pop(recv_q)
                     key = comms[r][i]
+                    if issued_at is not None:
+                        issued_at[i] = now
+                    if posts is not None:
+                        posts[key].append((r, i))
                     if mailbox.get(key):
                         mailbox[key] -= 1
                         push(events, (now, _RECV_DONE, r, i))
@@ -405,6 +440,8 @@ class TimedReplay(_DeadlockReport):
                     in_slot[r] = -1
                     complete(r, i, now)
                     key = comms[r][i]
+                    if arrivals is not None:
+                        arrivals[key].append((r, i))
                     waiting = posted.get(key)
                     if waiting:  # the oldest RECV posted for this message completes on arrival
                         m, j = waiting.popleft()
@@ -417,8 +454,15 @@ class TimedReplay(_DeadlockReport):
         if problems:
             raise ReplayError("the timed replay deadlocks", problems)
         makespan = max(finish, default=0.0)
+        nodes = None
+        if self.record:
+            chosen = set(self.record)
+            messages = sorted((*s, *d) for key in arrivals for s, d in zip(arrivals[key], posts[key])
+                              if s[0] in chosen or d[0] in chosen)
+            nodes = NodeTimes({r: graphs[r].ids for r in self.record}, {r: starts[r] for r in self.record},
+                              {r: ends[r] for r in self.record}, messages)
         return Timing(makespan_us=makespan, busy_us=list(busy), idle_us=[makespan - b for b in busy],
-                      finish_us=list(finish))
+                      finish_us=list(finish), nodes=nodes)
 
     def _slot_waiter(self, r: int) -> int | None:
         return self.comm_ready[r][0] if self.comm_ready[r] else None

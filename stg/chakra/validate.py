@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from array import array
 from collections import defaultdict
+from collections.abc import Collection
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -159,7 +160,8 @@ def validate(out_dir: str | Path, *, replay: bool = True, progress: Progress | N
 
 
 def timed_replay(out_dir: str | Path, *, comm: CommModel | str = CommModel.FREE, alpha_us: float = 5.0,
-                 bandwidth_gbps: float = 50.0, progress: Progress | None = None) -> Timing:
+                 bandwidth_gbps: float = 50.0, progress: Progress | None = None,
+                 record: Collection[int] = ()) -> Timing:
     """Makespan and per-rank busy/idle time of ``out_dir`` replayed with time (see TimedReplay).
 
     COMP nodes take their ``duration_micros``. ``comm="free"``: collectives end when their last
@@ -171,6 +173,7 @@ def timed_replay(out_dir: str | Path, *, comm: CommModel | str = CommModel.FREE,
     (checks a-e), or when the timed replay deadlocks; ValueError on bad options. Issue order
     depends on time, so this can find a deadlock that validate's zero-time replay misses (a
     collective that takes the comm slot while a lower-id SEND still waits on a COMP).
+    ``record``: ranks whose per-node start and end times come back in ``Timing.nodes``.
     """
     if isinstance(comm, str):
         try:
@@ -184,4 +187,7 @@ def timed_replay(out_dir: str | Path, *, comm: CommModel | str = CommModel.FREE,
         raise ReplayError(f"{out_dir} has {n} problem{'s' * (n != 1)}; fix them before a timed replay",
                           loaded.problems)
     assert loaded.groups is not None  # a missing or broken workload.json is a problem above
-    return TimedReplay(loaded.graphs, loaded.groups, loaded.durations, cost).run()
+    bad = sorted(r for r in record if not 0 <= r < len(loaded.graphs))
+    if bad:
+        raise ValueError(f"record: ranks {bad} are not in 0..{len(loaded.graphs) - 1}")
+    return TimedReplay(loaded.graphs, loaded.groups, loaded.durations, cost, record).run()
