@@ -6,6 +6,12 @@ Batch vocabulary (Megatron-LM's): `micro_batch` is what one data-parallel rank r
 forward/backward; `global_batch` is the samples of one optimizer step over all ranks; the
 number of micro-batches each rank runs (gradient accumulation) is
 global_batch / (micro_batch * dp), which must be a whole number.
+
+Parallel degrees (Megatron-Core's): `dp` counts every data-parallel rank of the dense layers,
+so the world is tp * cp * pp * dp; expert parallelism is carved out of those ranks (`ep`
+divides dp), and the experts' own data-parallel group is dp * cp / ep ranks. Plan files
+written before this meaning (when the world was dp * ep * tp * cp * pp) are refused if they
+give ep and dp without `plan_version: 2`, with the conversion in the message.
 """
 
 from __future__ import annotations
@@ -96,6 +102,11 @@ class Plan:
         for name in ("dp", "tp", "pp", "cp", "ep", "vpp", "micro_batch", "seq", "make_vocab_divisible_by",
                      "local_world_size"):
             _positive_int(name, getattr(self, name))
+        if self.dp % self.ep:
+            raise PlanError(
+                f"ep={self.ep}: must divide dp={self.dp}; dp counts every data-parallel rank (Megatron-Core's "
+                f"meaning: world = tp*cp*pp*dp) and the expert-parallel ranks are carved out of them, so "
+                f"{self.ep}-way expert parallelism over {self.dp} expert replicas is dp={self.dp * self.ep}")
         if self.global_batch is None:
             object.__setattr__(self, "global_batch", self.micro_batch * self.data_ranks)
         _positive_int("global_batch", self.global_batch)
@@ -150,8 +161,7 @@ class Plan:
                 raise PlanError(f"{name}={getattr(self, name)}: {what} is not implemented yet (only {name}=1)")
         per_step = self.micro_batch * self.data_ranks
         if self.global_batch % per_step:
-            factors = [("micro_batch", self.micro_batch), ("dp", self.dp), ("ep", self.ep),
-                       ("local_world_size", self.local_world_size)]
+            factors = [("micro_batch", self.micro_batch), ("dp", self.dp), ("local_world_size", self.local_world_size)]
             factors = [f for f in factors if f[0] in ("micro_batch", "dp") or f[1] > 1]
             raise PlanError(
                 f"global_batch={self.global_batch} is not a multiple of {'*'.join(n for n, _ in factors)}"
@@ -174,16 +184,23 @@ class Plan:
 
     @property
     def data_ranks(self) -> int:
-        """Ranks that take different data: dp x ep (expert parallelism is carved out of data
-        parallelism, as in Megatron-Core) x local_world_size."""
-        return self.dp * self.ep * self.local_world_size
+        """Ranks that take different data: dp (expert parallelism is carved out of it, as in
+        Megatron-Core) x local_world_size."""
+        return self.dp * self.local_world_size
+
+    @property
+    def expert_data_parallel(self) -> int:
+        """Megatron-Core's expert-data-parallel size: the ranks holding the same experts."""
+        return self.dp * self.cp // self.ep
 
     @property
     def world_size(self) -> int:
         return self.mesh().size
 
     def mesh(self) -> DeviceMesh:
-        return DeviceMesh.standard(pp=self.pp, dp=self.dp, ep=self.ep, cp=self.cp, tp=self.tp,
+        # the mesh's dp axis is the part of dp that ep does not take (its expert-data-parallel
+        # replicas): rank = tp + T*(cp + C*(ep + E*(dp/ep ...))), Megatron-Core's order
+        return DeviceMesh.standard(pp=self.pp, dp=self.dp // self.ep, ep=self.ep, cp=self.cp, tp=self.tp,
                                    local=self.local_world_size)
 
     @classmethod
@@ -206,6 +223,7 @@ class Plan:
             raise PlanError(f"plan file {path}: not valid YAML ({str(err).splitlines()[0]})") from None
         if not isinstance(data, dict):
             raise PlanError(f"plan file {path}: expected a mapping of plan keys")
+        data = _current_meaning(data, f"plan file {path}")
         return cls.from_dict({**data, **(overrides or {})}, where=f"plan file {path}")
 
     def to_dict(self) -> dict[str, Any]:
@@ -219,6 +237,27 @@ class Plan:
         if self.embeddings is not None:
             data["embeddings"] = dict(self.embeddings)
         return data
+
+
+PLAN_VERSION = 2  # 2: dp counts every data-parallel rank, ep is carved out of it
+
+
+def _current_meaning(data: dict, where: str) -> dict:
+    """The plan file's keys without `plan_version`. A file that gives dp and ep > 1 without
+    it may mean the old dp (expert-data-parallel replicas, world dp * ep * ...): refused, with
+    the conversion, rather than silently given fewer ranks."""
+    data = dict(data)
+    version = data.pop("plan_version", None)
+    if version is not None and version != PLAN_VERSION:
+        raise PlanError(f"{where}: plan_version: must be {PLAN_VERSION}, got {version!r}")
+    ep = data.get("ep", 1)
+    if version is None and "dp" in data and isinstance(ep, int) and ep > 1:
+        dp = data["dp"]
+        raise PlanError(
+            f"{where}: gives dp={dp} and ep={ep}, whose meaning changed: dp now counts every data-parallel "
+            f"rank (Megatron-Core's; ep is carved out of it). If this file meant {dp}*{ep} data-parallel ranks "
+            f"(the old meaning), write dp: {dp * ep}; then add plan_version: {PLAN_VERSION}")
+    return data
 
 
 def _parse_rules(rules) -> tuple[tuple[str, tuple[str, ...] | None], ...]:

@@ -33,7 +33,7 @@ def write_model(tmp_path, spec):
         (["gpt3-175b", "--seq", "4096"], "seq=4096 exceeds model gpt3-175b's max_positions=2048"),
         (["llama3-8b", "--attention-flops", "half"], "attention_flops: must be one of"),
         (["llama3-8b", "--device", "tpu9"], "device: unknown device 'tpu9'"),
-        (["mixtral-8x7b", "--ep", "3", "--global-batch", "3"], "ep=3 does not divide expert dimension E=8"),
+        (["mixtral-8x7b", "--dp", "3", "--ep", "3"], "ep=3 does not divide expert dimension E=8"),
         (["llama3-8b", "--capacity-factor", "0"], "capacity_factor: must be a positive number"),
         (["llama3-8b", "--pp", "3"], "pp*vpp=3 does not divide layers=32; give layers_per_stage"),
         (["llama3-8b", "--pp", "2", "--vpp", "2"], "vpp=2: virtual stages need schedule interleaved"),
@@ -193,7 +193,7 @@ def test_help_prints_every_option_with_its_default():
     for option in ("--dp", "--embedding-sharding", "--local-world-size", "--optimizer", "--count-only"):
         assert option in text
     # help texts print as written (rich markup would drop "[default: 1]", markdown "<rank>")
-    assert "Data-parallel degree. [default: 1]" in " ".join(text.split())
+    assert "world = tp x cp x pp x dp. [default: 1]" in " ".join(text.split())
     assert "OUT/workload.<rank>.et" in text
 
 
