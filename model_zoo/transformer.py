@@ -21,9 +21,10 @@ from model_zoo import moe
 from stg.builder import GraphBuilder
 from stg.costs import NormKind, Pointwise
 from stg.errors import ModelSpecError
-from stg.graph import Graph
+from stg.graph import DType, Graph
 from stg.symbols import ATTN_FRACTION, B, S
 
+MODEL_DTYPES = ("bf16", "fp16", "fp32")
 H, F, A, AKV, DH, V, P = sympy.symbols("H F A Akv Dh V P", positive=True, integer=True)
 
 FAMILY_DEFAULTS: dict[str, dict[str, Any]] = {
@@ -73,6 +74,9 @@ class TransformerConfig:
     qk_nope_head_dim: int | None = None
     qk_rope_head_dim: int | None = None
     v_head_dim: int | None = None
+    # weights, activations and their communication: bf16, fp16 or fp32 (the optimizer keeps
+    # fp32 master weights and moments of 16-bit ones; a plan's dtype overrides this)
+    dtype: str = "bf16"
 
     @classmethod
     def from_dict(cls, spec: dict) -> "TransformerConfig":
@@ -127,7 +131,7 @@ class TransformerConfig:
                 if getattr(self, key) is None:
                     raise ModelSpecError(f"{where}: multi-head latent attention needs {key}")
         choices = {"norm": ("layernorm", "rmsnorm"), "mlp": ("gelu", "swiglu"), "positions": ("learned", "rope"),
-                   "attention": ("gqa", "mla")}
+                   "attention": ("gqa", "mla"), "dtype": MODEL_DTYPES}
         for key, allowed in choices.items():
             if getattr(self, key) not in allowed:
                 raise ModelSpecError(f"{where}: {key} must be one of {list(allowed)}, got {getattr(self, key)!r}")
@@ -165,7 +169,7 @@ def build_transformer(config: TransformerConfig, flash_attention: bool = True) -
     `flash_attention` the score and probability matrices stay on chip: FLOPs, no memory.
     The attention core's ops carry `attention_core` (what selective recompute re-runs).
     """
-    g = GraphBuilder()
+    g = GraphBuilder(weight_dtype=DType.parse(config.dtype))
     bias = config.bias
     dropout = config.dropout > 0
     norm = NormKind.LAYER_NORM if config.norm == "layernorm" else NormKind.RMS_NORM

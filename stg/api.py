@@ -10,7 +10,7 @@ its sharded graph, its rank-class programs, its summary.
 from __future__ import annotations
 
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, fields, replace
 from functools import cached_property
 from pathlib import Path
 from typing import Any, Mapping
@@ -165,10 +165,21 @@ def _check_fits(model: Model, plan: Plan) -> None:
         raise PlanError(f"seq={plan.seq} exceeds model {model.name}'s max_positions={limit} (learned positions)")
 
 
+def _in_dtype(model: Model, plan: Plan) -> Model:
+    """The model in the plan's dtype (part of its config, so graphs of two dtypes never share
+    a cache entry)."""
+    if plan.dtype is None or plan.dtype == getattr(model.config, "dtype", None):
+        return model
+    if not any(f.name == "dtype" for f in fields(model.config)):
+        raise PlanError(f"dtype: model {model.name} (family {model.family}) has no dtype to set")
+    return Model(replace(model.config, dtype=plan.dtype), model.source)
+
+
 def build(model: Model | str | Path | Mapping, plan: Plan | Mapping) -> Workload:
     """Every pass from the model description to the rank-class programs."""
     model = model if isinstance(model, Model) else load_model(model)
     plan = plan if isinstance(plan, Plan) else Plan.from_dict(plan)
+    model = _in_dtype(model, plan)
     _check_fits(model, plan)
     mesh = plan.mesh()
     embeddings = embedding_plan(model, plan)

@@ -17,19 +17,20 @@ from stg.graph import DType, Graph, Op, OpKind, Phase, Role, Tensor
 
 
 class GraphBuilder:
-    def __init__(self, graph: Graph | None = None):
+    def __init__(self, graph: Graph | None = None, weight_dtype: DType = DType.BF16):
         self.tensors: dict[str, Tensor] = dict(graph.tensors) if graph else {}
         self.ops: list[Op] = list(graph.ops) if graph else []
         self._op_names = {op.name for op in self.ops}
         self.layer = 0
         self.phase = Phase.FORWARD
+        self.weight_dtype = weight_dtype  # the model's dtype: its weights, and so its activations
 
     # -- leaves -------------------------------------------------------------------------------
     def input(self, name: str, shape: Sequence, dims: Sequence[str], dtype: DType = DType.INT64) -> str:
         return self._tensor(Tensor(name, tuple(shape), tuple(dims), dtype, Role.INPUT))
 
-    def weight(self, name: str, shape: Sequence, dims: Sequence[str], dtype: DType = DType.BF16) -> str:
-        return self._tensor(Tensor(name, tuple(shape), tuple(dims), dtype, Role.WEIGHT))
+    def weight(self, name: str, shape: Sequence, dims: Sequence[str], dtype: DType | None = None) -> str:
+        return self._tensor(Tensor(name, tuple(shape), tuple(dims), dtype or self.weight_dtype, Role.WEIGHT))
 
     def state(self, name: str, shape: Sequence, dims: Sequence[str], dtype: DType = DType.FP32) -> str:
         return self._tensor(Tensor(name, tuple(shape), tuple(dims), dtype, Role.OPTIMIZER_STATE))

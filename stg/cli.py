@@ -95,6 +95,7 @@ def generate(
     zero: Optional[int] = typer.Option(None, help="ZeRO stage over dp (x cp): 0 none, 1 optimizer states, 2 + gradients, 3 + parameters (FSDP). [default: 0]"),
     recompute: Optional[str] = typer.Option(None, help="Activation recomputation: none, selective (the attention core) or full (each layer). [default: none]"),
     flash_attention: Optional[bool] = typer.Option(None, "--flash-attention/--no-flash-attention", help="Fused attention: scores and probabilities stay on chip (no memory traffic, not saved). [default: on]"),
+    dtype: Optional[str] = typer.Option(None, help="Dtype of weights, activations and their communication: bf16, fp16 or fp32 (Megatron's --bf16/--fp16; fp32 GEMMs run at the device's TF32 peak). 16-bit weights get fp32 master copies and moments (16 bytes/param with AdamW), fp32 ones only moments (also 16). fp16's loss scaler costs nothing in the trace. [default: the model's, bf16 unless its YAML says]"),
     grad_dtype: Optional[str] = typer.Option(None, help="Dtype of weight gradients, their accumulation and reduction: bf16 or fp32. [default: the weights' dtype]"),
     optimizer: Optional[str] = typer.Option(None, help="Optimizer of the dense weights: adamw (fp32 moments, and an fp32 master copy of bf16 weights) or adagrad (one fp32 state per parameter; MLPerf DLRM-DCNv2's). Embedding tables use row-wise Adagrad. [default: adamw]"),
     expert_skew: Optional[float] = typer.Option(None, help="Routing skew: expert e gets tokens in proportion to 1/(e+1)^s (Zipf); each expert-parallel slot then computes its own load (a rank class per slot), while all-to-alls stay capacity-padded. [default: 0, balanced]"),
@@ -125,7 +126,7 @@ def generate(
     from stg.plan import Plan
 
     given = dict(dp=dp, tp=tp, sp=sp, cp=cp, pp=pp, vpp=vpp, schedule=schedule, ep=ep, zero=zero, recompute=recompute,
-                 flash_attention=flash_attention, grad_dtype=grad_dtype, optimizer=optimizer, micro_batch=micro_batch,
+                 flash_attention=flash_attention, dtype=dtype, grad_dtype=grad_dtype, optimizer=optimizer, micro_batch=micro_batch,
                  make_vocab_divisible_by=make_vocab_divisible_by, capacity_factor=capacity_factor,
                  expert_skew=expert_skew,
                  global_batch=global_batch, seq=seq, attention_flops=attention_flops, bucket_mb=bucket_mb,

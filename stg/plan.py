@@ -52,6 +52,7 @@ class Recompute(Enum):
 # parallel degrees that later strategies bring; refused until they exist, never ignored
 _NOT_YET: dict[str, str] = {}
 GRAD_DTYPES = ("bf16", "fp32")
+DTYPES = ("bf16", "fp16", "fp32")
 # dense weights' optimizers by name (per-row ones are for embedding tables, which choose their own)
 OPTIMIZERS = {o.label: o for o in Optimizer if not o.per_row}
 
@@ -70,6 +71,8 @@ class Plan:
     sp: bool | None = None  # sequence parallelism; default: on when tp > 1 (as Megatron)
     recompute: Recompute = Recompute.NONE
     flash_attention: bool = True  # attention scores stay on chip (no memory traffic, not saved)
+    # weights, activations and their communication (bf16, fp16, fp32); default: the model's
+    dtype: str | None = None
     grad_dtype: str | None = None  # weight gradients' accumulation and reduction dtype; default: the weight's
     optimizer: str = "adamw"  # the dense weights' optimizer: adamw or adagrad
     # the vocabulary is padded to a multiple of this times tp (Megatron's
@@ -154,6 +157,8 @@ class Plan:
             raise PlanError(f"embeddings: must map table names to shardings, got {self.embeddings!r}")
         if self.optimizer not in OPTIMIZERS:
             raise PlanError(f"optimizer: must be one of {list(OPTIMIZERS)}, got {self.optimizer!r}")
+        if self.dtype is not None and self.dtype not in DTYPES:
+            raise PlanError(f"dtype: must be one of {list(DTYPES)}, got {self.dtype!r}")
         if self.grad_dtype is not None and self.grad_dtype not in GRAD_DTYPES:
             raise PlanError(f"grad_dtype: must be one of {list(GRAD_DTYPES)}, got {self.grad_dtype!r}")
         for name, what in _NOT_YET.items():

@@ -1,0 +1,72 @@
+"""Precision: the model's dtype (weights, activations, their communication), mixed-precision
+bookkeeping and per-dtype device peaks. Hand counts throughout."""
+
+import pytest
+
+from stg import Plan, build, generate
+from stg.chakra.validate import validate
+from stg.errors import PlanError
+
+# the Llama-like model of issue 15: 4 layers, dim 256, ffn 1024, 4 heads, 2 KV heads, vocab 1000
+LLAMA = dict(name="llama-256", family="llama", layers=4, hidden=256, ffn=1024, heads=4, kv_heads=2, vocab=1000)
+# by hand: per block two norms (256 each), q and o (256x256), k and v (256 x 2 heads x 64),
+# gate, up, down (256x1024); plus the embedding and the untied output layer (1000x256) and
+# the final norm
+PARAMS = 4 * (2 * 256 + 2 * 256 * 256 + 2 * 256 * 128 + 3 * 256 * 1024) + 2 * 1000 * 256 + 256
+
+
+def test_hand_count_is_the_models():
+    assert build(LLAMA, Plan(seq=16)).model.params == PARAMS == 4_446_464
+
+
+@pytest.mark.parametrize("dtype, nbytes", [("fp32", 4), ("bf16", 2), ("fp16", 2)])
+def test_ddp_all_reduces_every_gradient_once_in_the_models_dtype(dtype, nbytes):
+    """DDP on 4 ranks: one all-reduce of every gradient per step; ASTRA-sim's comm_size of an
+    all-reduce is the whole buffer, so the bytes per rank are the parameter count x dtype."""
+    stats = build(LLAMA, Plan(dp=4, dtype=dtype, seq=16)).programs[0].stats
+    assert stats.comm_bytes["ALL_REDUCE"] == nbytes * PARAMS
+    assert set(stats.comm_bytes) == {"ALL_REDUCE"}
+
+
+@pytest.mark.parametrize("dtype, weights, grads, states", [
+    ("bf16", 2, 2, 12),  # fp32 master copy + two fp32 moments (Micikevicius et al. 2018; ZeRO's K = 12)
+    ("fp16", 2, 2, 12),
+    ("fp32", 4, 4, 8),   # an fp32 weight is its own master copy: two moments only
+])
+def test_model_states_are_16_bytes_per_parameter_with_adamw(dtype, weights, grads, states):
+    memory = build(LLAMA, Plan(dtype=dtype, seq=16)).memory[0]
+    assert (memory.weights, memory.gradients, memory.optimizer_states) == (
+        weights * PARAMS, grads * PARAMS, states * PARAMS)
+    assert memory.weights + memory.gradients + memory.optimizer_states == 16 * PARAMS
+
+
+def test_a_model_yaml_may_state_its_dtype_and_the_plan_overrides_it():
+    fp32_model = dict(LLAMA, dtype="fp32")
+    assert build(fp32_model, Plan(seq=16)).memory[0].weights == 4 * PARAMS
+    assert build(fp32_model, Plan(seq=16, dtype="bf16")).memory[0].weights == 2 * PARAMS
+
+
+def test_fp32_gemms_run_at_the_tf32_peak():
+    """H100 SXM: 989.4 dense bf16 TFLOP/s, 494.7 TF32. A GEMM large enough to be compute-bound
+    takes twice as long in fp32 (same FLOPs)."""
+    model = dict(LLAMA, hidden=2048, ffn=8192, heads=16, kv_heads=16, layers=1)
+
+    def gemm(dtype):
+        node = next(n for n in build(model, Plan(dtype=dtype, seq=2048, micro_batch=4)).programs[0].nodes
+                    if n.name == "0F0 layers.0.mlp.up")
+        return node.flops, node.duration_us
+
+    (f16, d16), (f32, d32) = gemm("bf16"), gemm("fp32")
+    assert f16 == f32 == 2 * 4 * 2048 * 2048 * 8192
+    assert d16 == round(f16 / 989.4e6) and d32 == round(f32 / 494.7e6)
+
+
+def test_unknown_dtype_is_a_plan_error():
+    with pytest.raises(PlanError, match=r"dtype: must be one of \['bf16', 'fp16', 'fp32'\], got 'fp64'"):
+        Plan(dtype="fp64")
+
+
+def test_fp32_set_validates(tmp_path):
+    out = tmp_path / "set"
+    generate(dict(LLAMA, layers=2), Plan(dp=2, tp=2, dtype="fp32", seq=16, global_batch=4), out, workers=1)
+    assert validate(out) == []
