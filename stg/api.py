@@ -60,6 +60,7 @@ class Workload:
     variant_axes: tuple[str, ...] = ()
     variant_map: tuple[int, ...] = ()
     embeddings: EmbeddingPlan | None = None
+    stages: Any = None  # StagePlan when pipelined
 
     @property
     def variants(self) -> int:
@@ -142,6 +143,8 @@ class Workload:
             "mesh": dict(self.mesh.axes),
             "world_size": world,
             "microbatches": self.plan.microbatches,
+            # blocks per virtual stage (the first also runs the embedding, the last the head)
+            **({"layers_per_stage": list(self.stages.split(self.model.layers))} if self.stages else {}),
             "tokens_per_step": self.plan.global_batch * self.plan.seq,
             "groups": {str(k): self.group_ids.groups_of(k) for k in self.group_ids.kinds},
             "totals": {
@@ -165,6 +168,21 @@ def _check_fits(model: Model, plan: Plan) -> None:
         raise PlanError(f"seq={plan.seq} exceeds model {model.name}'s max_positions={limit} (learned positions)")
 
 
+def _block_costs(model: Model, plan: Plan) -> list[int] | None:
+    """Forward FLOPs of one micro-batch per block 0..L+1, for `layers_per_stage: auto` (the
+    backward's GEMMs are twice their forward, so forward FLOPs rank the blocks alike)."""
+    if plan.layers_per_stage != "auto":
+        return None
+    graph = model.forward_graph(GraphOptions(plan.flash_attention))
+    values = {**model.config.sizes(vocab_multiple=plan.make_vocab_divisible_by * plan.tp), B: plan.micro_batch,
+              S: plan.seq, ATTN_FRACTION: plan.attention_flops.fraction, CF: sympy.Rational(str(plan.capacity_factor)),
+              LOAD: 1}
+    per_block = Counter()
+    for op in graph.ops:
+        per_block[op.layer] += sympy.sympify(op.flops).xreplace(values)
+    return [int(sympy.ceiling(per_block[layer])) for layer in range(model.layers + 2)]
+
+
 def _in_dtype(model: Model, plan: Plan) -> Model:
     """The model in the plan's dtype (part of its config, so graphs of two dtypes never share
     a cache entry)."""
@@ -183,7 +201,7 @@ def build(model: Model | str | Path | Mapping, plan: Plan | Mapping) -> Workload
     _check_fits(model, plan)
     mesh = plan.mesh()
     embeddings = embedding_plan(model, plan)
-    stages = stage_plan(plan, model.layers) if plan.pp > 1 else None
+    stages = stage_plan(plan, model.layers, _block_costs(model, plan)) if plan.pp > 1 else None
     options = GraphOptions(plan.flash_attention, embeddings.groups if embeddings else None)
     structure = Structure(model.config, options, stages, plan.grad_dtype, plan.optimizer, plan.recompute,
                           sharding_spec(plan))
@@ -219,7 +237,7 @@ def build(model: Model | str | Path | Mapping, plan: Plan | Mapping) -> Workload
             programs.append(lower(sharded, evaluate, device_spec(plan.device), pipeline=pipeline,
                                   bucket_bytes=int(plan.bucket_mb * 2**20), rank=rank, comm_evaluate=shared))
     return Workload(model, plan, mesh, sharded, tuple(programs), tuple(memories), bindings, variant_axes,
-                    variant_map, embeddings)
+                    variant_map, embeddings, stages)
 
 
 @dataclass(frozen=True)

@@ -90,7 +90,7 @@ def generate(
     pp: Optional[int] = typer.Option(None, help="Pipeline stages; blocks split evenly (first stage + embedding, last + head). [default: 1]"),
     vpp: Optional[int] = typer.Option(None, help="Virtual stages (model chunks) per pipeline stage, for --schedule interleaved. [default: 1]"),
     schedule: Optional[str] = typer.Option(None, help="Pipeline schedule: gpipe, 1f1b, interleaved or zb-h1 (see `stg schedule`). [default: 1f1b]"),
-    layers_per_stage: Optional[str] = typer.Option(None, help="Uneven split: blocks per virtual stage, comma-separated (e.g. 9,10,10,3)."),
+    layers_per_stage: Optional[str] = typer.Option(None, help="Uneven split: blocks per virtual stage, comma-separated (e.g. 9,10,10,3), or auto: balanced by compute, the embedding counted on the first stage and the output layer + loss on the last (Megatron's --account-for-embedding/loss-in-pipeline-split, by FLOPs); the split is in summary.json. [default: even]"),
     ep: Optional[int] = typer.Option(None, help="Expert-parallel degree (Megatron-Core's): routed experts split over ep ranks carved out of the dp data-parallel ranks (ep must divide dp; dp x cp / ep ranks hold each expert); token dispatch and combine are all-to-alls. [default: 1]"),
     zero: Optional[int] = typer.Option(None, help="ZeRO stage over dp (x cp): 0 none, 1 optimizer states, 2 + gradients, 3 + parameters (FSDP). [default: 0]"),
     recompute: Optional[str] = typer.Option(None, help="Activation recomputation: none, selective (the attention core) or full (each layer). [default: none]"),
@@ -134,7 +134,8 @@ def generate(
                  column_shards=column_shards, embedding_memory_gib=embedding_memory_gib)
     with _user_errors():
         if layers_per_stage is not None:
-            given["layers_per_stage"] = _int_list("layers_per_stage", layers_per_stage)
+            given["layers_per_stage"] = (layers_per_stage if layers_per_stage == "auto"
+                                         else _int_list("layers_per_stage", layers_per_stage))
         overrides = {k: v for k, v in given.items() if v is not None}
         plan = Plan.from_yaml(plan_file, overrides) if plan_file else Plan.from_dict(overrides)
         if count_only:

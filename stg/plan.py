@@ -66,7 +66,9 @@ class Plan:
     ep: int = 1
     vpp: int = 1  # virtual stages (model chunks) per pipeline stage, for the interleaved schedule
     schedule: str = "1f1b"  # pipeline schedule: gpipe, 1f1b, interleaved, zb-h1
-    layers_per_stage: tuple[int, ...] | None = None  # blocks per virtual stage; default: even
+    # blocks per virtual stage; "auto": balanced by compute (embedding on the first, output
+    # layer and loss on the last); default: even
+    layers_per_stage: tuple[int, ...] | str | None = None
     zero: int = 0
     sp: bool | None = None  # sequence parallelism; default: on when tp > 1 (as Megatron)
     recompute: Recompute = Recompute.NONE
@@ -137,10 +139,10 @@ class Plan:
             raise PlanError(f"schedule: unknown schedule {self.schedule!r}; known: {', '.join(SCHEDULES)}")
         if self.vpp > 1 and self.schedule != "interleaved":
             raise PlanError(f"vpp={self.vpp}: virtual stages need schedule interleaved, not {self.schedule!r}")
-        if self.layers_per_stage is not None:
+        if self.layers_per_stage is not None and self.layers_per_stage != "auto":
             split = self.layers_per_stage
             if isinstance(split, (str, bytes)) or not all(isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in split):
-                raise PlanError(f"layers_per_stage: must be a list of block counts, got {split!r}")
+                raise PlanError(f"layers_per_stage: must be a list of block counts or auto, got {split!r}")
             object.__setattr__(self, "layers_per_stage", tuple(split))
             if len(split) != self.pp * self.vpp:
                 raise PlanError(f"layers_per_stage: {len(split)} entries, but pp*vpp = {self.pp}*{self.vpp} = {self.pp * self.vpp} stages")
@@ -235,7 +237,7 @@ class Plan:
         data = asdict(self)
         data["attention_flops"] = self.attention_flops.value
         data["recompute"] = self.recompute.value
-        if self.layers_per_stage is not None:
+        if isinstance(self.layers_per_stage, tuple):
             data["layers_per_stage"] = list(self.layers_per_stage)
         if self.rules is not None:
             data["rules"] = {k: list(v) if v is not None else None for k, v in self.rules}
