@@ -29,6 +29,24 @@ app = typer.Typer(
 )
 err = Console(stderr=True)
 
+# generate's help panels, in print order (typer draws panels only in rich markup mode)
+PANELS = ("Model & batch", "Parallelism", "Memory & precision", "MoE", "Recommendation models", "Output & scale")
+
+
+class _PanelledCommand(typer.core.TyperCommand):
+    """Help printed as written (no markup), options grouped under their rich_help_panel."""
+
+    def format_options(self, ctx, formatter) -> None:
+        sections: dict[str, list] = {}
+        for param in self.get_params(ctx):
+            record = param.get_help_record(ctx)
+            if record is not None:
+                panel = getattr(param, "rich_help_panel", None) or "Options"
+                sections.setdefault(panel, []).append(record)
+        for title in sorted(sections, key=lambda t: PANELS.index(t) if t in PANELS else len(PANELS)):
+            with formatter.section(title):
+                formatter.write_dl(sections[title])
+
 
 def _stdout() -> Console:
     """Tables on stdout: as wide as they need when piped (rich would cut them at 80 columns)."""
@@ -72,51 +90,51 @@ def models(as_json: bool = typer.Option(False, "--json", help="Print a JSON list
 
 
 # options of recommendation models, shared by `generate` and `plan-embeddings`
-EMBEDDING_SHARDING = typer.Option(None, help="Recommendation models: every table's sharding (TorchRec's): data_parallel, table_wise, column_wise, row_wise, table_row_wise, or auto (a greedy planner: small tables data parallel, the rest largest first table-wise on the least-loaded rank with room, else column-wise, else table-row-wise, else row-wise; falling back to more even plans when it runs out of room). Per-table choices go in the plan YAML under `embeddings:`. [default: auto]")
-LOCAL_WORLD_SIZE = typer.Option(None, help="Recommendation models: ranks per host (the mesh axis `local`); dp then counts hosts and the ranks are dp x local-world-size. table_row_wise splits a table's rows over one host's ranks. [default: 1]")
-COLUMN_SHARDS = typer.Option(None, help="Recommendation models: column shards per column_wise table (each dim/shards wide). [default: as many 32-wide shards as the dim allows, at most the ranks]")
-EMBEDDING_MEMORY_GIB = typer.Option(None, help="Recommendation models: per-rank memory limit, GiB, for embedding tables and their optimizer state; no plan may exceed it. [default: the device's memory]")
+EMBEDDING_SHARDING = typer.Option(None, help="Recommendation models: every table's sharding (TorchRec's): data_parallel, table_wise, column_wise, row_wise, table_row_wise, or auto (a greedy planner: small tables data parallel, the rest largest first table-wise on the least-loaded rank with room, else column-wise, else table-row-wise, else row-wise; falling back to more even plans when it runs out of room). Per-table choices go in the plan YAML under `embeddings:`. [default: auto]", rich_help_panel="Recommendation models")
+LOCAL_WORLD_SIZE = typer.Option(None, help="Recommendation models: ranks per host (the mesh axis `local`); dp then counts hosts and the ranks are dp x local-world-size. table_row_wise splits a table's rows over one host's ranks. [default: 1]", rich_help_panel="Recommendation models")
+COLUMN_SHARDS = typer.Option(None, help="Recommendation models: column shards per column_wise table (each dim/shards wide). [default: as many 32-wide shards as the dim allows, at most the ranks]", rich_help_panel="Recommendation models")
+EMBEDDING_MEMORY_GIB = typer.Option(None, help="Recommendation models: per-rank memory limit, GiB, for embedding tables and their optimizer state; no plan may exceed it. [default: the device's memory]", rich_help_panel="Recommendation models")
 
 
-@app.command()
+@app.command(cls=_PanelledCommand)
 def generate(
-    model: str = typer.Argument(..., help="A zoo name (see `stg models`) or a path to a model YAML."),
-    out: Optional[Path] = typer.Option(None, "--out", "-o", help="Output directory; replaced atomically if it holds an earlier trace set. Required unless --count-only."),
-    plan_file: Optional[Path] = typer.Option(None, "--plan", help="A plan YAML with the same keys as these options; options given here override it."),
-    dp: Optional[int] = typer.Option(None, help="Data-parallel degree (Megatron-Core's): every rank of a tp x cp x pp model replica takes its own data; world = tp x cp x pp x dp. [default: 1]"),
-    tp: Optional[int] = typer.Option(None, help="Tensor-parallel degree (Megatron: heads, MLP and vocabulary split). [default: 1]"),
-    sp: Optional[bool] = typer.Option(None, "--sp/--no-sp", help="Sequence parallelism: the residual stream split on the sequence over tp. [default: on when tp > 1]"),
-    cp: Optional[int] = typer.Option(None, help="Context-parallel degree: the sequence split over cp, keys and values all-gathered. [default: 1]"),
-    pp: Optional[int] = typer.Option(None, help="Pipeline stages; blocks split evenly (first stage + embedding, last + head). [default: 1]"),
-    vpp: Optional[int] = typer.Option(None, help="Virtual stages (model chunks) per pipeline stage, for --schedule interleaved. [default: 1]"),
-    schedule: Optional[str] = typer.Option(None, help="Pipeline schedule: gpipe, 1f1b, interleaved or zb-h1 (see `stg schedule`). [default: 1f1b]"),
-    layers_per_stage: Optional[str] = typer.Option(None, help="Uneven split: blocks per virtual stage, comma-separated (e.g. 9,10,10,3), or auto: balanced by compute, the embedding counted on the first stage and the output layer + loss on the last (Megatron's --account-for-embedding/loss-in-pipeline-split, by FLOPs); the split is in summary.json. [default: even]"),
-    ep: Optional[int] = typer.Option(None, help="Expert-parallel degree (Megatron-Core's): routed experts split over ep ranks carved out of the dp data-parallel ranks (ep must divide dp; dp x cp / ep ranks hold each expert); token dispatch and combine are all-to-alls. [default: 1]"),
-    zero: Optional[int] = typer.Option(None, help="ZeRO stage over dp (x cp): 0 none, 1 optimizer states, 2 + gradients, 3 + parameters (FSDP). [default: 0]"),
-    recompute: Optional[str] = typer.Option(None, help="Activation recomputation: none, selective (the attention core) or full (each layer). [default: none]"),
-    flash_attention: Optional[bool] = typer.Option(None, "--flash-attention/--no-flash-attention", help="Fused attention: scores and probabilities stay on chip (no memory traffic, not saved). [default: on]"),
-    dtype: Optional[str] = typer.Option(None, help="Dtype of weights, activations and their communication: bf16, fp16 or fp32 (Megatron's --bf16/--fp16; fp32 GEMMs run at the device's TF32 peak). 16-bit weights get fp32 master copies and moments (16 bytes/param with AdamW), fp32 ones only moments (also 16). fp16's loss scaler costs nothing in the trace. [default: the model's, bf16 unless its YAML says]"),
-    grad_dtype: Optional[str] = typer.Option(None, help="Dtype of weight gradients, their accumulation and reduction: bf16 or fp32. [default: the weights' dtype]"),
-    optimizer: Optional[str] = typer.Option(None, help="Optimizer of the dense weights: adamw (fp32 moments, and an fp32 master copy of bf16 weights) or adagrad (one fp32 state per parameter; MLPerf DLRM-DCNv2's). Embedding tables use row-wise Adagrad. [default: adamw]"),
-    expert_skew: Optional[float] = typer.Option(None, help="Routing skew: expert e gets tokens in proportion to 1/(e+1)^s (Zipf); each expert-parallel slot then computes its own load (a rank class per slot), while all-to-alls stay capacity-padded. [default: 0, balanced]"),
-    capacity_factor: Optional[float] = typer.Option(None, help="Expert buffer slots per routed token (balanced routing): all-to-all sizes and expert compute scale with it. [default: 1.0]"),
-    make_vocab_divisible_by: Optional[int] = typer.Option(None, help="Pad the vocabulary to a multiple of this times tp (Megatron's flag; its default is 128). [default: 1: only what tp needs]"),
-    micro_batch: Optional[int] = typer.Option(None, help="Sequences per rank per forward/backward. [default: 1]"),
-    global_batch: Optional[int] = typer.Option(None, help="Sequences per optimizer step over all ranks; micro-batches per rank = global / (micro * dp). [default: micro-batch * dp]"),
-    seq: Optional[int] = typer.Option(None, help="Sequence length in tokens. [default: 2048]"),
-    attention_flops: Optional[str] = typer.Option(None, help="Count causal attention's score matrices as 'causal' (the unmasked half, as FlashAttention runs and Megatron-LM counts) or 'full' (the whole square, as PyTorch's FlopCounterMode). [default: causal]"),
-    bucket_mb: Optional[float] = typer.Option(None, help="Gradient bucket size in MiB for the data-parallel all-reduce. [default: 25, PyTorch DDP's]"),
-    device: Optional[str] = typer.Option(None, help="Device spec for compute durations: h100, h200, a100, b200, mi300x. [default: h100]"),
+    model: str = typer.Argument(..., help="A zoo name (see `stg models`) or a path to a model YAML.", rich_help_panel="Model & batch"),
+    out: Optional[Path] = typer.Option(None, "--out", "-o", help="Output directory; replaced atomically if it holds an earlier trace set. Required unless --count-only.", rich_help_panel="Output & scale"),
+    plan_file: Optional[Path] = typer.Option(None, "--plan", help="A plan YAML with the same keys as these options; options given here override it.", rich_help_panel="Model & batch"),
+    dp: Optional[int] = typer.Option(None, help="Data-parallel degree (Megatron-Core's): every rank of a tp x cp x pp model replica takes its own data; world = tp x cp x pp x dp. [default: 1]", rich_help_panel="Parallelism"),
+    tp: Optional[int] = typer.Option(None, help="Tensor-parallel degree (Megatron: heads, MLP and vocabulary split). [default: 1]", rich_help_panel="Parallelism"),
+    sp: Optional[bool] = typer.Option(None, "--sp/--no-sp", help="Sequence parallelism: the residual stream split on the sequence over tp. [default: on when tp > 1]", rich_help_panel="Parallelism"),
+    cp: Optional[int] = typer.Option(None, help="Context-parallel degree: the sequence split over cp, keys and values all-gathered. [default: 1]", rich_help_panel="Parallelism"),
+    pp: Optional[int] = typer.Option(None, help="Pipeline stages; blocks split evenly (first stage + embedding, last + head). [default: 1]", rich_help_panel="Parallelism"),
+    vpp: Optional[int] = typer.Option(None, help="Virtual stages (model chunks) per pipeline stage, for --schedule interleaved. [default: 1]", rich_help_panel="Parallelism"),
+    schedule: Optional[str] = typer.Option(None, help="Pipeline schedule: gpipe, 1f1b, interleaved or zb-h1 (see `stg schedule`). [default: 1f1b]", rich_help_panel="Parallelism"),
+    layers_per_stage: Optional[str] = typer.Option(None, help="Uneven split: blocks per virtual stage, comma-separated (e.g. 9,10,10,3), or auto: balanced by compute, the embedding counted on the first stage and the output layer + loss on the last (Megatron's --account-for-embedding/loss-in-pipeline-split, by FLOPs); the split is in summary.json. [default: even]", rich_help_panel="Parallelism"),
+    ep: Optional[int] = typer.Option(None, help="Expert-parallel degree (Megatron-Core's): routed experts split over ep ranks carved out of the dp data-parallel ranks (ep must divide dp; dp x cp / ep ranks hold each expert); token dispatch and combine are all-to-alls. [default: 1]", rich_help_panel="MoE"),
+    zero: Optional[int] = typer.Option(None, help="ZeRO stage over dp (x cp): 0 none, 1 optimizer states, 2 + gradients, 3 + parameters (FSDP). [default: 0]", rich_help_panel="Memory & precision"),
+    recompute: Optional[str] = typer.Option(None, help="Activation recomputation: none, selective (the attention core) or full (each layer). [default: none]", rich_help_panel="Memory & precision"),
+    flash_attention: Optional[bool] = typer.Option(None, "--flash-attention/--no-flash-attention", help="Fused attention: scores and probabilities stay on chip (no memory traffic, not saved). [default: on]", rich_help_panel="Memory & precision"),
+    dtype: Optional[str] = typer.Option(None, help="Dtype of weights, activations and their communication: bf16, fp16 or fp32 (Megatron's --bf16/--fp16; fp32 GEMMs run at the device's TF32 peak). 16-bit weights get fp32 master copies and moments (16 bytes/param with AdamW), fp32 ones only moments (also 16). fp16's loss scaler costs nothing in the trace. [default: the model's, bf16 unless its YAML says]", rich_help_panel="Memory & precision"),
+    grad_dtype: Optional[str] = typer.Option(None, help="Dtype of weight gradients, their accumulation and reduction: bf16 or fp32. [default: the weights' dtype]", rich_help_panel="Memory & precision"),
+    optimizer: Optional[str] = typer.Option(None, help="Optimizer of the dense weights: adamw (fp32 moments, and an fp32 master copy of bf16 weights) or adagrad (one fp32 state per parameter; MLPerf DLRM-DCNv2's). Embedding tables use row-wise Adagrad. [default: adamw]", rich_help_panel="Memory & precision"),
+    expert_skew: Optional[float] = typer.Option(None, help="Routing skew: expert e gets tokens in proportion to 1/(e+1)^s (Zipf); each expert-parallel slot then computes its own load (a rank class per slot), while all-to-alls stay capacity-padded. [default: 0, balanced]", rich_help_panel="MoE"),
+    capacity_factor: Optional[float] = typer.Option(None, help="Expert buffer slots per routed token (balanced routing): all-to-all sizes and expert compute scale with it. [default: 1.0]", rich_help_panel="MoE"),
+    make_vocab_divisible_by: Optional[int] = typer.Option(None, help="Pad the vocabulary to a multiple of this times tp (Megatron's flag; its default is 128). [default: 1: only what tp needs]", rich_help_panel="Model & batch"),
+    micro_batch: Optional[int] = typer.Option(None, help="Sequences per rank per forward/backward. [default: 1]", rich_help_panel="Model & batch"),
+    global_batch: Optional[int] = typer.Option(None, help="Sequences per optimizer step over all ranks; micro-batches per rank = global / (micro * dp). [default: micro-batch * dp]", rich_help_panel="Model & batch"),
+    seq: Optional[int] = typer.Option(None, help="Sequence length in tokens. [default: 2048]", rich_help_panel="Model & batch"),
+    attention_flops: Optional[str] = typer.Option(None, help="Count causal attention's score matrices as 'causal' (the unmasked half, as FlashAttention runs and Megatron-LM counts) or 'full' (the whole square, as PyTorch's FlopCounterMode). [default: causal]", rich_help_panel="Model & batch"),
+    bucket_mb: Optional[float] = typer.Option(None, help="Gradient bucket size in MiB for the data-parallel all-reduce. [default: 25, PyTorch DDP's]", rich_help_panel="Parallelism"),
+    device: Optional[str] = typer.Option(None, help="Device spec for compute durations: h100, h200, a100, b200, mi300x. [default: h100]", rich_help_panel="Memory & precision"),
     embedding_sharding: Optional[str] = EMBEDDING_SHARDING,
     local_world_size: Optional[int] = LOCAL_WORLD_SIZE,
     column_shards: Optional[int] = COLUMN_SHARDS,
     embedding_memory_gib: Optional[float] = EMBEDDING_MEMORY_GIB,
-    workers: Optional[int] = typer.Option(None, help="Processes that stamp rank files. [default: all cores]"),
-    ranks: Optional[str] = typer.Option(None, help="Write only ranks A:B (A included, B excluded) into OUT, each file byte-identical to a full run's; workload.json and summary.json are written too, the same for every range. Split a large set over machines this way."),
-    count_only: bool = typer.Option(False, "--count-only", help="Do everything but write: print the bytes and nodes a full set would have (JSON)."),
-    executor: str = typer.Option("local", help="Where ranks are written: local (processes on this machine) or dask (a Dask cluster; pip install 'stg[dask]')."),
-    scheduler: Optional[str] = typer.Option(None, help="With --executor dask: the scheduler address, e.g. tcp://HOST:8786; without it a LocalCluster starts. Workers must share OUT's storage."),
-    quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress bar and no summary line."),
+    workers: Optional[int] = typer.Option(None, help="Processes that stamp rank files. [default: all cores]", rich_help_panel="Output & scale"),
+    ranks: Optional[str] = typer.Option(None, help="Write only ranks A:B (A included, B excluded) into OUT, each file byte-identical to a full run's; workload.json and summary.json are written too, the same for every range. Split a large set over machines this way.", rich_help_panel="Output & scale"),
+    count_only: bool = typer.Option(False, "--count-only", help="Do everything but write: print the bytes and nodes a full set would have (JSON).", rich_help_panel="Output & scale"),
+    executor: str = typer.Option("local", help="Where ranks are written: local (processes on this machine) or dask (a Dask cluster; pip install 'stg[dask]').", rich_help_panel="Output & scale"),
+    scheduler: Optional[str] = typer.Option(None, help="With --executor dask: the scheduler address, e.g. tcp://HOST:8786; without it a LocalCluster starts. Workers must share OUT's storage.", rich_help_panel="Output & scale"),
+    quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress bar and no summary line.", rich_help_panel="Output & scale"),
 ):
     """Write OUT/workload.<rank>.et for every rank, OUT/workload.json (communicator groups) and OUT/summary.json."""
     import os

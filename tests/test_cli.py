@@ -197,6 +197,17 @@ def test_help_prints_every_option_with_its_default():
     assert "OUT/workload.<rank>.et" in text
 
 
+
+def test_generate_help_groups_options_in_panels():
+    text = run("generate", "--help").output
+    headings = [line[:-1] for line in text.splitlines() if line.endswith(":") and not line.startswith(" ")]
+    assert headings == ["Model & batch", "Parallelism", "Memory & precision", "MoE", "Recommendation models",
+                        "Output & scale", "Options"]
+    parallelism = text[text.index("\nParallelism:"):text.index("\nMemory & precision:")]
+    assert "--dp" in parallelism and "--layers-per-stage" in parallelism and "--ep" not in parallelism
+    assert "[default: 1f1b]" in " ".join(parallelism.split())
+
+
 def test_count_only_needs_no_output(tmp_path, tiny_llama):
     model = write_model(tmp_path, tiny_llama)
     result = run("generate", model, "--dp", "2", *TINY, "--count-only")
