@@ -28,10 +28,11 @@ class GraphOptions:
 
     flash_attention: bool = True  # attention scores stay on chip
     table_groups: tuple[TableGroup, ...] | None = None  # embedding tables as the plan groups them
+    fp8: bool = False  # linear layers' GEMMs in fp8 (Transformer Engine's recipe)
 
 
 def _transformer(config, options: GraphOptions) -> Graph:
-    return build_transformer(config, options.flash_attention)
+    return build_transformer(config, options.flash_attention, options.fp8)
 
 
 # family -> (config parser, graph builder)

@@ -161,13 +161,18 @@ class TransformerConfig:
         return sizes
 
 
-def build_transformer(config: TransformerConfig, flash_attention: bool = True) -> Graph:
+def build_transformer(config: TransformerConfig, flash_attention: bool = True, fp8: bool = False) -> Graph:
     """Forward graph of one micro-batch of B sequences of S tokens, loss included.
 
     Tensors that re-enter the residual stream are anchored with the tag "residual", so that a
     plan can lay the stream out its own way (sequence parallelism splits it on seq). With
     `flash_attention` the score and probability matrices stay on chip: FLOPs, no memory.
     The attention core's ops carry `attention_core` (what selective recompute re-runs).
+    With `fp8` the blocks' linear layers (q, k, v, out, and the dense MLP's) follow
+    Transformer Engine's recipe: their input is cast to fp8 once (the fp8 copy is what the
+    GEMM reads and the backward keeps), the GEMMs (forward, input and weight gradient) carry
+    `fp8` and run at the device's fp8 peak, the weights keep their 16-bit copy (autodiff adds
+    the per-step fp8 cast). Experts, MLA projections and the output layer stay 16-bit.
     """
     g = GraphBuilder(weight_dtype=DType.parse(config.dtype))
     bias = config.bias
@@ -181,14 +186,23 @@ def build_transformer(config: TransformerConfig, flash_attention: bool = True) -
         b = g.weight(f"{name}.bias", [H], ["embed"]) if config.norm == "layernorm" else None
         return g.norm(name, norm, x, weight, b)
 
+    fp8_copies: dict[str, str] = {}  # a linear input -> its fp8 copy (q, k and v share one)
+
+    def gemm(name: str, spec: str, x: str, weight: str) -> str:
+        if not fp8:
+            return g.einsum(name, spec, x, weight)
+        if x not in fp8_copies:
+            fp8_copies[x] = g.cast(f"{x}.fp8", x, DType.FP8)
+        return g.einsum(name, spec, fp8_copies[x], weight, fp8=True)
+
     def linear(name: str, spec: str, x: str, shape: list, dims: list[str], bias_shape: list,
                bias_dims: list[str], residual: bool = False, bias: bool = bias) -> str:
         """x @ W (+ b). A `residual` output is anchored to the residual stream's layout
         before its bias and dropout, where Megatron reduces a row-parallel output."""
         weight = g.weight(f"{name}.weight", shape, dims)
         if not bias and not residual:
-            return g.einsum(name, spec, x, weight)
-        out = g.einsum(f"{name}.matmul", spec, x, weight)
+            return gemm(name, spec, x, weight)
+        out = gemm(f"{name}.matmul", spec, x, weight)
         if residual:
             out = g.constrain(f"{name}.matmul.residual" if bias else name, out, "residual")
         if bias:

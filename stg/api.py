@@ -19,6 +19,7 @@ import sympy
 
 from model_zoo import GraphOptions, Model, load_model
 from model_zoo.dlrm import DLRMConfig
+from model_zoo.transformer import TransformerConfig
 from parallelism import sharding_spec
 from parallelism.embedding import EmbeddingPlan, plan_embeddings
 from stg.autodiff import training_graph
@@ -202,7 +203,9 @@ def build(model: Model | str | Path | Mapping, plan: Plan | Mapping) -> Workload
     mesh = plan.mesh()
     embeddings = embedding_plan(model, plan)
     stages = stage_plan(plan, model.layers, _block_costs(model, plan)) if plan.pp > 1 else None
-    options = GraphOptions(plan.flash_attention, embeddings.groups if embeddings else None)
+    if plan.fp8 and not isinstance(model.config, TransformerConfig):
+        raise PlanError(f"fp8: applies to transformer models, not {model.name} (family {model.family})")
+    options = GraphOptions(plan.flash_attention, embeddings.groups if embeddings else None, plan.fp8)
     structure = Structure(model.config, options, stages, plan.grad_dtype, plan.optimizer, plan.recompute,
                           sharding_spec(plan))
     sharded = _symbolic_passes(structure) if _hashable(structure) else structure.passes()

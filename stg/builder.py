@@ -66,7 +66,7 @@ class GraphBuilder:
             name,
             tuple(size[c] for c in out_letters),
             tuple(axis[c] for c in out_letters),
-            ta.dtype,
+            tb.dtype if ta.dtype is DType.FP8 else ta.dtype,  # an fp8 GEMM writes 16 bits
             Role.ACTIVATION,
             transient,
         )
@@ -83,6 +83,13 @@ class GraphBuilder:
             _check_broadcast(name, first, self.tensors[other])
         out = Tensor(name, first.shape, first.dims, first.dtype, Role.ACTIVATION, first.transient)
         self.add_op(name, OpKind.POINTWISE, inputs, (out,), {"fn": fn})
+        return name
+
+    def cast(self, name: str, x: str, dtype: DType) -> str:
+        """x in another dtype (Transformer Engine's fp8 copy of a linear layer's input)."""
+        src = self.tensors[x]
+        out = Tensor(name, src.shape, src.dims, dtype, Role.ACTIVATION, src.transient)
+        self.add_op(name, OpKind.POINTWISE, (x,), (out,), {"fn": Pointwise.CAST})
         return name
 
     def _masked(self, x: str, attrs: dict) -> dict:

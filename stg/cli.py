@@ -114,6 +114,7 @@ def generate(
     recompute: Optional[str] = typer.Option(None, help="Activation recomputation: none, selective (the attention core) or full (each layer). [default: none]", rich_help_panel="Memory & precision"),
     flash_attention: Optional[bool] = typer.Option(None, "--flash-attention/--no-flash-attention", help="Fused attention: scores and probabilities stay on chip (no memory traffic, not saved). [default: on]", rich_help_panel="Memory & precision"),
     dtype: Optional[str] = typer.Option(None, help="Dtype of weights, activations and their communication: bf16, fp16 or fp32 (Megatron's --bf16/--fp16; fp32 GEMMs run at the device's TF32 peak). 16-bit weights get fp32 master copies and moments (16 bytes/param with AdamW), fp32 ones only moments (also 16). fp16's loss scaler costs nothing in the trace. [default: the model's, bf16 unless its YAML says]", rich_help_panel="Memory & precision"),
+    fp8: Optional[bool] = typer.Option(None, "--fp8/--no-fp8", help="FP8 linear layers, Transformer Engine's recipe (Megatron's --fp8-format): each block's linear GEMMs (forward, input and weight gradient) at the device's fp8 peak, their inputs cast to fp8 once and kept in fp8 for the backward (sequence parallelism gathers the fp8 copy), weights keep their 16-bit copy plus an fp8 copy cast once per step. Routed/shared experts, MLA projections and the output layer stay 16-bit. Needs an fp8 device (h100, h200, b200, mi300x). [default: off]", rich_help_panel="Memory & precision"),
     grad_dtype: Optional[str] = typer.Option(None, help="Dtype of weight gradients, their accumulation and reduction: bf16 or fp32. [default: the weights' dtype]", rich_help_panel="Memory & precision"),
     optimizer: Optional[str] = typer.Option(None, help="Optimizer of the dense weights: adamw (fp32 moments, and an fp32 master copy of bf16 weights) or adagrad (one fp32 state per parameter; MLPerf DLRM-DCNv2's). Embedding tables use row-wise Adagrad. [default: adamw]", rich_help_panel="Memory & precision"),
     expert_skew: Optional[float] = typer.Option(None, help="Routing skew: expert e gets tokens in proportion to 1/(e+1)^s (Zipf); each expert-parallel slot then computes its own load (a rank class per slot), while all-to-alls stay capacity-padded. [default: 0, balanced]", rich_help_panel="MoE"),
@@ -144,7 +145,7 @@ def generate(
     from stg.plan import Plan
 
     given = dict(dp=dp, tp=tp, sp=sp, cp=cp, pp=pp, vpp=vpp, schedule=schedule, ep=ep, zero=zero, recompute=recompute,
-                 flash_attention=flash_attention, dtype=dtype, grad_dtype=grad_dtype, optimizer=optimizer, micro_batch=micro_batch,
+                 flash_attention=flash_attention, dtype=dtype, fp8=fp8, grad_dtype=grad_dtype, optimizer=optimizer, micro_batch=micro_batch,
                  make_vocab_divisible_by=make_vocab_divisible_by, capacity_factor=capacity_factor,
                  expert_skew=expert_skew,
                  global_batch=global_batch, seq=seq, attention_flops=attention_flops, bucket_mb=bucket_mb,

@@ -164,10 +164,13 @@ class _ProgramBuilder:
             self.stats.matmul_flops += flops
 
     def _operand_dtype(self, op: Op) -> DType:
-        """A GEMM runs at the peak of its narrowest operand (an fp8 GEMM casts the other one);
-        every other op at the device's 16-bit figure (they are bandwidth-bound)."""
+        """A GEMM runs at the peak of its narrowest operand, or at fp8's when it is one of an
+        fp8 linear layer's three GEMMs (the others' operands are cast inside, as Transformer
+        Engine's); every other op at the device's 16-bit figure (they are bandwidth-bound)."""
         if op.kind is not OpKind.EINSUM:
             return DType.BF16
+        if op.attrs.get("fp8"):
+            return DType.FP8
         return min((self.graph.tensors[i].dtype for i in op.inputs), key=lambda d: d.nbytes)
 
     def collective(self, name: str, members: list[Op], where: dict[str, int], extra_deps=()) -> int:

@@ -75,6 +75,8 @@ class Plan:
     flash_attention: bool = True  # attention scores stay on chip (no memory traffic, not saved)
     # weights, activations and their communication (bf16, fp16, fp32); default: the model's
     dtype: str | None = None
+    # linear layers' GEMMs in fp8, Transformer Engine's recipe (model_zoo/transformer.py)
+    fp8: bool = False
     grad_dtype: str | None = None  # weight gradients' accumulation and reduction dtype; default: the weight's
     optimizer: str = "adamw"  # the dense weights' optimizer: adamw or adagrad
     # the vocabulary is padded to a multiple of this times tp (Megatron's
@@ -159,6 +161,10 @@ class Plan:
             raise PlanError(f"embeddings: must map table names to shardings, got {self.embeddings!r}")
         if self.optimizer not in OPTIMIZERS:
             raise PlanError(f"optimizer: must be one of {list(OPTIMIZERS)}, got {self.optimizer!r}")
+        if not isinstance(self.fp8, bool):
+            raise PlanError(f"fp8: must be true or false, got {self.fp8!r}")
+        if self.fp8 and DEVICES[self.device].fp8_tflops is None:
+            raise PlanError(f"fp8: device {self.device} has no fp8 tensor cores")
         if self.dtype is not None and self.dtype not in DTYPES:
             raise PlanError(f"dtype: must be one of {list(DTYPES)}, got {self.dtype!r}")
         if self.grad_dtype is not None and self.grad_dtype not in GRAD_DTYPES:

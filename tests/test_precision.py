@@ -70,3 +70,75 @@ def test_fp32_set_validates(tmp_path):
     out = tmp_path / "set"
     generate(dict(LLAMA, layers=2), Plan(dp=2, tp=2, dtype="fp32", seq=16, global_batch=4), out, workers=1)
     assert validate(out) == []
+
+
+# -- fp8 (Transformer Engine's recipe) ---------------------------------------------------------
+SMALL = dict(name="l", family="llama", layers=2, hidden=64, ffn=176, heads=8, kv_heads=4, vocab=1000)
+S, B = 32, 2
+
+
+def test_fp8_keeps_the_linear_inputs_in_one_byte():
+    """Saved per Llama block (tests/test_memory.py's hand count) with fp8 linears: the inputs
+    of q/k/v (the attention norm's output), of the output projection (the attention context),
+    of gate/up (the MLP norm's output) and of down (the SwiGLU product) are kept as their fp8
+    copies, one byte per element; rotated q, k, v, the residuals and the SwiGLU inputs (16-bit
+    GEMM outputs) stay two bytes."""
+    h, f, r = 64, 176, 4 / 8
+    bf16 = S * B * h * (2 + 2 + 4 * r + 2 + 2 + 2 + 2) + 3 * 2 * S * B * f
+    fp8 = S * B * h * (1 + 2 + 4 * r + 1 + 2 + 1 + 2) + S * B * f * (2 + 2 + 1)
+    plan = dict(seq=S, micro_batch=B)
+    assert build(SMALL, Plan(**plan)).memory[0].activations_by_layer[1] == bf16
+    assert build(SMALL, Plan(**plan, fp8=True)).memory[0].activations_by_layer[1] == fp8
+
+
+def test_fp8_weights_keep_their_16_bit_copy_and_add_an_fp8_one():
+    """One byte more per parameter of the blocks' linear layers: q and o 64x64, k and v
+    64x32, gate, up and down 64x176, in 2 blocks."""
+    linear = 2 * (2 * 64 * 64 + 2 * 64 * 32 + 3 * 64 * 176)
+    plan = dict(seq=S, micro_batch=B)
+    workload = build(SMALL, Plan(**plan, fp8=True))
+    assert workload.memory[0].weights - build(SMALL, Plan(**plan)).memory[0].weights == linear
+    casts = [n for n in workload.programs[0].nodes if n.name.startswith("S ") and n.name.endswith(".next.fp8")]
+    assert len(casts) == 2 * 7  # once per step per linear weight
+
+
+def test_fp8_halves_the_linear_gemms_on_h100():
+    """H100 SXM: 1978.9 dense fp8 TFLOP/s, 989.4 bf16: the forward GEMM and both backward GEMMs
+    of a compute-bound linear layer take half as long, with the same FLOPs."""
+    model = dict(SMALL, hidden=2048, ffn=8192, heads=16, kv_heads=16, layers=1)
+    names = ("0F0 layers.0.mlp.up", "0B0 layers.0.mlp_norm.fp8.grad/1", "0B0 layers.0.mlp.up.weight.grad")
+    base = ("0F0 layers.0.mlp.up", "0B0 layers.0.mlp_norm.grad/1", "0B0 layers.0.mlp.up.weight.grad")
+
+    def gemms(fp8, wanted):
+        nodes = {n.name: n for n in build(model, Plan(fp8=fp8, seq=2048, micro_batch=4)).programs[0].nodes}
+        return [(nodes[name].flops, nodes[name].duration_us) for name in wanted]
+
+    flops = 2 * 4 * 2048 * 2048 * 8192
+    for (f16, d16), (f8, d8) in zip(gemms(False, base), gemms(True, names)):
+        assert f16 == f8 == flops
+        assert d16 == round(flops / 989.4e6) and d8 == round(flops / 1978.9e6)
+
+
+def test_fp8_sequence_parallel_gathers_the_fp8_copies():
+    """Under sequence parallelism the inputs of the column-parallel layers are all-gathered
+    as their fp8 copies: B.S.H/tp bytes per rank instead of 2 B.S.H/tp."""
+    from helpers import block_collectives
+
+    def gathers(fp8):
+        found = block_collectives(build(SMALL, Plan(tp=2, fp8=fp8, seq=S, micro_batch=B)), 1)
+        return sorted(size for (phase, kind, size), n in found.items() if phase == "F" and kind == "ALL_GATHER"
+                      for _ in range(n))
+
+    assert gathers(False) == [B * S * 64 * 2 // 2] * 2
+    assert gathers(True) == [B * S * 64 // 2] * 2
+
+
+def test_fp8_needs_an_fp8_device():
+    with pytest.raises(PlanError, match="fp8: device a100 has no fp8 tensor cores"):
+        Plan(fp8=True, device="a100")
+
+
+def test_fp8_set_validates(tmp_path):
+    out = tmp_path / "set"
+    generate(SMALL, Plan(dp=2, tp=2, pp=2, zero=1, fp8=True, seq=S, global_batch=4), out, workers=1)
+    assert validate(out) == []
