@@ -16,8 +16,15 @@ divide dp): the same group sizes, other members. Then, from the layouts alone:
     (the plan's dp ranks; x cp with context parallelism);
   - expert weight gradients contract only the tokens of their replica: reduced over mesh dp
     (x cp), the expert-data-parallel group of dp * cp / ep ranks;
-  - with tensor parallelism (and sequence parallelism), each tp rank routes its own tokens
-    and the experts are not split by tp (etp = 1): their gradients also reduce over tp.
+  - with tensor parallelism (and sequence parallelism) and etp = 1, each tp rank routes its
+    own tokens to whole experts: expert gradients also reduce over tp;
+  - with etp = tp (Megatron-Core's --expert-tensor-parallel-size, whose default is tp), each
+    expert's MLP dimension is split over tp (column-split gate/up, row-split down): the
+    received tokens are all-gathered over tp after the dispatch all-to-all, the experts'
+    partial outputs reduce-scattered over tp before the combine all-to-all (Megatron-Core's
+    alltoall dispatcher), and expert gradients reduce over the expert-data-parallel group
+    only. Expert ranks are then t + tp*(e + ep*d), Megatron-Core's expert order with
+    etp = tp. Other etp sizes re-fold tp with the data-parallel ranks: not implemented.
 ep must divide the experts and dp (clear errors otherwise), and the batch must divide dp.
 """
 
@@ -27,4 +34,7 @@ from stg.plan import Plan
 
 
 def rules(plan: Plan) -> dict[str, dict[str, tuple[str, ...]]]:
-    return {"data": {"batch": ("ep",)}, "params": {"expert": ("ep",)}}
+    params = {"expert": ("ep",)}
+    if plan.etp > 1:  # etp = tp: each expert's MLP dimension over the tp ranks
+        params["expert_mlp"] = ("tp",)
+    return {"data": {"batch": ("ep",)}, "params": params}

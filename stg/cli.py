@@ -117,6 +117,7 @@ def generate(
     fp8: Optional[bool] = typer.Option(None, "--fp8/--no-fp8", help="FP8 linear layers, Transformer Engine's recipe (Megatron's --fp8-format): each block's linear GEMMs (forward, input and weight gradient) at the device's fp8 peak, their inputs cast to fp8 once and kept in fp8 for the backward (sequence parallelism gathers the fp8 copy), weights keep their 16-bit copy plus an fp8 copy cast once per step. Routed/shared experts, MLA projections and the output layer stay 16-bit. Needs an fp8 device (h100, h200, b200, mi300x). [default: off]", rich_help_panel="Memory & precision"),
     grad_dtype: Optional[str] = typer.Option(None, help="Dtype of weight gradients, their accumulation and reduction: bf16 or fp32. [default: the weights' dtype]", rich_help_panel="Memory & precision"),
     optimizer: Optional[str] = typer.Option(None, help="Optimizer of the dense weights: adamw (fp32 moments, and an fp32 master copy of bf16 weights) or adagrad (one fp32 state per parameter; MLPerf DLRM-DCNv2's). Embedding tables use row-wise Adagrad. [default: adamw]", rich_help_panel="Memory & precision"),
+    etp: Optional[int] = typer.Option(None, help="Expert tensor parallelism (Megatron-Core's --expert-tensor-parallel-size): 1, or tp to split every expert's MLP dimension over the tp ranks (tokens all-gathered over tp after the dispatch all-to-all, partial outputs reduce-scattered before the combine). Megatron-Core's default is tp; stg's is 1 (each tp rank routes its own tokens to whole experts), so plans keep their meaning; other sizes are not implemented. [default: 1]", rich_help_panel="MoE"),
     expert_skew: Optional[float] = typer.Option(None, help="Routing skew: expert e gets tokens in proportion to 1/(e+1)^s (Zipf); each expert-parallel slot then computes its own load (a rank class per slot), while all-to-alls stay capacity-padded. [default: 0, balanced]", rich_help_panel="MoE"),
     capacity_factor: Optional[float] = typer.Option(None, help="Expert buffer slots per routed token (balanced routing): all-to-all sizes and expert compute scale with it. [default: 1.0]", rich_help_panel="MoE"),
     make_vocab_divisible_by: Optional[int] = typer.Option(None, help="Pad the vocabulary to a multiple of this times tp (Megatron's flag; its default is 128). [default: 1: only what tp needs]", rich_help_panel="Model & batch"),
@@ -144,7 +145,7 @@ def generate(
     from stg.api import generate as run
     from stg.plan import Plan
 
-    given = dict(dp=dp, tp=tp, sp=sp, cp=cp, pp=pp, vpp=vpp, schedule=schedule, ep=ep, zero=zero, recompute=recompute,
+    given = dict(dp=dp, tp=tp, sp=sp, cp=cp, pp=pp, vpp=vpp, schedule=schedule, ep=ep, etp=etp, zero=zero, recompute=recompute,
                  flash_attention=flash_attention, dtype=dtype, fp8=fp8, grad_dtype=grad_dtype, optimizer=optimizer, micro_batch=micro_batch,
                  make_vocab_divisible_by=make_vocab_divisible_by, capacity_factor=capacity_factor,
                  expert_skew=expert_skew,

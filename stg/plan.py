@@ -64,6 +64,9 @@ class Plan:
     pp: int = 1
     cp: int = 1
     ep: int = 1
+    # expert tensor parallelism (Megatron-Core's --expert-tensor-parallel-size): 1, or tp (the
+    # experts split on their MLP dimension over the tp ranks); Megatron-Core's default is tp
+    etp: int = 1
     vpp: int = 1  # virtual stages (model chunks) per pipeline stage, for the interleaved schedule
     schedule: str = "1f1b"  # pipeline schedule: gpipe, 1f1b, interleaved, zb-h1
     # blocks per virtual stage; "auto": balanced by compute (embedding on the first, output
@@ -106,9 +109,13 @@ class Plan:
     device: str = DEFAULT_DEVICE
 
     def __post_init__(self):
-        for name in ("dp", "tp", "pp", "cp", "ep", "vpp", "micro_batch", "seq", "make_vocab_divisible_by",
+        for name in ("dp", "tp", "pp", "cp", "ep", "etp", "vpp", "micro_batch", "seq", "make_vocab_divisible_by",
                      "local_world_size"):
             _positive_int(name, getattr(self, name))
+        if self.etp not in (1, self.tp):
+            raise PlanError(
+                f"etp={self.etp}: must be 1 or tp={self.tp}; stg splits experts over the tp ranks or not at all "
+                "(Megatron-Core's other sizes re-fold tp with the data-parallel ranks, not implemented)")
         if self.dp % self.ep:
             raise PlanError(
                 f"ep={self.ep}: must divide dp={self.dp}; dp counts every data-parallel rank (Megatron-Core's "

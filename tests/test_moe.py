@@ -168,3 +168,72 @@ def test_old_plan_files_giving_dp_and_ep_are_refused_with_the_conversion(tmp_pat
     assert Plan.from_yaml(new).world_size == 16
     (tmp_path / "dense.yaml").write_text("dp: 4\n")  # no ep: nothing changed
     assert Plan.from_yaml(tmp_path / "dense.yaml").world_size == 4
+
+
+# -- expert tensor parallelism (etp = tp) -------------------------------------------------------
+ETP_PLAN = dict(tp=2, ep=4, dp=4, micro_batch=1, global_batch=4, seq=S)
+
+
+def test_etp_conserves_flops_and_validates(tmp_path):
+    """tp=2 x dp=4 = 8 ranks on 4 sequences do the work of one rank on all 4 (within 1 %: the
+    tp ranks repeat the router and the combine of their gathered tokens)."""
+    one = fb_total(build(MOE, Plan(micro_batch=4, global_batch=4, seq=S)))
+    out = tmp_path / "set"
+    summary = generate(MOE, Plan(**ETP_PLAN, etp=2), out, workers=1)
+    assert summary["world_size"] == 8
+    assert abs(summary["totals"]["flops_forward_backward"] / one - 1) < 0.01
+    assert validate(out) == []
+
+
+def test_etp_splits_each_expert_over_tp():
+    """Expert weights per rank: 3 matrices of H x Fe for each of E/ep experts, Fe split over
+    etp, bf16; the rest of the model's weights unchanged."""
+    expert_bytes = 2 * 3 * (8 // 4) * 64 * 96 * 2  # 2 layers
+    weights = {etp: build(MOE, Plan(**ETP_PLAN, etp=etp)).memory[0].weights for etp in (1, 2)}
+    assert weights[1] - weights[2] == expert_bytes // 2
+
+
+def test_etp_collectives_follow_megatron_cores_alltoall_dispatcher():
+    """Per MoE layer forward, on each rank (B.S/tp tokens under sequence parallelism, k = 2
+    copies, H = 64, bf16): the dispatch all-to-all over ep, an all-gather of the received
+    tokens over tp (the experts' column split needs them whole), the experts' partial sums
+    reduce-scattered over tp, the combine all-to-all over ep (Megatron-Core's
+    MoEAlltoAllTokenDispatcher with etp > 1). Expert gradients no longer reduce over tp."""
+    from stg.lower import Evaluator
+
+    workload = build(MOE, Plan(**ETP_PLAN, etp=2))
+    evaluate = Evaluator(workload.bindings)
+    per_rank = 1 * S // 2 * 2 * 64 * 2
+    def expert_collectives(phases):
+        return [(op.attrs["collective"].name, op.attrs["axes"], evaluate(op.bytes)) for op in workload.sharded.graph.ops
+                if op.kind is OpKind.COLLECTIVE and op.phase.value in phases and op.name.startswith("layers.1.experts.")]
+
+    one_way = [("ALL_TO_ALL", ("ep",), per_rank), ("ALL_GATHER", ("tp",), per_rank),
+               ("REDUCE_SCATTER", ("tp",), 2 * per_rank), ("ALL_TO_ALL", ("ep",), per_rank)]
+    assert expert_collectives("F") == one_way
+    # the backward mirrors it; the tokens the experts received are kept for their weight
+    # gradients (as Megatron-Core's grouped GEMM keeps them), not fetched again
+    assert expert_collectives("BW") == one_way
+    step = [op for op in workload.sharded.graph.ops
+            if op.kind is OpKind.COLLECTIVE and op.phase.value == "S" and ".experts." in op.name]
+    assert step == []  # dp = ep: no expert-data-parallel replicas, and nothing over tp
+
+
+def test_etp_must_be_one_or_tp():
+    from stg.errors import PlanError
+
+    with pytest.raises(PlanError, match="etp=4: must be 1 or tp=2"):
+        Plan(tp=2, etp=4)
+
+
+def test_etp_expert_gradients_reduce_over_the_expert_data_parallel_group_only():
+    """tp=2, dp=4, ep=2: 2 expert-data-parallel replicas (mesh dp). With etp=1 each tp rank
+    holds whole experts and its own tokens' gradient: reduced over dp and tp; with etp=tp the
+    tp ranks hold different halves: reduced over dp alone."""
+    def axes(etp):
+        workload = build(MOE, Plan(tp=2, dp=4, ep=2, etp=etp, micro_batch=1, global_batch=4, seq=S))
+        return {op.attrs["axes"] for op in workload.sharded.graph.ops
+                if op.kind is OpKind.COLLECTIVE and op.phase.value == "S" and ".experts." in op.name}
+
+    assert axes(1) == {("dp", "tp")}
+    assert axes(2) == {("dp",)}
