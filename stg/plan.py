@@ -225,6 +225,10 @@ class Plan:
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any], where: str = "plan") -> "Plan":
+        data = dict(data)
+        version = data.pop("plan_version", PLAN_VERSION)  # the plan files' mark of dp's meaning
+        if version != PLAN_VERSION:
+            raise PlanError(f"{where}: plan_version: must be {PLAN_VERSION}, got {version!r}")
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(data) - known)
         if unknown:
@@ -263,15 +267,11 @@ PLAN_VERSION = 2  # 2: dp counts every data-parallel rank, ep is carved out of i
 
 
 def _current_meaning(data: dict, where: str) -> dict:
-    """The plan file's keys without `plan_version`. A file that gives dp and ep > 1 without
-    it may mean the old dp (expert-data-parallel replicas, world dp * ep * ...): refused, with
-    the conversion, rather than silently given fewer ranks."""
-    data = dict(data)
-    version = data.pop("plan_version", None)
-    if version is not None and version != PLAN_VERSION:
-        raise PlanError(f"{where}: plan_version: must be {PLAN_VERSION}, got {version!r}")
+    """A plan file that gives dp and ep > 1 without `plan_version` may mean the old dp
+    (expert-data-parallel replicas, world dp * ep * ...): refused, with the conversion, rather
+    than silently given fewer ranks."""
     ep = data.get("ep", 1)
-    if version is None and "dp" in data and isinstance(ep, int) and ep > 1:
+    if "plan_version" not in data and "dp" in data and isinstance(ep, int) and ep > 1:
         dp = data["dp"]
         raise PlanError(
             f"{where}: gives dp={dp} and ep={ep}, whose meaning changed: dp now counts every data-parallel "
