@@ -161,7 +161,8 @@ class TransformerConfig:
         return sizes
 
 
-def build_transformer(config: TransformerConfig, flash_attention: bool = True, fp8: bool = False) -> Graph:
+def build_transformer(config: TransformerConfig, flash_attention: bool = True, fp8: bool = False,
+                      fp8_params: bool = False) -> Graph:
     """Forward graph of one micro-batch of B sequences of S tokens, loss included.
 
     Tensors that re-enter the residual stream are anchored with the tag "residual", so that a
@@ -173,6 +174,8 @@ def build_transformer(config: TransformerConfig, flash_attention: bool = True, f
     GEMM reads and the backward keeps), the GEMMs (forward, input and weight gradient) carry
     `fp8` and run at the device's fp8 peak, the weights keep their 16-bit copy (autodiff adds
     the per-step fp8 cast). Experts, MLA projections and the output layer stay 16-bit.
+    With `fp8_params` (Megatron's --fp8-param-gather) those weights are stored in fp8 only:
+    gathered in fp8, updated from the fp32 master copy straight into fp8.
     """
     g = GraphBuilder(weight_dtype=DType.parse(config.dtype))
     bias = config.bias
@@ -199,7 +202,7 @@ def build_transformer(config: TransformerConfig, flash_attention: bool = True, f
                bias_dims: list[str], residual: bool = False, bias: bool = bias) -> str:
         """x @ W (+ b). A `residual` output is anchored to the residual stream's layout
         before its bias and dropout, where Megatron reduces a row-parallel output."""
-        weight = g.weight(f"{name}.weight", shape, dims)
+        weight = g.weight(f"{name}.weight", shape, dims, DType.FP8 if fp8_params else None)
         if not bias and not residual:
             return gemm(name, spec, x, weight)
         out = gemm(f"{name}.matmul", spec, x, weight)

@@ -205,7 +205,8 @@ def build(model: Model | str | Path | Mapping, plan: Plan | Mapping) -> Workload
     stages = stage_plan(plan, model.layers, _block_costs(model, plan)) if plan.pp > 1 else None
     if plan.fp8 and not isinstance(model.config, TransformerConfig):
         raise PlanError(f"fp8: applies to transformer models, not {model.name} (family {model.family})")
-    options = GraphOptions(plan.flash_attention, embeddings.groups if embeddings else None, plan.fp8)
+    options = GraphOptions(plan.flash_attention, embeddings.groups if embeddings else None, plan.fp8,
+                           plan.fp8_param_gather)
     structure = Structure(model.config, options, stages, plan.grad_dtype, plan.optimizer, plan.recompute,
                           sharding_spec(plan))
     sharded = _symbolic_passes(structure) if _hashable(structure) else structure.passes()

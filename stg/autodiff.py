@@ -38,8 +38,10 @@ class _Backward:
         # write 16-bit gradients)
         self.cast_from = {op.outputs[0]: op.inputs[0] for op in forward.ops
                           if op.kind is OpKind.POINTWISE and op.attrs["fn"] is Pointwise.CAST}
-        # weights read by fp8 GEMMs: an fp8 copy is cast once per step, after the update
-        self.fp8_weights = {op.inputs[1] for op in forward.ops if op.kind is OpKind.EINSUM and op.attrs.get("fp8")}
+        # weights read by fp8 GEMMs -> the GEMM's output dtype: a 16-bit weight gets an fp8 copy
+        # cast once per step; an fp8 weight (fp8 parameters) gets gradients in that dtype
+        self.fp8_weights = {op.inputs[1]: forward.tensors[op.outputs[0]].dtype for op in forward.ops
+                            if op.kind is OpKind.EINSUM and op.attrs.get("fp8")}
 
     # -- bookkeeping ------------------------------------------------------------------------
     def _is_weight(self, name: str) -> bool:
@@ -48,7 +50,8 @@ class _Backward:
     def _grad_tensor(self, of: str, name: str) -> Tensor:
         src = self.forward.tensors[of]
         if self._is_weight(of):
-            return Tensor(name, src.shape, src.dims, self.grad_dtype or src.dtype, Role.GRADIENT)
+            dtype = self.fp8_weights[of] if src.dtype is DType.FP8 else src.dtype
+            return Tensor(name, src.shape, src.dims, self.grad_dtype or dtype, Role.GRADIENT)
         dtype = self.forward.tensors[self.cast_from[of]].dtype if of in self.cast_from else src.dtype
         return Tensor(name, src.shape, src.dims, dtype, Role.ACTIVATION, src.transient)
 
@@ -250,7 +253,7 @@ class _Backward:
         stored = replace(updated, name=f"{weight.name}.next.stored")
         self.g.add_op(stored.name, OpKind.CONSTRAIN, (updated.name,), [stored], {"tag": "param"},
                       phase=Phase.STEP, layer=layer)
-        if weight.name in self.fp8_weights:  # Transformer Engine's fp8 weight copy, kept until the next step
+        if weight.name in self.fp8_weights and weight.dtype is not DType.FP8:  # TE's fp8 copy, kept until the next step
             copy = Tensor(f"{weight.name}.next.fp8", weight.shape, weight.dims, DType.FP8, Role.WEIGHT)
             self.g.add_op(copy.name, OpKind.POINTWISE, (stored.name,), [copy], {"fn": Pointwise.CAST},
                           phase=Phase.STEP, layer=layer)

@@ -66,7 +66,8 @@ class GraphBuilder:
             name,
             tuple(size[c] for c in out_letters),
             tuple(axis[c] for c in out_letters),
-            tb.dtype if ta.dtype is DType.FP8 else ta.dtype,  # an fp8 GEMM writes 16 bits
+            # an fp8 GEMM writes the model's 16-bit dtype
+            self.weight_dtype if DType.FP8 in (ta.dtype, tb.dtype) else ta.dtype,
             Role.ACTIVATION,
             transient,
         )

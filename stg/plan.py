@@ -80,6 +80,7 @@ class Plan:
     dtype: str | None = None
     # linear layers' GEMMs in fp8, Transformer Engine's recipe (model_zoo/transformer.py)
     fp8: bool = False
+    fp8_param_gather: bool = False  # those layers' weights kept and gathered in fp8 only (Megatron's flag)
     grad_dtype: str | None = None  # weight gradients' accumulation and reduction dtype; default: the weight's
     optimizer: str = "adamw"  # the dense weights' optimizer: adamw or adagrad
     # the vocabulary is padded to a multiple of this times tp (Megatron's
@@ -168,8 +169,11 @@ class Plan:
             raise PlanError(f"embeddings: must map table names to shardings, got {self.embeddings!r}")
         if self.optimizer not in OPTIMIZERS:
             raise PlanError(f"optimizer: must be one of {list(OPTIMIZERS)}, got {self.optimizer!r}")
-        if not isinstance(self.fp8, bool):
-            raise PlanError(f"fp8: must be true or false, got {self.fp8!r}")
+        if not isinstance(self.fp8, bool) or not isinstance(self.fp8_param_gather, bool):
+            raise PlanError(f"fp8 and fp8_param_gather: must be true or false, got {self.fp8!r}, {self.fp8_param_gather!r}")
+        if self.fp8_param_gather and not (self.fp8 and self.zero >= 1):
+            raise PlanError("fp8_param_gather: gathers the fp8 parameters, so it needs fp8 and zero >= 1 (Megatron's "
+                            "distributed optimizer; 3 for FSDP)")
         if self.fp8 and DEVICES[self.device].fp8_tflops is None:
             raise PlanError(f"fp8: device {self.device} has no fp8 tensor cores")
         if self.dtype is not None and self.dtype not in DTYPES:

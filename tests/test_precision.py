@@ -142,3 +142,30 @@ def test_fp8_set_validates(tmp_path):
     out = tmp_path / "set"
     generate(SMALL, Plan(dp=2, tp=2, pp=2, zero=1, fp8=True, seq=S, global_batch=4), out, workers=1)
     assert validate(out) == []
+
+
+def test_fp8_param_gather_keeps_and_gathers_the_fp8_weights_only():
+    """ZeRO-1 on dp=4: the blocks' linear weights (92,160 parameters, above) are stored as one
+    byte instead of two plus the fp8 copy, and the new parameters are all-gathered in fp8:
+    a rank's gathered shard shrinks by 92,160 / 4 bytes. Gradients (bf16) and the fp32 master
+    copy and moments are unchanged."""
+    linear = 2 * (2 * 64 * 64 + 2 * 64 * 32 + 3 * 64 * 176)
+    plan = dict(dp=4, zero=1, seq=S, micro_batch=B, fp8=True)
+    copy, own = build(SMALL, Plan(**plan)), build(SMALL, Plan(**plan, fp8_param_gather=True))
+    assert copy.memory[0].weights - own.memory[0].weights == 2 * linear
+    assert (copy.memory[0].gradients, copy.memory[0].optimizer_states) == (
+        own.memory[0].gradients, own.memory[0].optimizer_states)
+    gathered = [w.programs[0].stats.comm_bytes["ALL_GATHER"] for w in (copy, own)]
+    assert gathered[0] - gathered[1] == linear // 4
+    assert copy.programs[0].stats.comm_bytes["REDUCE_SCATTER"] == own.programs[0].stats.comm_bytes["REDUCE_SCATTER"]
+
+
+def test_fp8_param_gather_needs_fp8_and_a_sharded_optimizer():
+    with pytest.raises(PlanError, match="fp8_param_gather: .* needs fp8 and zero >= 1"):
+        Plan(fp8=True, fp8_param_gather=True)
+
+
+def test_fp8_param_gather_fsdp_set_validates(tmp_path):
+    out = tmp_path / "set"
+    generate(SMALL, Plan(dp=4, zero=3, fp8=True, fp8_param_gather=True, seq=S, global_batch=4), out, workers=1)
+    assert validate(out) == []
