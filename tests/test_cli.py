@@ -35,7 +35,12 @@ def write_model(tmp_path, spec):
         (["llama3-8b", "--device", "tpu9"], "device: unknown device 'tpu9'"),
         (["mixtral-8x7b", "--dp", "3", "--ep", "3"], "ep=3 does not divide expert dimension E=8"),
         (["llama3-8b", "--capacity-factor", "0"], "capacity_factor: must be a positive number"),
-        (["llama3-8b", "--pp", "3"], "pp*vpp=3 does not divide layers=32; give layers_per_stage"),
+        (["mixtral-8x7b", "--dp", "2", "--ep", "4"], "ep=4: must divide dp=2"),
+        (["mixtral-8x7b", "--dp", "4", "--ep", "4", "--tp", "2", "--etp", "4"], "etp=4: must be 1 or tp=2"),
+        (["llama3-8b", "--dtype", "fp64"], "dtype: must be one of ['bf16', 'fp16', 'fp32'], got 'fp64'"),
+        (["llama3-8b", "--fp8", "--device", "a100"], "fp8: device a100 has no fp8 tensor cores"),
+        (["dlrm-kaggle", "--fp8"], "fp8: applies to transformer models"),
+        (["llama3-8b", "--pp", "3"], "pp*vpp=3 does not divide layers=32; give layers_per_stage for an uneven split (a list, or auto"),
         (["llama3-8b", "--pp", "2", "--vpp", "2"], "vpp=2: virtual stages need schedule interleaved"),
         (["llama3-8b", "--pp", "4", "--schedule", "interleaved", "--vpp", "2", "--global-batch", "6"],
          "microbatches=6 must be a multiple of pp=4 for the interleaved schedule"),
@@ -214,3 +219,11 @@ def test_count_only_needs_no_output(tmp_path, tiny_llama):
     assert result.exit_code == 0 and json.loads(result.output)["ranks"] == 2
     result = run("generate", model, "--dp", "2", *TINY)
     assert result.exit_code == 2 and "give an output directory" in result.output
+
+
+def test_an_old_plan_file_giving_dp_and_ep_fails_with_the_conversion(tmp_path):
+    plan = tmp_path / "old.yaml"
+    plan.write_text("dp: 2\nep: 4\n")  # written when the world was dp x ep = 8 ranks
+    result = run("generate", "mixtral-8x7b", "--plan", plan, "-o", tmp_path / "out")
+    assert result.exit_code == 2 and result.output.strip().count("\n") == 0
+    assert "write dp: 8; then add plan_version: 2" in result.output
