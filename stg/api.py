@@ -144,6 +144,8 @@ class Workload:
             "mesh": dict(self.mesh.axes),
             "world_size": world,
             "microbatches": self.plan.microbatches,
+            # Megatron-Core's expert-data-parallel size: ranks holding the same experts
+            **({"expert_data_parallel": self.plan.expert_data_parallel} if self.plan.ep > 1 else {}),
             # blocks per virtual stage (the first also runs the embedding, the last the head)
             **({"layers_per_stage": list(self.stages.split(self.model.layers))} if self.stages else {}),
             "tokens_per_step": self.plan.global_batch * self.plan.seq,

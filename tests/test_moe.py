@@ -133,6 +133,8 @@ def test_dp_counts_every_data_parallel_rank():
     four = build(MOE, Plan(dp=4, ep=4, micro_batch=1, global_batch=4, seq=S))
     one = build(MOE, Plan(micro_batch=4, global_batch=4, seq=S))
     assert four.mesh.size == 4 and four.mesh.sizes["ep"] == 4 and four.mesh.sizes["dp"] == 1
+    assert four.summary()["expert_data_parallel"] == 1
+    assert build(MOE, Plan(dp=8, ep=4, micro_batch=1, global_batch=8, seq=S)).summary()["expert_data_parallel"] == 2
     assert fb_total(four) == fb_total(one)
     assert four.programs[0].stats.comm_count["ALL_TO_ALL"] > 0
 
