@@ -3,8 +3,8 @@ per-rank memory of each pipeline stage.
 
     python benchmarks/bench_moe.py [--scratch DIR] [--keep]
 
-moe-2t (model_zoo/models/moe-2t.yaml): pp=8 (8x5 + 7x3 blocks), dp=4, ep=64 (8 of its 512
-experts per rank), tp=8, ZeRO-1, seq 4096, 2 micro-batches per rank.
+moe-2t (model_zoo/models/moe-2t.yaml): pp=8 (8x5 + 7x3 blocks), dp=256 (of them ep=64:
+4 expert-data-parallel replicas) (8 of its 512 experts per rank), tp=8, ZeRO-1, seq 4096, 2 micro-batches per rank.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from pathlib import Path
 
 from child import run_stg
 
-PLAN = ["moe-2t", "--pp", "8", "--layers-per-stage", "8,8,8,8,8,7,7,7", "--dp", "4", "--ep", "64", "--tp", "8",
+PLAN = ["moe-2t", "--pp", "8", "--layers-per-stage", "8,8,8,8,8,7,7,7", "--dp", "256", "--ep", "64", "--tp", "8",
         "--zero", "1", "--seq", "4096", "--global-batch", "512"]
 
 

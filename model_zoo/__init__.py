@@ -28,10 +28,12 @@ class GraphOptions:
 
     flash_attention: bool = True  # attention scores stay on chip
     table_groups: tuple[TableGroup, ...] | None = None  # embedding tables as the plan groups them
+    fp8: bool = False  # linear layers' GEMMs in fp8 (Transformer Engine's recipe)
+    fp8_params: bool = False  # and their weights stored in fp8 (no 16-bit copy)
 
 
 def _transformer(config, options: GraphOptions) -> Graph:
-    return build_transformer(config, options.flash_attention)
+    return build_transformer(config, options.flash_attention, options.fp8, options.fp8_params)
 
 
 # family -> (config parser, graph builder)

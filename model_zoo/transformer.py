@@ -21,9 +21,10 @@ from model_zoo import moe
 from stg.builder import GraphBuilder
 from stg.costs import NormKind, Pointwise
 from stg.errors import ModelSpecError
-from stg.graph import Graph
+from stg.graph import DType, Graph
 from stg.symbols import ATTN_FRACTION, B, S
 
+MODEL_DTYPES = ("bf16", "fp16", "fp32")
 H, F, A, AKV, DH, V, P = sympy.symbols("H F A Akv Dh V P", positive=True, integer=True)
 
 FAMILY_DEFAULTS: dict[str, dict[str, Any]] = {
@@ -73,6 +74,9 @@ class TransformerConfig:
     qk_nope_head_dim: int | None = None
     qk_rope_head_dim: int | None = None
     v_head_dim: int | None = None
+    # weights, activations and their communication: bf16, fp16 or fp32 (the optimizer keeps
+    # fp32 master weights and moments of 16-bit ones; a plan's dtype overrides this)
+    dtype: str = "bf16"
 
     @classmethod
     def from_dict(cls, spec: dict) -> "TransformerConfig":
@@ -127,7 +131,7 @@ class TransformerConfig:
                 if getattr(self, key) is None:
                     raise ModelSpecError(f"{where}: multi-head latent attention needs {key}")
         choices = {"norm": ("layernorm", "rmsnorm"), "mlp": ("gelu", "swiglu"), "positions": ("learned", "rope"),
-                   "attention": ("gqa", "mla")}
+                   "attention": ("gqa", "mla"), "dtype": MODEL_DTYPES}
         for key, allowed in choices.items():
             if getattr(self, key) not in allowed:
                 raise ModelSpecError(f"{where}: {key} must be one of {list(allowed)}, got {getattr(self, key)!r}")
@@ -157,15 +161,23 @@ class TransformerConfig:
         return sizes
 
 
-def build_transformer(config: TransformerConfig, flash_attention: bool = True) -> Graph:
+def build_transformer(config: TransformerConfig, flash_attention: bool = True, fp8: bool = False,
+                      fp8_params: bool = False) -> Graph:
     """Forward graph of one micro-batch of B sequences of S tokens, loss included.
 
     Tensors that re-enter the residual stream are anchored with the tag "residual", so that a
     plan can lay the stream out its own way (sequence parallelism splits it on seq). With
     `flash_attention` the score and probability matrices stay on chip: FLOPs, no memory.
     The attention core's ops carry `attention_core` (what selective recompute re-runs).
+    With `fp8` the blocks' linear layers (q, k, v, out, and the dense MLP's) follow
+    Transformer Engine's recipe: their input is cast to fp8 once (the fp8 copy is what the
+    GEMM reads and the backward keeps), the GEMMs (forward, input and weight gradient) carry
+    `fp8` and run at the device's fp8 peak, the weights keep their 16-bit copy (autodiff adds
+    the per-step fp8 cast). Experts, MLA projections and the output layer stay 16-bit.
+    With `fp8_params` (Megatron's --fp8-param-gather) those weights are stored in fp8 only:
+    gathered in fp8, updated from the fp32 master copy straight into fp8.
     """
-    g = GraphBuilder()
+    g = GraphBuilder(weight_dtype=DType.parse(config.dtype))
     bias = config.bias
     dropout = config.dropout > 0
     norm = NormKind.LAYER_NORM if config.norm == "layernorm" else NormKind.RMS_NORM
@@ -177,14 +189,23 @@ def build_transformer(config: TransformerConfig, flash_attention: bool = True) -
         b = g.weight(f"{name}.bias", [H], ["embed"]) if config.norm == "layernorm" else None
         return g.norm(name, norm, x, weight, b)
 
+    fp8_copies: dict[str, str] = {}  # a linear input -> its fp8 copy (q, k and v share one)
+
+    def gemm(name: str, spec: str, x: str, weight: str) -> str:
+        if not fp8:
+            return g.einsum(name, spec, x, weight)
+        if x not in fp8_copies:
+            fp8_copies[x] = g.cast(f"{x}.fp8", x, DType.FP8)
+        return g.einsum(name, spec, fp8_copies[x], weight, fp8=True)
+
     def linear(name: str, spec: str, x: str, shape: list, dims: list[str], bias_shape: list,
                bias_dims: list[str], residual: bool = False, bias: bool = bias) -> str:
         """x @ W (+ b). A `residual` output is anchored to the residual stream's layout
         before its bias and dropout, where Megatron reduces a row-parallel output."""
-        weight = g.weight(f"{name}.weight", shape, dims)
+        weight = g.weight(f"{name}.weight", shape, dims, DType.FP8 if fp8_params else None)
         if not bias and not residual:
-            return g.einsum(name, spec, x, weight)
-        out = g.einsum(f"{name}.matmul", spec, x, weight)
+            return gemm(name, spec, x, weight)
+        out = gemm(f"{name}.matmul", spec, x, weight)
         if residual:
             out = g.constrain(f"{name}.matmul.residual" if bias else name, out, "residual")
         if bias:

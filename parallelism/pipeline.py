@@ -1,8 +1,9 @@
 """Pipeline parallelism: blocks placed on stages; the schedule (stg/schedule.py) orders them.
 
 The model's blocks are split over pp * vpp virtual stages, evenly unless the plan gives
-`layers_per_stage`; the first virtual stage also holds the embedding (block 0), the last
-the output layer and loss (block L + 1). Virtual stage c * pp + r runs on pipeline rank r as
+`layers_per_stage` (a list, or `auto`: balanced by compute, see `balanced_split`); the first
+virtual stage also holds the embedding (block 0), the last the output layer and loss
+(block L + 1). Virtual stage c * pp + r runs on pipeline rank r as
 its chunk c (Megatron's interleaving). Edges between stages become send/recv pairs when
 the rank classes are lowered (stg/lower.py).
 """
@@ -10,6 +11,7 @@ the rank classes are lowered (stg/lower.py).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Sequence
 
 from stg.errors import PlanError
 from stg.plan import Plan
@@ -36,16 +38,27 @@ class StagePlan:
         return stage % self.pp, stage // self.pp
 
 
-def stage_plan(plan: Plan, layers: int) -> StagePlan:
+    def split(self, layers: int) -> tuple[int, ...]:
+        """Blocks per virtual stage (the embedding and head not counted)."""
+        starts = (1, *self.first_block[1:], layers + 1)
+        return tuple(b - a for a, b in zip(starts, starts[1:]))
+
+
+def stage_plan(plan: Plan, layers: int, block_costs: Sequence[int] | None = None) -> StagePlan:
+    """`block_costs`: per block 0..L+1 (embedding, blocks, head and loss), what `auto` balances."""
     stages = plan.pp * plan.vpp
-    if plan.layers_per_stage is not None:
+    if plan.layers_per_stage == "auto":
+        assert block_costs is not None and len(block_costs) == layers + 2
+        split = balanced_split(block_costs, stages)
+    elif plan.layers_per_stage is not None:
         split = plan.layers_per_stage
         if sum(split) != layers:
             raise PlanError(f"layers_per_stage: {list(split)} sums to {sum(split)}, but the model has {layers} blocks")
     else:
         if layers % stages:
             raise PlanError(
-                f"pp*vpp={stages} does not divide layers={layers}; give layers_per_stage for an uneven split"
+                f"pp*vpp={stages} does not divide layers={layers}; give layers_per_stage for an uneven split "
+                "(a list, or auto to balance the stages' compute)"
             )
         split = (layers // stages,) * stages
     first, start = [], 1
@@ -54,6 +67,45 @@ def stage_plan(plan: Plan, layers: int) -> StagePlan:
         start += count
     first[0] = 0  # the embedding goes with the first stage
     return StagePlan(plan.pp, plan.vpp, tuple(first))
+
+
+def balanced_split(costs: Sequence[int], stages: int) -> tuple[int, ...]:
+    """Blocks per stage, each stage at least one, minimising the costliest stage, where the
+    first stage also pays costs[0] (the embedding) and the last costs[-1] (output layer and
+    loss): Megatron's accounting of the embedding and loss in the pipeline split, by compute.
+    Of the splits with that bottleneck, the one with the fewest blocks on the earliest stages
+    (lexicographically least): early stages hold the most micro-batches' activations under
+    1F1B. Exact (dynamic programming over suffixes), deterministic, integer arithmetic."""
+    blocks = list(costs[1:-1])
+    n = len(blocks)
+    if stages == 1:
+        return (n,)
+    if n < stages:
+        raise PlanError(f"layers_per_stage: auto needs a block per stage, but the model has {n} blocks for "
+                        f"{stages} stages")
+    prefix = [0]
+    for c in blocks:
+        prefix.append(prefix[-1] + c)
+    span = lambda i, j: prefix[j] - prefix[i]  # blocks i..j-1
+    # rest[s][i]: the least bottleneck of blocks i.. over s stages, the last paying the head
+    rest = [[None] * (n + 1) for _ in range(stages)]
+    for i in range(n):
+        rest[1][i] = span(i, n) + costs[-1]
+    for s in range(2, stages):
+        for i in range(n - s + 1):
+            rest[s][i] = min(max(span(i, j), rest[s - 1][j]) for j in range(i + 1, n - s + 2))
+    first = lambda j: span(0, j) + costs[0]
+    bottleneck = min(max(first(j), rest[stages - 1][j]) for j in range(1, n - stages + 2))
+    split, start = [], 0
+    for stage in range(stages - 1):
+        left = stages - 1 - stage  # stages after this one
+        extra = costs[0] if stage == 0 else 0
+        end = next(j for j in range(start + 1, n - left + 1)
+                   if span(start, j) + extra <= bottleneck and rest[left][j] <= bottleneck)
+        split.append(end - start)
+        start = end
+    split.append(n - start)
+    return tuple(split)
 
 
 @dataclass(frozen=True)

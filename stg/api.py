@@ -10,7 +10,7 @@ its sharded graph, its rank-class programs, its summary.
 from __future__ import annotations
 
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, fields, replace
 from functools import cached_property
 from pathlib import Path
 from typing import Any, Mapping
@@ -19,6 +19,7 @@ import sympy
 
 from model_zoo import GraphOptions, Model, load_model
 from model_zoo.dlrm import DLRMConfig
+from model_zoo.transformer import TransformerConfig
 from parallelism import sharding_spec
 from parallelism.embedding import EmbeddingPlan, plan_embeddings
 from stg.autodiff import training_graph
@@ -60,6 +61,7 @@ class Workload:
     variant_axes: tuple[str, ...] = ()
     variant_map: tuple[int, ...] = ()
     embeddings: EmbeddingPlan | None = None
+    stages: Any = None  # StagePlan when pipelined
 
     @property
     def variants(self) -> int:
@@ -142,6 +144,10 @@ class Workload:
             "mesh": dict(self.mesh.axes),
             "world_size": world,
             "microbatches": self.plan.microbatches,
+            # Megatron-Core's expert-data-parallel size: ranks holding the same experts
+            **({"expert_data_parallel": self.plan.expert_data_parallel} if self.plan.ep > 1 else {}),
+            # blocks per virtual stage (the first also runs the embedding, the last the head)
+            **({"layers_per_stage": list(self.stages.split(self.model.layers))} if self.stages else {}),
             "tokens_per_step": self.plan.global_batch * self.plan.seq,
             "groups": {str(k): self.group_ids.groups_of(k) for k in self.group_ids.kinds},
             "totals": {
@@ -165,15 +171,44 @@ def _check_fits(model: Model, plan: Plan) -> None:
         raise PlanError(f"seq={plan.seq} exceeds model {model.name}'s max_positions={limit} (learned positions)")
 
 
+def _block_costs(model: Model, plan: Plan) -> list[int] | None:
+    """Forward FLOPs of one micro-batch per block 0..L+1, for `layers_per_stage: auto` (the
+    backward's GEMMs are twice their forward, so forward FLOPs rank the blocks alike)."""
+    if plan.layers_per_stage != "auto":
+        return None
+    graph = model.forward_graph(GraphOptions(plan.flash_attention))
+    values = {**model.config.sizes(vocab_multiple=plan.make_vocab_divisible_by * plan.tp), B: plan.micro_batch,
+              S: plan.seq, ATTN_FRACTION: plan.attention_flops.fraction, CF: sympy.Rational(str(plan.capacity_factor)),
+              LOAD: 1}
+    per_block = Counter()
+    for op in graph.ops:
+        per_block[op.layer] += sympy.sympify(op.flops).xreplace(values)
+    return [int(sympy.ceiling(per_block[layer])) for layer in range(model.layers + 2)]
+
+
+def _in_dtype(model: Model, plan: Plan) -> Model:
+    """The model in the plan's dtype (part of its config, so graphs of two dtypes never share
+    a cache entry)."""
+    if plan.dtype is None or plan.dtype == getattr(model.config, "dtype", None):
+        return model
+    if not any(f.name == "dtype" for f in fields(model.config)):
+        raise PlanError(f"dtype: model {model.name} (family {model.family}) has no dtype to set")
+    return Model(replace(model.config, dtype=plan.dtype), model.source)
+
+
 def build(model: Model | str | Path | Mapping, plan: Plan | Mapping) -> Workload:
     """Every pass from the model description to the rank-class programs."""
     model = model if isinstance(model, Model) else load_model(model)
     plan = plan if isinstance(plan, Plan) else Plan.from_dict(plan)
+    model = _in_dtype(model, plan)
     _check_fits(model, plan)
     mesh = plan.mesh()
     embeddings = embedding_plan(model, plan)
-    stages = stage_plan(plan, model.layers) if plan.pp > 1 else None
-    options = GraphOptions(plan.flash_attention, embeddings.groups if embeddings else None)
+    stages = stage_plan(plan, model.layers, _block_costs(model, plan)) if plan.pp > 1 else None
+    if plan.fp8 and not isinstance(model.config, TransformerConfig):
+        raise PlanError(f"fp8: applies to transformer models, not {model.name} (family {model.family})")
+    options = GraphOptions(plan.flash_attention, embeddings.groups if embeddings else None, plan.fp8,
+                           plan.fp8_param_gather)
     structure = Structure(model.config, options, stages, plan.grad_dtype, plan.optimizer, plan.recompute,
                           sharding_spec(plan))
     sharded = _symbolic_passes(structure) if _hashable(structure) else structure.passes()
@@ -213,7 +248,7 @@ def build(model: Model | str | Path | Mapping, plan: Plan | Mapping) -> Workload
             programs.append(lower(sharded, evaluate, device_spec(plan.device), pipeline=pipeline,
                                   bucket_bytes=int(plan.bucket_mb * 2**20), rank=rank, comm_evaluate=shared))
     return Workload(model, plan, mesh, sharded, tuple(programs), tuple(memories), bindings, variant_axes,
-                    variant_map, embeddings)
+                    variant_map, embeddings, stages)
 
 
 @dataclass(frozen=True)

@@ -34,6 +34,14 @@ class _Backward:
         self.layer_of: dict[str, int] = {}  # gradient tensor -> the block of the op that made it
         self.optimizer: dict[str, Optimizer] = {}  # weights not stepped by AdamW
         self.updated: set[str] = set()  # weights updated in the backward (fused embedding kernels)
+        # a cast's output -> its input: the gradient keeps the input's dtype (fp8 GEMMs
+        # write 16-bit gradients)
+        self.cast_from = {op.outputs[0]: op.inputs[0] for op in forward.ops
+                          if op.kind is OpKind.POINTWISE and op.attrs["fn"] is Pointwise.CAST}
+        # weights read by fp8 GEMMs -> the GEMM's output dtype: a 16-bit weight gets an fp8 copy
+        # cast once per step; an fp8 weight (fp8 parameters) gets gradients in that dtype
+        self.fp8_weights = {op.inputs[1]: forward.tensors[op.outputs[0]].dtype for op in forward.ops
+                            if op.kind is OpKind.EINSUM and op.attrs.get("fp8")}
 
     # -- bookkeeping ------------------------------------------------------------------------
     def _is_weight(self, name: str) -> bool:
@@ -42,8 +50,10 @@ class _Backward:
     def _grad_tensor(self, of: str, name: str) -> Tensor:
         src = self.forward.tensors[of]
         if self._is_weight(of):
-            return Tensor(name, src.shape, src.dims, self.grad_dtype or src.dtype, Role.GRADIENT)
-        return Tensor(name, src.shape, src.dims, src.dtype, Role.ACTIVATION, src.transient)
+            dtype = self.fp8_weights[of] if src.dtype is DType.FP8 else src.dtype
+            return Tensor(name, src.shape, src.dims, self.grad_dtype or dtype, Role.GRADIENT)
+        dtype = self.forward.tensors[self.cast_from[of]].dtype if of in self.cast_from else src.dtype
+        return Tensor(name, src.shape, src.dims, dtype, Role.ACTIVATION, src.transient)
 
     def _phase(self, of: str) -> Phase:
         return Phase.BACKWARD_WEIGHT if self._is_weight(of) else Phase.BACKWARD_INPUT
@@ -94,6 +104,10 @@ class _Backward:
 
     def pointwise(self, op: Op, dout: str) -> None:
         fn = op.attrs["fn"]
+        if fn is Pointwise.CAST:  # the gradient passes through (in the input's dtype)
+            if op.inputs[0] in self.needs_grad:
+                self.contributions.setdefault(op.inputs[0], []).append(dout)
+            return
         if fn is Pointwise.ADD:
             # d(a + b) = dout for each; a broadcast operand sums dout over the axes it lacks
             out = self.forward.tensors[op.outputs[0]]
@@ -239,6 +253,10 @@ class _Backward:
         stored = replace(updated, name=f"{weight.name}.next.stored")
         self.g.add_op(stored.name, OpKind.CONSTRAIN, (updated.name,), [stored], {"tag": "param"},
                       phase=Phase.STEP, layer=layer)
+        if weight.name in self.fp8_weights and weight.dtype is not DType.FP8:  # TE's fp8 copy, kept until the next step
+            copy = Tensor(f"{weight.name}.next.fp8", weight.shape, weight.dims, DType.FP8, Role.WEIGHT)
+            self.g.add_op(copy.name, OpKind.POINTWISE, (stored.name,), [copy], {"fn": Pointwise.CAST},
+                          phase=Phase.STEP, layer=layer)
 
 
 def _density(op: Op) -> dict:

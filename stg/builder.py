@@ -17,19 +17,20 @@ from stg.graph import DType, Graph, Op, OpKind, Phase, Role, Tensor
 
 
 class GraphBuilder:
-    def __init__(self, graph: Graph | None = None):
+    def __init__(self, graph: Graph | None = None, weight_dtype: DType = DType.BF16):
         self.tensors: dict[str, Tensor] = dict(graph.tensors) if graph else {}
         self.ops: list[Op] = list(graph.ops) if graph else []
         self._op_names = {op.name for op in self.ops}
         self.layer = 0
         self.phase = Phase.FORWARD
+        self.weight_dtype = weight_dtype  # the model's dtype: its weights, and so its activations
 
     # -- leaves -------------------------------------------------------------------------------
     def input(self, name: str, shape: Sequence, dims: Sequence[str], dtype: DType = DType.INT64) -> str:
         return self._tensor(Tensor(name, tuple(shape), tuple(dims), dtype, Role.INPUT))
 
-    def weight(self, name: str, shape: Sequence, dims: Sequence[str], dtype: DType = DType.BF16) -> str:
-        return self._tensor(Tensor(name, tuple(shape), tuple(dims), dtype, Role.WEIGHT))
+    def weight(self, name: str, shape: Sequence, dims: Sequence[str], dtype: DType | None = None) -> str:
+        return self._tensor(Tensor(name, tuple(shape), tuple(dims), dtype or self.weight_dtype, Role.WEIGHT))
 
     def state(self, name: str, shape: Sequence, dims: Sequence[str], dtype: DType = DType.FP32) -> str:
         return self._tensor(Tensor(name, tuple(shape), tuple(dims), dtype, Role.OPTIMIZER_STATE))
@@ -65,7 +66,8 @@ class GraphBuilder:
             name,
             tuple(size[c] for c in out_letters),
             tuple(axis[c] for c in out_letters),
-            ta.dtype,
+            # an fp8 GEMM writes the model's 16-bit dtype
+            self.weight_dtype if DType.FP8 in (ta.dtype, tb.dtype) else ta.dtype,
             Role.ACTIVATION,
             transient,
         )
@@ -82,6 +84,13 @@ class GraphBuilder:
             _check_broadcast(name, first, self.tensors[other])
         out = Tensor(name, first.shape, first.dims, first.dtype, Role.ACTIVATION, first.transient)
         self.add_op(name, OpKind.POINTWISE, inputs, (out,), {"fn": fn})
+        return name
+
+    def cast(self, name: str, x: str, dtype: DType) -> str:
+        """x in another dtype (Transformer Engine's fp8 copy of a linear layer's input)."""
+        src = self.tensors[x]
+        out = Tensor(name, src.shape, src.dims, dtype, Role.ACTIVATION, src.transient)
+        self.add_op(name, OpKind.POINTWISE, (x,), (out,), {"fn": Pointwise.CAST})
         return name
 
     def _masked(self, x: str, attrs: dict) -> dict:

@@ -29,6 +29,24 @@ app = typer.Typer(
 )
 err = Console(stderr=True)
 
+# generate's help panels, in print order (typer draws panels only in rich markup mode)
+PANELS = ("Model & batch", "Parallelism", "Memory & precision", "MoE", "Recommendation models", "Output & scale")
+
+
+class _PanelledCommand(typer.core.TyperCommand):
+    """Help printed as written (no markup), options grouped under their rich_help_panel."""
+
+    def format_options(self, ctx, formatter) -> None:
+        sections: dict[str, list] = {}
+        for param in self.get_params(ctx):
+            record = param.get_help_record(ctx)
+            if record is not None:
+                panel = getattr(param, "rich_help_panel", None) or "Options"
+                sections.setdefault(panel, []).append(record)
+        for title in sorted(sections, key=lambda t: PANELS.index(t) if t in PANELS else len(PANELS)):
+            with formatter.section(title):
+                formatter.write_dl(sections[title])
+
 
 def _stdout() -> Console:
     """Tables on stdout: as wide as they need when piped (rich would cut them at 80 columns)."""
@@ -72,50 +90,54 @@ def models(as_json: bool = typer.Option(False, "--json", help="Print a JSON list
 
 
 # options of recommendation models, shared by `generate` and `plan-embeddings`
-EMBEDDING_SHARDING = typer.Option(None, help="Recommendation models: every table's sharding (TorchRec's): data_parallel, table_wise, column_wise, row_wise, table_row_wise, or auto (a greedy planner: small tables data parallel, the rest largest first table-wise on the least-loaded rank with room, else column-wise, else table-row-wise, else row-wise; falling back to more even plans when it runs out of room). Per-table choices go in the plan YAML under `embeddings:`. [default: auto]")
-LOCAL_WORLD_SIZE = typer.Option(None, help="Recommendation models: ranks per host (the mesh axis `local`); dp then counts hosts and the ranks are dp x local-world-size. table_row_wise splits a table's rows over one host's ranks. [default: 1]")
-COLUMN_SHARDS = typer.Option(None, help="Recommendation models: column shards per column_wise table (each dim/shards wide). [default: as many 32-wide shards as the dim allows, at most the ranks]")
-EMBEDDING_MEMORY_GIB = typer.Option(None, help="Recommendation models: per-rank memory limit, GiB, for embedding tables and their optimizer state; no plan may exceed it. [default: the device's memory]")
+EMBEDDING_SHARDING = typer.Option(None, help="Recommendation models: every table's sharding (TorchRec's): data_parallel, table_wise, column_wise, row_wise, table_row_wise, or auto (a greedy planner: small tables data parallel, the rest largest first table-wise on the least-loaded rank with room, else column-wise, else table-row-wise, else row-wise; falling back to more even plans when it runs out of room). Per-table choices go in the plan YAML under `embeddings:`. [default: auto]", rich_help_panel="Recommendation models")
+LOCAL_WORLD_SIZE = typer.Option(None, help="Recommendation models: ranks per host (the mesh axis `local`); dp then counts hosts and the ranks are dp x local-world-size. table_row_wise splits a table's rows over one host's ranks. [default: 1]", rich_help_panel="Recommendation models")
+COLUMN_SHARDS = typer.Option(None, help="Recommendation models: column shards per column_wise table (each dim/shards wide). [default: as many 32-wide shards as the dim allows, at most the ranks]", rich_help_panel="Recommendation models")
+EMBEDDING_MEMORY_GIB = typer.Option(None, help="Recommendation models: per-rank memory limit, GiB, for embedding tables and their optimizer state; no plan may exceed it. [default: the device's memory]", rich_help_panel="Recommendation models")
 
 
-@app.command()
+@app.command(cls=_PanelledCommand)
 def generate(
-    model: str = typer.Argument(..., help="A zoo name (see `stg models`) or a path to a model YAML."),
-    out: Optional[Path] = typer.Option(None, "--out", "-o", help="Output directory; replaced atomically if it holds an earlier trace set. Required unless --count-only."),
-    plan_file: Optional[Path] = typer.Option(None, "--plan", help="A plan YAML with the same keys as these options; options given here override it."),
-    dp: Optional[int] = typer.Option(None, help="Data-parallel degree. [default: 1]"),
-    tp: Optional[int] = typer.Option(None, help="Tensor-parallel degree (Megatron: heads, MLP and vocabulary split). [default: 1]"),
-    sp: Optional[bool] = typer.Option(None, "--sp/--no-sp", help="Sequence parallelism: the residual stream split on the sequence over tp. [default: on when tp > 1]"),
-    cp: Optional[int] = typer.Option(None, help="Context-parallel degree: the sequence split over cp, keys and values all-gathered. [default: 1]"),
-    pp: Optional[int] = typer.Option(None, help="Pipeline stages; blocks split evenly (first stage + embedding, last + head). [default: 1]"),
-    vpp: Optional[int] = typer.Option(None, help="Virtual stages (model chunks) per pipeline stage, for --schedule interleaved. [default: 1]"),
-    schedule: Optional[str] = typer.Option(None, help="Pipeline schedule: gpipe, 1f1b, interleaved or zb-h1 (see `stg schedule`). [default: 1f1b]"),
-    layers_per_stage: Optional[str] = typer.Option(None, help="Uneven split: blocks per virtual stage, comma-separated (e.g. 9,10,10,3)."),
-    ep: Optional[int] = typer.Option(None, help="Expert-parallel degree: routed experts split over ep, carved out of the data-parallel ranks (the batch splits over dp x ep); token dispatch and combine are all-to-alls. [default: 1]"),
-    zero: Optional[int] = typer.Option(None, help="ZeRO stage over dp (x cp): 0 none, 1 optimizer states, 2 + gradients, 3 + parameters (FSDP). [default: 0]"),
-    recompute: Optional[str] = typer.Option(None, help="Activation recomputation: none, selective (the attention core) or full (each layer). [default: none]"),
-    flash_attention: Optional[bool] = typer.Option(None, "--flash-attention/--no-flash-attention", help="Fused attention: scores and probabilities stay on chip (no memory traffic, not saved). [default: on]"),
-    grad_dtype: Optional[str] = typer.Option(None, help="Dtype of weight gradients, their accumulation and reduction: bf16 or fp32. [default: the weights' dtype]"),
-    optimizer: Optional[str] = typer.Option(None, help="Optimizer of the dense weights: adamw (fp32 moments, and an fp32 master copy of bf16 weights) or adagrad (one fp32 state per parameter; MLPerf DLRM-DCNv2's). Embedding tables use row-wise Adagrad. [default: adamw]"),
-    expert_skew: Optional[float] = typer.Option(None, help="Routing skew: expert e gets tokens in proportion to 1/(e+1)^s (Zipf); each expert-parallel slot then computes its own load (a rank class per slot), while all-to-alls stay capacity-padded. [default: 0, balanced]"),
-    capacity_factor: Optional[float] = typer.Option(None, help="Expert buffer slots per routed token (balanced routing): all-to-all sizes and expert compute scale with it. [default: 1.0]"),
-    make_vocab_divisible_by: Optional[int] = typer.Option(None, help="Pad the vocabulary to a multiple of this times tp (Megatron's flag; its default is 128). [default: 1: only what tp needs]"),
-    micro_batch: Optional[int] = typer.Option(None, help="Sequences per rank per forward/backward. [default: 1]"),
-    global_batch: Optional[int] = typer.Option(None, help="Sequences per optimizer step over all ranks; micro-batches per rank = global / (micro * dp). [default: micro-batch * dp]"),
-    seq: Optional[int] = typer.Option(None, help="Sequence length in tokens. [default: 2048]"),
-    attention_flops: Optional[str] = typer.Option(None, help="Count causal attention's score matrices as 'causal' (the unmasked half, as FlashAttention runs and Megatron-LM counts) or 'full' (the whole square, as PyTorch's FlopCounterMode). [default: causal]"),
-    bucket_mb: Optional[float] = typer.Option(None, help="Gradient bucket size in MiB for the data-parallel all-reduce. [default: 25, PyTorch DDP's]"),
-    device: Optional[str] = typer.Option(None, help="Device spec for compute durations: h100, h200, a100, b200, mi300x. [default: h100]"),
+    model: str = typer.Argument(..., help="A zoo name (see `stg models`) or a path to a model YAML.", rich_help_panel="Model & batch"),
+    out: Optional[Path] = typer.Option(None, "--out", "-o", help="Output directory; replaced atomically if it holds an earlier trace set. Required unless --count-only.", rich_help_panel="Output & scale"),
+    plan_file: Optional[Path] = typer.Option(None, "--plan", help="A plan YAML with the same keys as these options; options given here override it.", rich_help_panel="Model & batch"),
+    dp: Optional[int] = typer.Option(None, help="Data-parallel degree (Megatron-Core's): every rank of a tp x cp x pp model replica takes its own data; world = tp x cp x pp x dp. [default: 1]", rich_help_panel="Parallelism"),
+    tp: Optional[int] = typer.Option(None, help="Tensor-parallel degree (Megatron: heads, MLP and vocabulary split). [default: 1]", rich_help_panel="Parallelism"),
+    sp: Optional[bool] = typer.Option(None, "--sp/--no-sp", help="Sequence parallelism: the residual stream split on the sequence over tp. [default: on when tp > 1]", rich_help_panel="Parallelism"),
+    cp: Optional[int] = typer.Option(None, help="Context-parallel degree: the sequence split over cp, keys and values all-gathered. [default: 1]", rich_help_panel="Parallelism"),
+    pp: Optional[int] = typer.Option(None, help="Pipeline stages; blocks split evenly (first stage + embedding, last + head). [default: 1]", rich_help_panel="Parallelism"),
+    vpp: Optional[int] = typer.Option(None, help="Virtual stages (model chunks) per pipeline stage, for --schedule interleaved. [default: 1]", rich_help_panel="Parallelism"),
+    schedule: Optional[str] = typer.Option(None, help="Pipeline schedule: gpipe, 1f1b, interleaved or zb-h1 (see `stg schedule`). [default: 1f1b]", rich_help_panel="Parallelism"),
+    layers_per_stage: Optional[str] = typer.Option(None, help="Uneven split: blocks per virtual stage, comma-separated (e.g. 9,10,10,3), or auto: balanced by compute, the embedding counted on the first stage and the output layer + loss on the last (Megatron's --account-for-embedding/loss-in-pipeline-split, by FLOPs); the split is in summary.json. [default: even]", rich_help_panel="Parallelism"),
+    ep: Optional[int] = typer.Option(None, help="Expert-parallel degree (Megatron-Core's): routed experts split over ep ranks carved out of the dp data-parallel ranks (ep must divide dp; dp x cp / ep ranks hold each expert); token dispatch and combine are all-to-alls. [default: 1]", rich_help_panel="MoE"),
+    zero: Optional[int] = typer.Option(None, help="ZeRO stage over dp (x cp): 0 none, 1 optimizer states, 2 + gradients, 3 + parameters (FSDP). [default: 0]", rich_help_panel="Memory & precision"),
+    recompute: Optional[str] = typer.Option(None, help="Activation recomputation: none, selective (the attention core) or full (each layer). [default: none]", rich_help_panel="Memory & precision"),
+    flash_attention: Optional[bool] = typer.Option(None, "--flash-attention/--no-flash-attention", help="Fused attention: scores and probabilities stay on chip (no memory traffic, not saved). [default: on]", rich_help_panel="Memory & precision"),
+    dtype: Optional[str] = typer.Option(None, help="Dtype of weights, activations and their communication: bf16, fp16 or fp32 (Megatron's --bf16/--fp16; fp32 GEMMs run at the device's TF32 peak). 16-bit weights get fp32 master copies and moments (16 bytes/param with AdamW), fp32 ones only moments (also 16). fp16's loss scaler costs nothing in the trace. [default: the model's, bf16 unless its YAML says]", rich_help_panel="Memory & precision"),
+    fp8: Optional[bool] = typer.Option(None, "--fp8/--no-fp8", help="FP8 linear layers, Transformer Engine's recipe (Megatron's --fp8-format): each block's linear GEMMs (forward, input and weight gradient) at the device's fp8 peak, their inputs cast to fp8 once and kept in fp8 for the backward (sequence parallelism gathers the fp8 copy), weights keep their 16-bit copy plus an fp8 copy cast once per step. Routed/shared experts, MLA projections and the output layer stay 16-bit. Needs an fp8 device (h100, h200, b200, mi300x). [default: off]", rich_help_panel="Memory & precision"),
+    fp8_param_gather: Optional[bool] = typer.Option(None, "--fp8-param-gather/--no-fp8-param-gather", help="With --fp8 and --zero >= 1 (Megatron's flag): the fp8 layers' weights are kept in fp8 only (no 16-bit copy) and gathered in fp8; the optimizer updates them from its fp32 master copy. [default: off]", rich_help_panel="Memory & precision"),
+    grad_dtype: Optional[str] = typer.Option(None, help="Dtype of weight gradients, their accumulation and reduction: bf16 or fp32. [default: the weights' dtype]", rich_help_panel="Memory & precision"),
+    optimizer: Optional[str] = typer.Option(None, help="Optimizer of the dense weights: adamw (fp32 moments, and an fp32 master copy of bf16 weights) or adagrad (one fp32 state per parameter; MLPerf DLRM-DCNv2's). Embedding tables use row-wise Adagrad. [default: adamw]", rich_help_panel="Memory & precision"),
+    etp: Optional[int] = typer.Option(None, help="Expert tensor parallelism (Megatron-Core's --expert-tensor-parallel-size): 1, or tp to split every expert's MLP dimension over the tp ranks (tokens all-gathered over tp after the dispatch all-to-all, partial outputs reduce-scattered before the combine). Megatron-Core's default is tp; stg's is 1 (each tp rank routes its own tokens to whole experts), so plans keep their meaning; other sizes are not implemented. [default: 1]", rich_help_panel="MoE"),
+    expert_skew: Optional[float] = typer.Option(None, help="Routing skew: expert e gets tokens in proportion to 1/(e+1)^s (Zipf); each expert-parallel slot then computes its own load (a rank class per slot), while all-to-alls stay capacity-padded. [default: 0, balanced]", rich_help_panel="MoE"),
+    capacity_factor: Optional[float] = typer.Option(None, help="Expert buffer slots per routed token (balanced routing): all-to-all sizes and expert compute scale with it. [default: 1.0]", rich_help_panel="MoE"),
+    make_vocab_divisible_by: Optional[int] = typer.Option(None, help="Pad the vocabulary to a multiple of this times tp (Megatron's flag; its default is 128). [default: 1: only what tp needs]", rich_help_panel="Model & batch"),
+    micro_batch: Optional[int] = typer.Option(None, help="Sequences per rank per forward/backward. [default: 1]", rich_help_panel="Model & batch"),
+    global_batch: Optional[int] = typer.Option(None, help="Sequences per optimizer step over all ranks; micro-batches per rank = global / (micro * dp). [default: micro-batch * dp]", rich_help_panel="Model & batch"),
+    seq: Optional[int] = typer.Option(None, help="Sequence length in tokens. [default: 2048]", rich_help_panel="Model & batch"),
+    attention_flops: Optional[str] = typer.Option(None, help="Count causal attention's score matrices as 'causal' (the unmasked half, as FlashAttention runs and Megatron-LM counts) or 'full' (the whole square, as PyTorch's FlopCounterMode). [default: causal]", rich_help_panel="Model & batch"),
+    bucket_mb: Optional[float] = typer.Option(None, help="Gradient bucket size in MiB for the data-parallel all-reduce. [default: 25, PyTorch DDP's]", rich_help_panel="Parallelism"),
+    device: Optional[str] = typer.Option(None, help="Device spec for compute durations: h100, h200, a100, b200, mi300x. [default: h100]", rich_help_panel="Memory & precision"),
     embedding_sharding: Optional[str] = EMBEDDING_SHARDING,
     local_world_size: Optional[int] = LOCAL_WORLD_SIZE,
     column_shards: Optional[int] = COLUMN_SHARDS,
     embedding_memory_gib: Optional[float] = EMBEDDING_MEMORY_GIB,
-    workers: Optional[int] = typer.Option(None, help="Processes that stamp rank files. [default: all cores]"),
-    ranks: Optional[str] = typer.Option(None, help="Write only ranks A:B (A included, B excluded) into OUT, each file byte-identical to a full run's; workload.json and summary.json are written too, the same for every range. Split a large set over machines this way."),
-    count_only: bool = typer.Option(False, "--count-only", help="Do everything but write: print the bytes and nodes a full set would have (JSON)."),
-    executor: str = typer.Option("local", help="Where ranks are written: local (processes on this machine) or dask (a Dask cluster; pip install 'stg[dask]')."),
-    scheduler: Optional[str] = typer.Option(None, help="With --executor dask: the scheduler address, e.g. tcp://HOST:8786; without it a LocalCluster starts. Workers must share OUT's storage."),
-    quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress bar and no summary line."),
+    workers: Optional[int] = typer.Option(None, help="Processes that stamp rank files. [default: all cores]", rich_help_panel="Output & scale"),
+    ranks: Optional[str] = typer.Option(None, help="Write only ranks A:B (A included, B excluded) into OUT, each file byte-identical to a full run's; workload.json and summary.json are written too, the same for every range. Split a large set over machines this way.", rich_help_panel="Output & scale"),
+    count_only: bool = typer.Option(False, "--count-only", help="Do everything but write: print the bytes and nodes a full set would have (JSON).", rich_help_panel="Output & scale"),
+    executor: str = typer.Option("local", help="Where ranks are written: local (processes on this machine) or dask (a Dask cluster; pip install 'stg[dask]').", rich_help_panel="Output & scale"),
+    scheduler: Optional[str] = typer.Option(None, help="With --executor dask: the scheduler address, e.g. tcp://HOST:8786; without it a LocalCluster starts. Workers must share OUT's storage.", rich_help_panel="Output & scale"),
+    quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress bar and no summary line.", rich_help_panel="Output & scale"),
 ):
     """Write OUT/workload.<rank>.et for every rank, OUT/workload.json (communicator groups) and OUT/summary.json."""
     import os
@@ -124,8 +146,8 @@ def generate(
     from stg.api import generate as run
     from stg.plan import Plan
 
-    given = dict(dp=dp, tp=tp, sp=sp, cp=cp, pp=pp, vpp=vpp, schedule=schedule, ep=ep, zero=zero, recompute=recompute,
-                 flash_attention=flash_attention, grad_dtype=grad_dtype, optimizer=optimizer, micro_batch=micro_batch,
+    given = dict(dp=dp, tp=tp, sp=sp, cp=cp, pp=pp, vpp=vpp, schedule=schedule, ep=ep, etp=etp, zero=zero, recompute=recompute,
+                 flash_attention=flash_attention, dtype=dtype, fp8=fp8, fp8_param_gather=fp8_param_gather, grad_dtype=grad_dtype, optimizer=optimizer, micro_batch=micro_batch,
                  make_vocab_divisible_by=make_vocab_divisible_by, capacity_factor=capacity_factor,
                  expert_skew=expert_skew,
                  global_batch=global_batch, seq=seq, attention_flops=attention_flops, bucket_mb=bucket_mb,
@@ -133,7 +155,8 @@ def generate(
                  column_shards=column_shards, embedding_memory_gib=embedding_memory_gib)
     with _user_errors():
         if layers_per_stage is not None:
-            given["layers_per_stage"] = _int_list("layers_per_stage", layers_per_stage)
+            given["layers_per_stage"] = (layers_per_stage if layers_per_stage == "auto"
+                                         else _int_list("layers_per_stage", layers_per_stage))
         overrides = {k: v for k, v in given.items() if v is not None}
         plan = Plan.from_yaml(plan_file, overrides) if plan_file else Plan.from_dict(overrides)
         if count_only:

@@ -31,6 +31,8 @@ class Pointwise(Enum):
     DROPOUT = ("dropout", 2, 1, False)  # draw and scale; backward multiplies by the saved mask
     RELU = ("relu", 1, 1, True)  # max(x, 0); backward masks by x > 0
     MUL = ("mul", 1, 2, True)  # a * b; backward: dout * b and dout * a
+    # a dtype cast (to fp8: scale and round); the gradient passes through, no backward op
+    CAST = ("cast", 1, 0, False)
 
     def __init__(self, label: str, forward_flops: int, backward_flops: int, reads_input: bool):
         self.label = label

@@ -30,7 +30,7 @@ import sympy
 
 from stg.device import DeviceSpec
 from stg.errors import LayoutError
-from stg.graph import Op, OpKind, Phase, Role
+from stg.graph import DType, Op, OpKind, Phase, Role
 from stg.mesh import axis_symbol
 from parallelism.pipeline import Edge, StagePlan
 from stg.program import ClassStats, GroupHole, NodeType, RankHole, RankProgram, TraceNode
@@ -144,7 +144,7 @@ class _ProgramBuilder:
         flops, nbytes = self.ev(op.flops), self.ev(op.bytes)
         # whole microseconds, with the rounding error carried to the next node so that a long
         # chain of sub-microsecond ops keeps its total (ASTRA-sim replays 0 as 1 ns)
-        exact = self.device.duration_us(flops, nbytes) + self.carry
+        exact = self.device.duration_us(flops, nbytes, self._operand_dtype(op)) + self.carry
         duration = max(0, round(exact))
         self.carry = exact - duration
         deps = [self.last_compute] if self.last_compute is not None else []
@@ -162,6 +162,16 @@ class _ProgramBuilder:
             self.stats.recompute_flops += flops
         if op.kind is OpKind.EINSUM and op.phase is not Phase.STEP:
             self.stats.matmul_flops += flops
+
+    def _operand_dtype(self, op: Op) -> DType:
+        """A GEMM runs at the peak of its narrowest operand, or at fp8's when it is one of an
+        fp8 linear layer's three GEMMs (the others' operands are cast inside, as Transformer
+        Engine's); every other op at the device's 16-bit figure (they are bandwidth-bound)."""
+        if op.kind is not OpKind.EINSUM:
+            return DType.BF16
+        if op.attrs.get("fp8"):
+            return DType.FP8
+        return min((self.graph.tensors[i].dtype for i in op.inputs), key=lambda d: d.nbytes)
 
     def collective(self, name: str, members: list[Op], where: dict[str, int], extra_deps=()) -> int:
         first = members[0]

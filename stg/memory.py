@@ -1,6 +1,7 @@
 """Per-rank memory of a training step, read off the sharded graph.
 
-  weights           the parameters as stored (ZeRO-3: a flat shard)
+  weights           the parameters as stored (ZeRO-3: a flat shard), and with fp8 their fp8
+                    copies (cast after each step's update)
   gradients         the weight gradients as accumulated and stored: whole while they
                     accumulate unsynchronised (ZeRO-0/1), a shard once reduce-scattered (ZeRO-2/3)
   optimizer_states  fp32 master weights and Adam moments (ZeRO-1+: a flat shard)
@@ -24,6 +25,7 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass, field
 
+from stg.costs import Pointwise
 from stg.graph import OpKind, Phase, Role
 from stg.lower import Evaluator
 from stg.sharding import ShardedGraph
@@ -76,6 +78,10 @@ def memory(sharded: ShardedGraph, evaluate: Evaluator, stages=None, actions=None
     leaves = [t for name, t in graph.tensors.items()
               if name not in graph.producer and any(own(op.layer) for op in users.get(name, ()))]
     weights = sum(evaluate(t.nbytes) for t in leaves if t.role is Role.WEIGHT)
+    # fp8 training: the weights' fp8 copies, cast once per step and kept until the next
+    weights += sum(evaluate(graph.tensors[op.outputs[0]].nbytes) for op in graph.ops
+                   if op.phase is Phase.STEP and op.kind is OpKind.POINTWISE and op.attrs["fn"] is Pointwise.CAST
+                   and own(op.layer))
     states = sum(evaluate(t.nbytes) for t in leaves if t.role is Role.OPTIMIZER_STATE)
     tables = {op.inputs[0] for op in graph.ops if op.kind is OpKind.EMBEDDING_BAG}
     table_states = {name for op in graph.ops if op.attrs.get("weight") in tables for name in op.inputs

@@ -2,8 +2,9 @@
 
 A DeviceMesh is named axes with sizes and one fixed rank <-> coordinate rule: the last axis
 varies fastest. stg's standard order is pp, dp, ep, cp, tp (tp fastest, as in Megatron), so
-rank = tp + T*(cp + C*(ep + E*(dp + D*pp))); recommendation models add `local`, the ranks of a
-host, after them (hosts are then dp). Groups along some axes are derived, never stored.
+rank = tp + T*(cp + C*(ep + E*(dp + D*pp))). The plan's data-parallel size is the mesh's
+dp x ep: the dp axis counts the experts' data-parallel replicas (parallelism/expert.py).
+Recommendation models add `local`, the ranks of a host, after them (hosts are then dp). Groups along some axes are derived, never stored.
 
 A Layout says, per mesh axis, how a tensor sits on it: Shard(d) splits dimension d, Partial
 holds a partial sum, and any axis not named replicates it (PyTorch DTensor's vocabulary).

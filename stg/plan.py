@@ -6,6 +6,12 @@ Batch vocabulary (Megatron-LM's): `micro_batch` is what one data-parallel rank r
 forward/backward; `global_batch` is the samples of one optimizer step over all ranks; the
 number of micro-batches each rank runs (gradient accumulation) is
 global_batch / (micro_batch * dp), which must be a whole number.
+
+Parallel degrees (Megatron-Core's): `dp` counts every data-parallel rank of the dense layers,
+so the world is tp * cp * pp * dp; expert parallelism is carved out of those ranks (`ep`
+divides dp), and the experts' own data-parallel group is dp * cp / ep ranks. Plan files
+written before this meaning (when the world was dp * ep * tp * cp * pp) are refused if they
+give ep and dp without `plan_version: 2`, with the conversion in the message.
 """
 
 from __future__ import annotations
@@ -46,6 +52,7 @@ class Recompute(Enum):
 # parallel degrees that later strategies bring; refused until they exist, never ignored
 _NOT_YET: dict[str, str] = {}
 GRAD_DTYPES = ("bf16", "fp32")
+DTYPES = ("bf16", "fp16", "fp32")
 # dense weights' optimizers by name (per-row ones are for embedding tables, which choose their own)
 OPTIMIZERS = {o.label: o for o in Optimizer if not o.per_row}
 
@@ -57,13 +64,23 @@ class Plan:
     pp: int = 1
     cp: int = 1
     ep: int = 1
+    # expert tensor parallelism (Megatron-Core's --expert-tensor-parallel-size): 1, or tp (the
+    # experts split on their MLP dimension over the tp ranks); Megatron-Core's default is tp
+    etp: int = 1
     vpp: int = 1  # virtual stages (model chunks) per pipeline stage, for the interleaved schedule
     schedule: str = "1f1b"  # pipeline schedule: gpipe, 1f1b, interleaved, zb-h1
-    layers_per_stage: tuple[int, ...] | None = None  # blocks per virtual stage; default: even
+    # blocks per virtual stage; "auto": balanced by compute (embedding on the first, output
+    # layer and loss on the last); default: even
+    layers_per_stage: tuple[int, ...] | str | None = None
     zero: int = 0
     sp: bool | None = None  # sequence parallelism; default: on when tp > 1 (as Megatron)
     recompute: Recompute = Recompute.NONE
     flash_attention: bool = True  # attention scores stay on chip (no memory traffic, not saved)
+    # weights, activations and their communication (bf16, fp16, fp32); default: the model's
+    dtype: str | None = None
+    # linear layers' GEMMs in fp8, Transformer Engine's recipe (model_zoo/transformer.py)
+    fp8: bool = False
+    fp8_param_gather: bool = False  # those layers' weights kept and gathered in fp8 only (Megatron's flag)
     grad_dtype: str | None = None  # weight gradients' accumulation and reduction dtype; default: the weight's
     optimizer: str = "adamw"  # the dense weights' optimizer: adamw or adagrad
     # the vocabulary is padded to a multiple of this times tp (Megatron's
@@ -93,9 +110,18 @@ class Plan:
     device: str = DEFAULT_DEVICE
 
     def __post_init__(self):
-        for name in ("dp", "tp", "pp", "cp", "ep", "vpp", "micro_batch", "seq", "make_vocab_divisible_by",
+        for name in ("dp", "tp", "pp", "cp", "ep", "etp", "vpp", "micro_batch", "seq", "make_vocab_divisible_by",
                      "local_world_size"):
             _positive_int(name, getattr(self, name))
+        if self.etp not in (1, self.tp):
+            raise PlanError(
+                f"etp={self.etp}: must be 1 or tp={self.tp}; stg splits experts over the tp ranks or not at all "
+                "(Megatron-Core's other sizes re-fold tp with the data-parallel ranks, not implemented)")
+        if self.dp % self.ep:
+            raise PlanError(
+                f"ep={self.ep}: must divide dp={self.dp}; dp counts every data-parallel rank (Megatron-Core's "
+                f"meaning: world = tp*cp*pp*dp) and the expert-parallel ranks are carved out of them, so "
+                f"{self.ep}-way expert parallelism over {self.dp} expert replicas is dp={self.dp * self.ep}")
         if self.global_batch is None:
             object.__setattr__(self, "global_batch", self.micro_batch * self.data_ranks)
         _positive_int("global_batch", self.global_batch)
@@ -123,10 +149,10 @@ class Plan:
             raise PlanError(f"schedule: unknown schedule {self.schedule!r}; known: {', '.join(SCHEDULES)}")
         if self.vpp > 1 and self.schedule != "interleaved":
             raise PlanError(f"vpp={self.vpp}: virtual stages need schedule interleaved, not {self.schedule!r}")
-        if self.layers_per_stage is not None:
+        if self.layers_per_stage is not None and self.layers_per_stage != "auto":
             split = self.layers_per_stage
             if isinstance(split, (str, bytes)) or not all(isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in split):
-                raise PlanError(f"layers_per_stage: must be a list of block counts, got {split!r}")
+                raise PlanError(f"layers_per_stage: must be a list of block counts or auto, got {split!r}")
             object.__setattr__(self, "layers_per_stage", tuple(split))
             if len(split) != self.pp * self.vpp:
                 raise PlanError(f"layers_per_stage: {len(split)} entries, but pp*vpp = {self.pp}*{self.vpp} = {self.pp * self.vpp} stages")
@@ -143,6 +169,15 @@ class Plan:
             raise PlanError(f"embeddings: must map table names to shardings, got {self.embeddings!r}")
         if self.optimizer not in OPTIMIZERS:
             raise PlanError(f"optimizer: must be one of {list(OPTIMIZERS)}, got {self.optimizer!r}")
+        if not isinstance(self.fp8, bool) or not isinstance(self.fp8_param_gather, bool):
+            raise PlanError(f"fp8 and fp8_param_gather: must be true or false, got {self.fp8!r}, {self.fp8_param_gather!r}")
+        if self.fp8_param_gather and not (self.fp8 and self.zero >= 1):
+            raise PlanError("fp8_param_gather: gathers the fp8 parameters, so it needs fp8 and zero >= 1 (Megatron's "
+                            "distributed optimizer; 3 for FSDP)")
+        if self.fp8 and DEVICES[self.device].fp8_tflops is None:
+            raise PlanError(f"fp8: device {self.device} has no fp8 tensor cores")
+        if self.dtype is not None and self.dtype not in DTYPES:
+            raise PlanError(f"dtype: must be one of {list(DTYPES)}, got {self.dtype!r}")
         if self.grad_dtype is not None and self.grad_dtype not in GRAD_DTYPES:
             raise PlanError(f"grad_dtype: must be one of {list(GRAD_DTYPES)}, got {self.grad_dtype!r}")
         for name, what in _NOT_YET.items():
@@ -150,8 +185,7 @@ class Plan:
                 raise PlanError(f"{name}={getattr(self, name)}: {what} is not implemented yet (only {name}=1)")
         per_step = self.micro_batch * self.data_ranks
         if self.global_batch % per_step:
-            factors = [("micro_batch", self.micro_batch), ("dp", self.dp), ("ep", self.ep),
-                       ("local_world_size", self.local_world_size)]
+            factors = [("micro_batch", self.micro_batch), ("dp", self.dp), ("local_world_size", self.local_world_size)]
             factors = [f for f in factors if f[0] in ("micro_batch", "dp") or f[1] > 1]
             raise PlanError(
                 f"global_batch={self.global_batch} is not a multiple of {'*'.join(n for n, _ in factors)}"
@@ -174,20 +208,31 @@ class Plan:
 
     @property
     def data_ranks(self) -> int:
-        """Ranks that take different data: dp x ep (expert parallelism is carved out of data
-        parallelism, as in Megatron-Core) x local_world_size."""
-        return self.dp * self.ep * self.local_world_size
+        """Ranks that take different data: dp (expert parallelism is carved out of it, as in
+        Megatron-Core) x local_world_size."""
+        return self.dp * self.local_world_size
+
+    @property
+    def expert_data_parallel(self) -> int:
+        """Megatron-Core's expert-data-parallel size: the ranks holding the same experts."""
+        return self.dp * self.cp // self.ep
 
     @property
     def world_size(self) -> int:
         return self.mesh().size
 
     def mesh(self) -> DeviceMesh:
-        return DeviceMesh.standard(pp=self.pp, dp=self.dp, ep=self.ep, cp=self.cp, tp=self.tp,
+        # the mesh's dp axis is the part of dp that ep does not take (its expert-data-parallel
+        # replicas): rank = tp + T*(cp + C*(ep + E*(dp/ep ...))), Megatron-Core's order
+        return DeviceMesh.standard(pp=self.pp, dp=self.dp // self.ep, ep=self.ep, cp=self.cp, tp=self.tp,
                                    local=self.local_world_size)
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any], where: str = "plan") -> "Plan":
+        data = dict(data)
+        version = data.pop("plan_version", PLAN_VERSION)  # the plan files' mark of dp's meaning
+        if version != PLAN_VERSION:
+            raise PlanError(f"{where}: plan_version: must be {PLAN_VERSION}, got {version!r}")
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(data) - known)
         if unknown:
@@ -206,19 +251,37 @@ class Plan:
             raise PlanError(f"plan file {path}: not valid YAML ({str(err).splitlines()[0]})") from None
         if not isinstance(data, dict):
             raise PlanError(f"plan file {path}: expected a mapping of plan keys")
+        data = _current_meaning(data, f"plan file {path}")
         return cls.from_dict({**data, **(overrides or {})}, where=f"plan file {path}")
 
     def to_dict(self) -> dict[str, Any]:
         data = asdict(self)
         data["attention_flops"] = self.attention_flops.value
         data["recompute"] = self.recompute.value
-        if self.layers_per_stage is not None:
+        if isinstance(self.layers_per_stage, tuple):
             data["layers_per_stage"] = list(self.layers_per_stage)
         if self.rules is not None:
             data["rules"] = {k: list(v) if v is not None else None for k, v in self.rules}
         if self.embeddings is not None:
             data["embeddings"] = dict(self.embeddings)
         return data
+
+
+PLAN_VERSION = 2  # 2: dp counts every data-parallel rank, ep is carved out of it
+
+
+def _current_meaning(data: dict, where: str) -> dict:
+    """A plan file that gives dp and ep > 1 without `plan_version` may mean the old dp
+    (expert-data-parallel replicas, world dp * ep * ...): refused, with the conversion, rather
+    than silently given fewer ranks."""
+    ep = data.get("ep", 1)
+    if "plan_version" not in data and "dp" in data and isinstance(ep, int) and ep > 1:
+        dp = data["dp"]
+        raise PlanError(
+            f"{where}: gives dp={dp} and ep={ep}, whose meaning changed: dp now counts every data-parallel "
+            f"rank (Megatron-Core's; ep is carved out of it). If this file meant {dp}*{ep} data-parallel ranks "
+            f"(the old meaning), write dp: {dp * ep}; then add plan_version: {PLAN_VERSION}")
+    return data
 
 
 def _parse_rules(rules) -> tuple[tuple[str, tuple[str, ...] | None], ...]:

@@ -145,8 +145,12 @@ class _Sharder:
         steps = plan_redistribution(name, tensor.shape, current, layout, self.mesh_axes)
         # A gathered copy is redundant memory: the backward gathers again rather than keep it
         # (Megatron's sequence parallel, FSDP's parameters). A reduced value is unique: kept;
-        # so is distributed input data (TorchRec keeps the routed ids and lengths).
-        gathers = any(step.collective is Collective.ALL_GATHER for step in steps) and tensor.role is not Role.INPUT
+        # so is distributed input data (TorchRec keeps the routed ids and lengths), and so are
+        # routed tokens (an all-to-all first: Megatron-Core's experts keep the tokens they got,
+        # gathered over tp with etp > 1, for their weight gradients).
+        collectives = {step.collective for step in steps}
+        gathers = (Collective.ALL_GATHER in collectives and Collective.ALL_TO_ALL not in collectives
+                   and tensor.role is not Role.INPUT)
         phase_group = _phase_group(consumer.phase)
         key = (name, layout, phase_group if gathers else None)
         if key in self.memo:

@@ -5,7 +5,7 @@
 - Weights: what the ranks of one model replica store adds up to the model's parameters, each
   counted once per rank that holds a whole copy of it: weights with a head, MLP or vocabulary
   dimension are split over tp (Megatron), others replicated on every tp rank; expert weights
-  split over ep, others replicated (ZeRO-3: flat shards over every data-parallel rank, ep
+  split over ep (and over tp with etp = tp), others replicated (ZeRO-3: flat shards over every data-parallel rank, ep
   included); a tied output layer has one more copy on the last stage.
 - Pipeline: per micro-batch, a stage sends the residual stream [micro-batch, seq, hidden] in
   its local layout (seq split over tp with sequence parallelism, over cp) to the next virtual
@@ -86,7 +86,9 @@ def check_weights(workload: Workload) -> None:
     zero3 = workload.plan.zero == 3
     for w in _weights(workload):
         # ZeRO-3 shards dense weights over all their data-parallel ranks, ep included
-        copies = (1 if TP_SPLIT & set(w.dims) else tp) * (1 if "expert" in w.dims or zero3 else ep)
+        expert = "expert" in w.dims  # with etp = tp also split on their MLP dimension over tp
+        split_tp = TP_SPLIT & set(w.dims) or (expert and workload.plan.etp > 1)
+        copies = (1 if split_tp else tp) * (1 if expert or zero3 else ep)
         layers = {op.layer for op in forward.consumers.get(w.name, ())}
         if pp > 1 and 0 in layers and last in layers:  # tied: one more copy on the last stage
             copies *= 2

@@ -33,9 +33,14 @@ def write_model(tmp_path, spec):
         (["gpt3-175b", "--seq", "4096"], "seq=4096 exceeds model gpt3-175b's max_positions=2048"),
         (["llama3-8b", "--attention-flops", "half"], "attention_flops: must be one of"),
         (["llama3-8b", "--device", "tpu9"], "device: unknown device 'tpu9'"),
-        (["mixtral-8x7b", "--ep", "3", "--global-batch", "3"], "ep=3 does not divide expert dimension E=8"),
+        (["mixtral-8x7b", "--dp", "3", "--ep", "3"], "ep=3 does not divide expert dimension E=8"),
         (["llama3-8b", "--capacity-factor", "0"], "capacity_factor: must be a positive number"),
-        (["llama3-8b", "--pp", "3"], "pp*vpp=3 does not divide layers=32; give layers_per_stage"),
+        (["mixtral-8x7b", "--dp", "2", "--ep", "4"], "ep=4: must divide dp=2"),
+        (["mixtral-8x7b", "--dp", "4", "--ep", "4", "--tp", "2", "--etp", "4"], "etp=4: must be 1 or tp=2"),
+        (["llama3-8b", "--dtype", "fp64"], "dtype: must be one of ['bf16', 'fp16', 'fp32'], got 'fp64'"),
+        (["llama3-8b", "--fp8", "--device", "a100"], "fp8: device a100 has no fp8 tensor cores"),
+        (["dlrm-kaggle", "--fp8"], "fp8: applies to transformer models"),
+        (["llama3-8b", "--pp", "3"], "pp*vpp=3 does not divide layers=32; give layers_per_stage for an uneven split (a list, or auto"),
         (["llama3-8b", "--pp", "2", "--vpp", "2"], "vpp=2: virtual stages need schedule interleaved"),
         (["llama3-8b", "--pp", "4", "--schedule", "interleaved", "--vpp", "2", "--global-batch", "6"],
          "microbatches=6 must be a multiple of pp=4 for the interleaved schedule"),
@@ -202,8 +207,19 @@ def test_help_prints_every_option_with_its_default():
     for option in ("--dp", "--embedding-sharding", "--local-world-size", "--optimizer", "--count-only"):
         assert option in text
     # help texts print as written (rich markup would drop "[default: 1]", markdown "<rank>")
-    assert "Data-parallel degree. [default: 1]" in " ".join(text.split())
+    assert "world = tp x cp x pp x dp. [default: 1]" in " ".join(text.split())
     assert "OUT/workload.<rank>.et" in text
+
+
+
+def test_generate_help_groups_options_in_panels():
+    text = run("generate", "--help").output
+    headings = [line[:-1] for line in text.splitlines() if line.endswith(":") and not line.startswith(" ")]
+    assert headings == ["Model & batch", "Parallelism", "Memory & precision", "MoE", "Recommendation models",
+                        "Output & scale", "Options"]
+    parallelism = text[text.index("\nParallelism:"):text.index("\nMemory & precision:")]
+    assert "--dp" in parallelism and "--layers-per-stage" in parallelism and "--ep" not in parallelism
+    assert "[default: 1f1b]" in " ".join(parallelism.split())
 
 
 def test_count_only_needs_no_output(tmp_path, tiny_llama):
@@ -212,3 +228,11 @@ def test_count_only_needs_no_output(tmp_path, tiny_llama):
     assert result.exit_code == 0 and json.loads(result.output)["ranks"] == 2
     result = run("generate", model, "--dp", "2", *TINY)
     assert result.exit_code == 2 and "give an output directory" in result.output
+
+
+def test_an_old_plan_file_giving_dp_and_ep_fails_with_the_conversion(tmp_path):
+    plan = tmp_path / "old.yaml"
+    plan.write_text("dp: 2\nep: 4\n")  # written when the world was dp x ep = 8 ranks
+    result = run("generate", "mixtral-8x7b", "--plan", plan, "-o", tmp_path / "out")
+    assert result.exit_code == 2 and result.output.strip().count("\n") == 0
+    assert "write dp: 8; then add plan_version: 2" in result.output

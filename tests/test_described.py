@@ -31,7 +31,7 @@ def test_hand_written_llama_equals_the_zoo_model_per_rank():
 
 def test_made_up_architecture_validates_under_every_strategy(tmp_path):
     out = tmp_path / "set"
-    generate(str(EXAMPLES / "parallel-block.yaml"), Plan(dp=2, tp=2, pp=2, ep=2, global_batch=8, seq=32), out,
+    generate(str(EXAMPLES / "parallel-block.yaml"), Plan(dp=4, tp=2, pp=2, ep=2, global_batch=8, seq=32), out,
              workers=2)
     assert validate(out) == []
 

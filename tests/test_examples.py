@@ -45,3 +45,15 @@ def test_custom_model_example(tmp_path):
     assert result.returncode == 0, result.stderr
     # 2VH embed/head + 4 (H + 2HF) + H: counted by hand
     assert "mlp-only: 16,779,776 parameters" in result.stdout and result.stdout.strip().endswith("valid")
+
+
+def test_megatron_moe_plan_example(tmp_path):
+    """world = tp x pp x dp = 2 x 2 x 8 (Megatron-Core's meaning of dp); 4 micro-batches."""
+    out = tmp_path / "out"
+    result = CliRunner().invoke(app, ["generate", "mixtral-8x7b", "--plan", str(EXAMPLES / "mixtral-megatron.yaml"),
+                                      "-o", str(out), "--seq", "256", "-q"])
+    assert result.exit_code == 0, result.output
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["world_size"] == 32 and summary["microbatches"] == 4
+    assert summary["layers_per_stage"] == [16, 16]  # the output layer is small beside 16 MoE blocks
+    assert validate(out) == []

@@ -48,7 +48,7 @@ def moe_forward_flops(workload, block):
 def test_moe_layer_flops_per_token(ep):
     """2 (router GEMM H.E + k experts 3.H.Fe + shared experts 3.H.Ns.Fe) per token, whatever ep."""
     h, e, k, fe, ns = 64, 8, 2, 96, 2
-    workload = build(SHARED, Plan(ep=ep, micro_batch=B, global_batch=B * ep, seq=S))
+    workload = build(SHARED, Plan(dp=ep, ep=ep, micro_batch=B, global_batch=B * ep, seq=S))
     tokens_per_rank = B * S
     by_hand = 2 * (h * e + k * 3 * h * fe + 3 * h * ns * fe)
     assert moe_forward_flops(workload, "layers.2") == by_hand * tokens_per_rank
@@ -56,7 +56,7 @@ def test_moe_layer_flops_per_token(ep):
 
 def test_flops_over_the_ep_group_equal_one_rank():
     one = build(MOE, Plan(micro_batch=4, global_batch=4, seq=S))
-    four = build(MOE, Plan(ep=4, micro_batch=1, global_batch=4, seq=S))
+    four = build(MOE, Plan(dp=4, ep=4, micro_batch=1, global_batch=4, seq=S))
     assert 4 * four.programs[0].stats.flops_by_phase["F"] == one.programs[0].stats.flops_by_phase["F"]
     fb = lambda w: sum(v for k, v in w.programs[0].stats.flops_by_phase.items() if k != "S")
     assert 4 * fb(four) == fb(one)
@@ -66,8 +66,8 @@ def test_flops_over_the_ep_group_equal_one_rank():
 def test_all_to_all_bytes_per_moe_layer(cf):
     """Dispatch and combine, forward and backward: each rank puts in its tokens' k copies,
     padded by the capacity factor: tokens per rank . k . H . 2 bytes . cf."""
-    dp, ep = 2, 4
-    workload = build(MOE, Plan(dp=dp, ep=ep, micro_batch=B, global_batch=B * dp * ep, seq=S, capacity_factor=cf))
+    dp, ep = 8, 4
+    workload = build(MOE, Plan(dp=dp, ep=ep, micro_batch=B, global_batch=B * dp, seq=S, capacity_factor=cf))
     per_rank = Fraction(B * S * 2 * 64 * 2) * Fraction(str(cf))  # tokens . k . H . bf16 . cf
     found = block_collectives(workload, 2)
     a2a = {(phase, size): n for (phase, kind, size), n in found.items() if kind == "ALL_TO_ALL"}
@@ -75,7 +75,7 @@ def test_all_to_all_bytes_per_moe_layer(cf):
 
 
 def test_expert_gradients_reduce_over_the_expert_data_parallel_group():
-    workload = build(MOE, Plan(dp=2, ep=2, micro_batch=B, global_batch=4 * B, seq=S))
+    workload = build(MOE, Plan(dp=4, ep=2, micro_batch=B, global_batch=4 * B, seq=S))
     for op in workload.sharded.graph.ops:
         if op.kind is OpKind.COLLECTIVE and op.phase.value == "S":
             expert = ".experts." in op.name
@@ -85,7 +85,7 @@ def test_expert_gradients_reduce_over_the_expert_data_parallel_group():
 def test_dp4_ep4_tp2_pp2_validates(tmp_path):
     model = dict(MOE, layers=2)
     out = tmp_path / "set"
-    generate(model, Plan(dp=4, ep=4, tp=2, pp=2, micro_batch=1, global_batch=32, seq=16), out, workers=2)
+    generate(model, Plan(dp=16, ep=4, tp=2, pp=2, micro_batch=1, global_batch=32, seq=16), out, workers=2)
     assert validate(out) == []
 
 
@@ -93,7 +93,7 @@ def test_ep_must_divide_the_experts():
     from stg.errors import LayoutError
 
     with pytest.raises(LayoutError, match="ep=3 does not divide expert dimension E=8"):
-        build(MOE, Plan(ep=3, global_batch=3, seq=S))
+        build(MOE, Plan(dp=3, ep=3, global_batch=3, seq=S))
 
 
 def test_deepseek_mla_splits_heads_over_tp():
@@ -116,7 +116,7 @@ def test_routing_skew_makes_expert_compute_uneven(tmp_path):
     The all-to-alls stay even (buffers are padded to the capacity)."""
     harmonic = sum(1 / e for e in range(1, 9))
     loads = [4 * (1 / (2 * r + 1) + 1 / (2 * r + 2)) / harmonic for r in range(4)]
-    plan = dict(ep=4, micro_batch=B, seq=S)
+    plan = dict(dp=4, ep=4, micro_batch=B, seq=S)
     balanced = build(MOE, Plan(**plan))
     skewed = build(MOE, Plan(**plan, expert_skew=1.0))
     assert skewed.variant_axes == ("ep",) and len(skewed.programs) == 4
@@ -126,7 +126,7 @@ def test_routing_skew_makes_expert_compute_uneven(tmp_path):
         assert program.stats.comm_bytes == balanced.programs[0].stats.comm_bytes
     assert [skewed.class_of(rank) for rank in range(4)] == [0, 1, 2, 3]
     out = tmp_path / "set"
-    generate(MOE, Plan(**plan, dp=2, expert_skew=1.0), out)
+    generate(MOE, Plan(**{**plan, "dp": 8}, expert_skew=1.0), out)
     assert validate(out) == []
 
 
@@ -152,3 +152,122 @@ def test_experts_under_tp_need_sequence_parallelism(tmp_path, family, tp):
     assert result.exit_code == 2
     assert result.output.count("\n") == 1 and result.output.startswith("error: sp: ") and "sequence parallelism" in result.output
     assert not (tmp_path / "out").exists()
+
+
+def fb_total(workload) -> int:
+    return workload.summary()["totals"]["flops_forward_backward"]
+
+
+def test_dp_counts_every_data_parallel_rank():
+    """Megatron-Core's meaning: dp=4 with ep=4 is 4 ranks (world = tp*cp*pp*dp), each on a
+    quarter of the batch, whose forward+backward FLOPs add up to one rank's on the whole batch
+    (capacity factor 1: every expert slot filled, as on one rank)."""
+    four = build(MOE, Plan(dp=4, ep=4, micro_batch=1, global_batch=4, seq=S))
+    one = build(MOE, Plan(micro_batch=4, global_batch=4, seq=S))
+    assert four.mesh.size == 4 and four.mesh.sizes["ep"] == 4 and four.mesh.sizes["dp"] == 1
+    assert four.summary()["expert_data_parallel"] == 1
+    assert build(MOE, Plan(dp=8, ep=4, micro_batch=1, global_batch=8, seq=S)).summary()["expert_data_parallel"] == 2
+    assert fb_total(four) == fb_total(one)
+    assert four.programs[0].stats.comm_count["ALL_TO_ALL"] > 0
+
+
+def test_rank_order_and_groups_follow_megatron_core():
+    """Megatron-Core, order tp-cp-ep-dp-pp with tp=2, dp=4, ep=2: dense data-parallel groups are
+    the ranks with one tp coordinate, [0, 2, 4, 6] and [1, 3, 5, 7]; expert-parallel groups
+    are ep neighbours at stride tp, [0, 2], [4, 6], ...; expert-data-parallel groups
+    [0, 4], [2, 6], ..."""
+    mesh = Plan(tp=2, dp=4, ep=2, global_batch=4).mesh()
+    assert mesh.size == 8
+    assert list(mesh.groups(("dp", "ep"))) == [[0, 2, 4, 6], [1, 3, 5, 7]]
+    assert list(mesh.groups(("ep",))) == [[0, 2], [1, 3], [4, 6], [5, 7]]
+    assert list(mesh.groups(("dp",))) == [[0, 4], [1, 5], [2, 6], [3, 7]]
+
+
+def test_ep_must_divide_dp():
+    from stg.errors import PlanError
+
+    with pytest.raises(PlanError, match=r"ep=4: must divide dp=2; .* is dp=8"):
+        Plan(dp=2, ep=4)
+
+
+def test_old_plan_files_giving_dp_and_ep_are_refused_with_the_conversion(tmp_path):
+    from stg.errors import PlanError
+
+    old = tmp_path / "old.yaml"
+    old.write_text("dp: 4\nep: 4\nglobal_batch: 16\n")
+    with pytest.raises(PlanError, match=r"write dp: 16; then add plan_version: 2"):
+        Plan.from_yaml(old)
+    new = tmp_path / "new.yaml"
+    new.write_text("plan_version: 2\ndp: 16\nep: 4\nglobal_batch: 16\n")
+    assert Plan.from_yaml(new).world_size == 16
+    (tmp_path / "dense.yaml").write_text("dp: 4\n")  # no ep: nothing changed
+    assert Plan.from_yaml(tmp_path / "dense.yaml").world_size == 4
+
+
+# -- expert tensor parallelism (etp = tp) -------------------------------------------------------
+ETP_PLAN = dict(tp=2, ep=4, dp=4, micro_batch=1, global_batch=4, seq=S)
+
+
+def test_etp_conserves_flops_and_validates(tmp_path):
+    """tp=2 x dp=4 = 8 ranks on 4 sequences do the work of one rank on all 4 (within 1 %: the
+    tp ranks repeat the router and the combine of their gathered tokens)."""
+    one = fb_total(build(MOE, Plan(micro_batch=4, global_batch=4, seq=S)))
+    out = tmp_path / "set"
+    summary = generate(MOE, Plan(**ETP_PLAN, etp=2), out, workers=1)
+    assert summary["world_size"] == 8
+    assert abs(summary["totals"]["flops_forward_backward"] / one - 1) < 0.01
+    assert validate(out) == []
+
+
+def test_etp_splits_each_expert_over_tp():
+    """Expert weights per rank: 3 matrices of H x Fe for each of E/ep experts, Fe split over
+    etp, bf16; the rest of the model's weights unchanged."""
+    expert_bytes = 2 * 3 * (8 // 4) * 64 * 96 * 2  # 2 layers
+    weights = {etp: build(MOE, Plan(**ETP_PLAN, etp=etp)).memory[0].weights for etp in (1, 2)}
+    assert weights[1] - weights[2] == expert_bytes // 2
+
+
+def test_etp_collectives_follow_megatron_cores_alltoall_dispatcher():
+    """Per MoE layer forward, on each rank (B.S/tp tokens under sequence parallelism, k = 2
+    copies, H = 64, bf16): the dispatch all-to-all over ep, an all-gather of the received
+    tokens over tp (the experts' column split needs them whole), the experts' partial sums
+    reduce-scattered over tp, the combine all-to-all over ep (Megatron-Core's
+    MoEAlltoAllTokenDispatcher with etp > 1). Expert gradients no longer reduce over tp."""
+    from stg.lower import Evaluator
+
+    workload = build(MOE, Plan(**ETP_PLAN, etp=2))
+    evaluate = Evaluator(workload.bindings)
+    per_rank = 1 * S // 2 * 2 * 64 * 2
+    def expert_collectives(phases):
+        return [(op.attrs["collective"].name, op.attrs["axes"], evaluate(op.bytes)) for op in workload.sharded.graph.ops
+                if op.kind is OpKind.COLLECTIVE and op.phase.value in phases and op.name.startswith("layers.1.experts.")]
+
+    one_way = [("ALL_TO_ALL", ("ep",), per_rank), ("ALL_GATHER", ("tp",), per_rank),
+               ("REDUCE_SCATTER", ("tp",), 2 * per_rank), ("ALL_TO_ALL", ("ep",), per_rank)]
+    assert expert_collectives("F") == one_way
+    # the backward mirrors it; the tokens the experts received are kept for their weight
+    # gradients (as Megatron-Core's grouped GEMM keeps them), not fetched again
+    assert expert_collectives("BW") == one_way
+    step = [op for op in workload.sharded.graph.ops
+            if op.kind is OpKind.COLLECTIVE and op.phase.value == "S" and ".experts." in op.name]
+    assert step == []  # dp = ep: no expert-data-parallel replicas, and nothing over tp
+
+
+def test_etp_must_be_one_or_tp():
+    from stg.errors import PlanError
+
+    with pytest.raises(PlanError, match="etp=4: must be 1 or tp=2"):
+        Plan(tp=2, etp=4)
+
+
+def test_etp_expert_gradients_reduce_over_the_expert_data_parallel_group_only():
+    """tp=2, dp=4, ep=2: 2 expert-data-parallel replicas (mesh dp). With etp=1 each tp rank
+    holds whole experts and its own tokens' gradient: reduced over dp and tp; with etp=tp the
+    tp ranks hold different halves: reduced over dp alone."""
+    def axes(etp):
+        workload = build(MOE, Plan(tp=2, dp=4, ep=2, etp=etp, micro_batch=1, global_batch=4, seq=S))
+        return {op.attrs["axes"] for op in workload.sharded.graph.ops
+                if op.kind is OpKind.COLLECTIVE and op.phase.value == "S" and ".experts." in op.name}
+
+    assert axes(1) == {("dp", "tp")}
+    assert axes(2) == {("dp",)}

@@ -110,3 +110,49 @@ def test_tied_embeddings_keep_a_copy_on_the_last_stage(tmp_path):
     out = tmp_path / "set"
     generate(gpt, Plan(pp=2, dp=2, zero=1, global_batch=8, seq=32), out)
     assert validate(out) == []
+
+
+@pytest.mark.parametrize("costs, stages, split", [
+    ([0] + [2] * 6 + [0], 3, (2, 2, 2)),
+    # the head costs 2.5 blocks: a block beside it (3.5) is the least bottleneck; of the
+    # splits that reach it, the fewest blocks first
+    ([0] + [2] * 6 + [5], 3, (2, 3, 1)),
+    # an embedding of 2.5 blocks: the first stage gets one block (3.5 is then the bottleneck)
+    ([25] + [10] * 6 + [0], 3, (1, 2, 3)),
+    # Llama 3 405B-like: 126 equal blocks on 16 stages, a head of 0.6 block: 8 per stage is
+    # unavoidable (126/16 > 7); the first and last stages get 7 (Llama 3 paper, sec. 3.3.2)
+    ([0] + [10] * 126 + [6], 16, (7,) + (8,) * 14 + (7,)),
+])
+def test_balanced_split_by_hand(costs, stages, split):
+    from parallelism.pipeline import balanced_split
+
+    assert balanced_split(costs, stages) == split
+
+
+def test_auto_split_counts_the_output_layer_on_the_last_stage(tmp_path):
+    """Per token the output layer costs 2HV = 128,000 FLOPs, between one block's (about
+    2(2H^2 + 2H.Hkv + 3HF) = 92,160 plus attention) and two: on pp=2 the last stage takes one
+    block (max(3b, b + head) = 3b < 2b + head)."""
+    out = tmp_path / "set"
+    summary = generate(MODEL, Plan(pp=2, layers_per_stage="auto", global_batch=4, seq=S), out, workers=1)
+    assert summary["layers_per_stage"] == [3, 1]
+    assert validate(out) == []
+
+
+def test_auto_split_needs_a_block_per_stage():
+    from stg.errors import PlanError
+
+    with pytest.raises(PlanError, match="auto needs a block per stage, but the model has 4 blocks for 8 stages"):
+        build(MODEL, Plan(pp=8, layers_per_stage="auto", global_batch=8, seq=S))
+
+
+def test_llama3_405b_on_16_stages_drops_a_block_from_the_first_and_last():
+    """126 blocks on 16 stages: some stage runs 8 (126/16 > 7); the output layer (2HV =
+    2 x 16384 x 128256 per token, 0.6 of a block) fits beside 7 blocks, and the fewest blocks
+    go first: 7, 14 x 8, 7, the split of the Llama 3 paper (sec. 3.3.2)."""
+    from parallelism.pipeline import balanced_split
+    from stg.api import _block_costs
+
+    costs = _block_costs(load_model("llama3-405b"), Plan(pp=16, layers_per_stage="auto", seq=8192, global_batch=16))
+    assert 0.5 < costs[-1] / costs[1] < 0.7
+    assert balanced_split(costs, 16) == (7,) + (8,) * 14 + (7,)
