@@ -6,6 +6,7 @@ whose `family` picks the graph builder. `load_model` accepts any of the three.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from functools import cached_property
 from importlib import resources
@@ -80,9 +81,10 @@ class Model:
         and probabilities are materialised (and saved for the backward)."""
         if options == GraphOptions() and "graph" in self.__dict__:
             return self.__dict__["graph"]
-        graph = FAMILIES[self.family][1](self.config, options)
-        graph.verify()
-        return graph
+        try:
+            return _forward_graph(self.config, options)
+        except TypeError:  # an unhashable config (lists inside): build without the cache
+            return _forward_graph.__wrapped__(self.config, options)
 
     @cached_property
     def params(self) -> int:
@@ -90,6 +92,15 @@ class Model:
 
     def describe(self) -> dict:
         return {"name": self.name, "family": self.family, "layers": self.layers, "params": self.params}
+
+
+@functools.lru_cache(maxsize=8)
+def _forward_graph(config, options: GraphOptions) -> Graph:
+    """Built once per model and options in a process: the summary's parameter count, the
+    stage balancer and the symbolic passes all read the same graph (graphs are not mutated)."""
+    graph = FAMILIES[config.family][1](config, options)
+    graph.verify()
+    return graph
 
 
 def zoo_names() -> list[str]:

@@ -10,6 +10,7 @@ the rank classes are lowered (stg/lower.py).
 
 from __future__ import annotations
 
+import bisect
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -29,10 +30,7 @@ class StagePlan:
 
     def virtual_stage(self, layer: int) -> int:
         """The virtual stage that runs block `layer` (0: embedding, L + 1: head)."""
-        for stage in range(self.stages - 1, -1, -1):
-            if layer >= self.first_block[stage]:
-                return stage
-        return 0
+        return max(0, bisect.bisect_right(self.first_block, layer) - 1)
 
     def rank_and_chunk(self, stage: int) -> tuple[int, int]:
         return stage % self.pp, stage // self.pp

@@ -15,6 +15,7 @@ from functools import cached_property
 from pathlib import Path
 from typing import Any, Mapping
 
+import numpy as np
 import sympy
 
 from model_zoo import GraphOptions, Model, load_model
@@ -73,10 +74,13 @@ class Workload:
             index = index * self.mesh.sizes[axis] + (rank // self.mesh.stride(axis)) % self.mesh.sizes[axis]
         return index
 
-    def class_of(self, rank: int) -> int:
+    def class_of(self, rank):
+        """The rank class of `rank` (an int, or a numpy array of ranks: one class each)."""
         stage = (rank // self.mesh.stride("pp")) % self.plan.pp
-        variant = self.variant_map[self._variant_index(rank)] if self.variant_axes else 0
-        return stage * self.variants + variant
+        if not self.variant_axes:
+            return stage * self.variants
+        variant = np.asarray(self.variant_map)[self._variant_index(rank)]
+        return stage * self.variants + (variant if isinstance(rank, np.ndarray) else int(variant))
 
     @cached_property
     def _members(self) -> tuple[tuple[int, int], ...]:
@@ -136,7 +140,7 @@ class Workload:
             else:  # pp is the slowest axis: a stage is one block of ranks
                 where["ranks"] = [[index * where["count"], (index + 1) * where["count"] - 1]]
             classes.append({**where, **program.stats.to_dict(), "memory": self.memory[index].to_dict()})
-        per_rank = [self.class_of(rank) for rank in range(world)]
+        per_rank = self.class_of(np.arange(world, dtype=np.int64)).tolist()
         summary = {
             "stg_version": __version__,
             "model": {**self.model.describe(), "source": self.model.source},

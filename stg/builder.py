@@ -11,7 +11,7 @@ from typing import Any, Sequence
 
 import sympy
 
-from stg.costs import NormKind, Pointwise, op_cost
+from stg.costs import COST_ATTRS, NormKind, Pointwise, op_cost
 from stg.errors import GraphError
 from stg.graph import DType, Graph, Op, OpKind, Phase, Role, Tensor
 
@@ -225,14 +225,14 @@ class GraphBuilder:
         for out in outputs:
             self._tensor(out)
         attrs = attrs or {}
-        flops, nbytes = op_cost(kind, attrs, [self.tensors[i] for i in inputs], outputs)
+        flops, nbytes = _cost(kind, attrs, [self.tensors[i] for i in inputs], outputs)
         op = Op(
             name,
             kind,
             tuple(inputs),
             tuple(o.name for o in outputs),
-            sympy.expand(flops),
-            sympy.expand(nbytes),
+            flops,
+            nbytes,
             phase or self.phase,
             self.layer if layer is None else layer,
             attrs,
@@ -252,6 +252,30 @@ class GraphBuilder:
                 raise GraphError(f"tensor {tensor.name}: dimension {dim} is not positive")
         self.tensors[tensor.name] = tensor
         return tensor.name
+
+
+_COSTS: dict[tuple, tuple[sympy.Expr, sympy.Expr]] = {}
+
+
+def _cost(kind: OpKind, attrs: dict, inputs: Sequence[Tensor], outputs: Sequence[Tensor]):
+    """op_cost, expanded; memoised on what it reads (not the names of tensors or of the ops
+    a gradient belongs to), so the copies of a repeated block -- and of its differentiated
+    and sharded forms -- cost one sympy derivation."""
+    try:
+        key = (kind, tuple(attrs.get(name) for name in COST_ATTRS),
+               tuple((t.shape, t.dims, t.dtype, t.role, t.transient) for t in (*inputs, *outputs)), len(inputs))
+        hash(key)
+    except TypeError:  # an attribute that cannot be a key: derive it afresh
+        key = None
+    if key is not None and key in _COSTS:
+        return _COSTS[key]
+    flops, nbytes = op_cost(kind, attrs, inputs, outputs)
+    result = sympy.expand(flops), sympy.expand(nbytes)
+    if key is not None:
+        if len(_COSTS) > 1 << 16:
+            _COSTS.clear()
+        _COSTS[key] = result
+    return result
 
 
 def _parse_spec(name: str, spec: str) -> tuple[str, str, str]:

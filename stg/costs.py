@@ -108,6 +108,11 @@ def einsum_sizes(spec: str, inputs: Sequence[Tensor]) -> dict[str, sympy.Expr]:
     return sizes
 
 
+# The attributes op_cost reads; a cost is a function of these, the op kind and the tensors'
+# shapes, dtypes and roles (stg/builder.py memoises it on exactly that).
+COST_ATTRS = ("density", "fn", "norm", "spec")
+
+
 def op_cost(
     kind: OpKind, attrs: Mapping[str, Any], inputs: Sequence[Tensor], outputs: Sequence[Tensor]
 ) -> tuple[sympy.Expr, sympy.Expr]:

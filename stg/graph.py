@@ -120,11 +120,11 @@ class Tensor:
             )
         object.__setattr__(self, "shape", tuple(sympy.sympify(d) for d in self.shape))
 
-    @property
+    @cached_property
     def numel(self) -> sympy.Expr:
         return sympy.Mul(*self.shape)
 
-    @property
+    @cached_property
     def nbytes(self) -> sympy.Expr:
         return self.numel * self.dtype.nbytes
 

@@ -12,6 +12,7 @@ holds a partial sum, and any axis not named replicates it (PyTorch DTensor's voc
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 from typing import Iterator, Mapping, Sequence
@@ -84,11 +85,7 @@ class Layout:
     def local_shape(self, shape: Sequence[sympy.Expr]) -> tuple[sympy.Expr, ...]:
         """One rank's shape. A flat shard holds numel/n elements; it is charged to dimension 0
         (padding makes any size divide, so it is never a divisibility error)."""
-        flat = sympy.Mul(*(axis_symbol(ax) for ax in self.flat_axes))
-        return tuple(
-            dim / sympy.Mul(*(axis_symbol(ax) for ax in self.axes_sharding(i))) / (flat if i == 0 else 1)
-            for i, dim in enumerate(shape)
-        )
+        return _local_shape(self, tuple(shape))
 
     def describe(self, shape: Sequence[sympy.Expr]) -> str:
         """DESIGN.md's notation: `B@dp S@tp P(tp)`; `R` when fully replicated."""
@@ -104,6 +101,16 @@ class Layout:
 
 
 REPLICATED = Layout()
+
+
+@functools.lru_cache(maxsize=1 << 16)
+def _local_shape(layout: Layout, shape: tuple[sympy.Expr, ...]) -> tuple[sympy.Expr, ...]:
+    # memoised: every copy of a repeated block asks for the same few (layout, shape) pairs
+    flat = sympy.Mul(*(axis_symbol(ax) for ax in layout.flat_axes))
+    return tuple(
+        dim / sympy.Mul(*(axis_symbol(ax) for ax in layout.axes_sharding(i))) / (flat if i == 0 else 1)
+        for i, dim in enumerate(shape)
+    )
 
 
 @dataclass(frozen=True)
