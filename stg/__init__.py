@@ -20,6 +20,7 @@ _EXPORTS = {
     "build": "stg.api",
     "generate": "stg.api",
     "count": "stg.api",
+    "evaluate": "stg.evaluation",  # stg/evaluate.py in DESIGN.md: a module named like the function would shadow it
 }
 __all__ = [*_EXPORTS, "__version__"]
 

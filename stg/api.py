@@ -128,7 +128,9 @@ class Workload:
     def group_ids(self) -> GroupIds:
         return GroupIds.for_kinds(self.mesh, (h for p in self.programs for h in p.holes if isinstance(h, GroupHole)))
 
-    def summary(self) -> dict:
+    def summary(self, per_rank: bool = True) -> dict:
+        """What summary.json holds; `per_rank=False` leaves out `rank_class` (one entry per
+        rank: the only part that grows with the world)."""
         world = self.mesh.size
         classes = []
         for index, program in enumerate(self.programs):
@@ -140,7 +142,6 @@ class Workload:
             else:  # pp is the slowest axis: a stage is one block of ranks
                 where["ranks"] = [[index * where["count"], (index + 1) * where["count"] - 1]]
             classes.append({**where, **program.stats.to_dict(), "memory": self.memory[index].to_dict()})
-        per_rank = self.class_of(np.arange(world, dtype=np.int64)).tolist()
         summary = {
             "stg_version": __version__,
             "model": {**self.model.describe(), "source": self.model.source},
@@ -160,8 +161,9 @@ class Workload:
             },
             # per-rank figures: rank_classes[rank_class[r]] (ranks of one class are identical)
             "rank_classes": classes,
-            "rank_class": per_rank,
         }
+        if per_rank:
+            summary["rank_class"] = self.class_of(np.arange(world, dtype=np.int64)).tolist()
         if self.embeddings is not None:
             summary["samples_per_step"] = summary.pop("tokens_per_step") // self.plan.seq
             summary["embedding_plan"] = self.embeddings.table()
