@@ -118,7 +118,8 @@ class Tensor:
                 f"tensor {self.name}: shape {list(self.shape)} has {len(self.shape)} dimensions "
                 f"but {len(self.dims)} logical axis names {list(self.dims)}"
             )
-        object.__setattr__(self, "shape", tuple(sympy.sympify(d) for d in self.shape))
+        if type(self.shape) is not tuple or not all(isinstance(d, sympy.Basic) for d in self.shape):  # sympify is slow
+            object.__setattr__(self, "shape", tuple(sympy.sympify(d) for d in self.shape))
 
     @cached_property
     def numel(self) -> sympy.Expr:

@@ -63,7 +63,7 @@ class Layout:
 
     @classmethod
     def of(cls, mapping: Mapping[str, Placement], order: Sequence[str]) -> "Layout":
-        return cls(tuple((ax, mapping[ax]) for ax in order if ax in mapping and mapping[ax] != Replicate()))
+        return cls(tuple((ax, mapping[ax]) for ax in order if ax in mapping and type(mapping[ax]) is not Replicate))
 
     def get(self, axis: str) -> Placement:
         return dict(self.placements).get(axis, Replicate())
