@@ -38,7 +38,7 @@ from stg.memory import Memory, memory
 from stg.mesh import DeviceMesh, axis_symbol
 from stg.plan import OPTIMIZERS, Plan
 from stg.recompute import recompute
-from stg.sharding import ShardedGraph, shard
+from stg.sharding import ShardedGraph, per_graph, shard
 from stg.slice_check import check_slice
 from model_zoo.moe import CF, LOAD, E
 from stg.symbols import ATTN_FRACTION, B, S
@@ -240,7 +240,7 @@ def build(model: Model | str | Path | Mapping, plan: Plan | Mapping) -> Workload
     pipeline = _pipeline(model, plan, sharded, stages)
     variants, variant_axes, variant_map = _variants(plan, bindings, embeddings)
     # a variant whose symbols size no tensor (an expert slot's load) shares its stage's memory
-    in_shapes = {symbol for t in sharded.graph.tensors.values() for dim in t.shape for symbol in dim.free_symbols}
+    in_shapes = _shape_symbols(sharded)
     programs, memories = [], []
     for rank in range(plan.pp):  # one rank class per pipeline stage and variant
         stage_memory = None
@@ -307,6 +307,11 @@ def _symbolic_passes(structure: Structure) -> ShardedGraph:
             del _CACHE[next(iter(_CACHE))]
         _CACHE[key] = structure.passes()
     return _CACHE[key]
+
+
+@per_graph
+def _shape_symbols(sharded: ShardedGraph) -> frozenset:
+    return frozenset(symbol for t in sharded.graph.tensors.values() for dim in t.shape for symbol in dim.free_symbols)
 
 
 def _variants(plan: Plan, bindings, embeddings: EmbeddingPlan | None) -> tuple[list[dict], tuple, tuple]:

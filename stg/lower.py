@@ -35,7 +35,7 @@ from stg.mesh import axis_symbol
 from parallelism.pipeline import Edge, StagePlan
 from stg.program import ClassStats, GroupHole, NodeType, RankHole, RankProgram, TraceNode
 from stg.schedule import Action, Kind, Schedule, one_f_one_b, virtual_stage
-from stg.sharding import ShardedGraph
+from stg.sharding import ShardedGraph, per_graph
 
 
 class Evaluator:
@@ -56,23 +56,28 @@ class Evaluator:
         return value
 
 
-def check_divisibility(sharded: ShardedGraph, bindings: Mapping[sympy.Symbol, int]) -> None:
-    """Every split dimension divides evenly, or a LayoutError names tensor, axis and sizes."""
-    checked = set()
+@per_graph
+def _splits(sharded: ShardedGraph) -> tuple[tuple[sympy.Expr, tuple[str, ...], str, str], ...]:
+    """Each distinct (dimension size, mesh axes splitting it) of the graph, with the first
+    tensor and logical axis that have it (for the error)."""
+    found: dict[tuple, tuple[str, str]] = {}
     for name, layout in sharded.layouts.items():
         tensor = sharded.global_tensors[name]
         for dim, (size, logical) in enumerate(zip(tensor.shape, tensor.dims)):
             axes = layout.axes_sharding(dim)
-            if not axes or (size, axes) in checked or _padded(logical):
-                continue
-            checked.add((size, axes))
-            value = int(size.xreplace(bindings))
-            parts = int(sympy.Mul(*(axis_symbol(a) for a in axes)).xreplace(bindings))
-            if value % parts:
-                split = "*".join(f"{a}={int(axis_symbol(a).xreplace(bindings))}" for a in axes)
-                raise LayoutError(
-                    f"{split} does not divide {logical} dimension {size}={value} of tensor {name}"
-                )
+            if axes and not _padded(logical):
+                found.setdefault((size, axes), (logical, name))
+    return tuple((size, axes, logical, name) for (size, axes), (logical, name) in found.items())
+
+
+def check_divisibility(sharded: ShardedGraph, bindings: Mapping[sympy.Symbol, int]) -> None:
+    """Every split dimension divides evenly, or a LayoutError names tensor, axis and sizes."""
+    for size, axes, logical, name in _splits(sharded):
+        value = int(size.xreplace(bindings))
+        parts = int(sympy.Mul(*(axis_symbol(a) for a in axes)).xreplace(bindings))
+        if value % parts:
+            split = "*".join(f"{a}={int(axis_symbol(a).xreplace(bindings))}" for a in axes)
+            raise LayoutError(f"{split} does not divide {logical} dimension {size}={value} of tensor {name}")
 
 
 def _padded(logical: str) -> bool:

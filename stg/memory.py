@@ -25,10 +25,12 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass, field
 
+import sympy
+
 from stg.costs import Pointwise
 from stg.graph import OpKind, Phase, Role
 from stg.lower import Evaluator
-from stg.sharding import ShardedGraph
+from stg.sharding import ShardedGraph, per_graph
 
 _BACKWARD = (Phase.BACKWARD_INPUT, Phase.BACKWARD_WEIGHT)
 
@@ -68,40 +70,71 @@ def stored_gradient(sharded: ShardedGraph, grad: str) -> str:
     return grad
 
 
-def memory(sharded: ShardedGraph, evaluate: Evaluator, stages=None, actions=None, rank: int = 0) -> Memory:
-    """Memory of pipeline stage `rank` (its virtual stages under `stages`) running `actions`
-    (its schedule); without them, the whole graph and one micro-batch at a time."""
+@dataclass(frozen=True)
+class _Index:
+    """What memory() reads of a sharded graph, gathered in one pass and kept per graph:
+    per-rank calls then sum over their stage's layers instead of scanning the graph."""
+
+    leaves: tuple[tuple[Role, frozenset, sympy.Expr, str], ...]  # role, layers of its users, bytes, name
+    casts: tuple[tuple[int, sympy.Expr], ...]  # fp8 copies made in the step: layer, bytes
+    tables: frozenset  # embedding tables and their optimizer states
+    table_states: frozenset
+    grads: tuple[tuple[int, str, sympy.Expr], ...]  # per optimizer op: layer, stored gradient, bytes
+    saved: tuple[tuple[int, sympy.Expr, bool], ...]  # forward-made, backward-read: layer, bytes, read by W
+
+
+@per_graph
+def _index(sharded: ShardedGraph) -> _Index:
     graph = sharded.graph
-    own = (lambda layer: True) if stages is None else (
-        lambda layer: stages.rank_and_chunk(stages.virtual_stage(layer))[0] == rank)
     users = graph.consumers
-    leaves = [t for name, t in graph.tensors.items()
-              if name not in graph.producer and any(own(op.layer) for op in users.get(name, ()))]
-    weights = sum(evaluate(t.nbytes) for t in leaves if t.role is Role.WEIGHT)
-    # fp8 training: the weights' fp8 copies, cast once per step and kept until the next
-    weights += sum(evaluate(graph.tensors[op.outputs[0]].nbytes) for op in graph.ops
-                   if op.phase is Phase.STEP and op.kind is OpKind.POINTWISE and op.attrs["fn"] is Pointwise.CAST
-                   and own(op.layer))
-    states = sum(evaluate(t.nbytes) for t in leaves if t.role is Role.OPTIMIZER_STATE)
-    tables = {op.inputs[0] for op in graph.ops if op.kind is OpKind.EMBEDDING_BAG}
-    table_states = {name for op in graph.ops if op.attrs.get("weight") in tables for name in op.inputs
-                    if graph.tensors[name].role is Role.OPTIMIZER_STATE}
-    embedding = [sum(evaluate(t.nbytes) for t in leaves if t.name in names) for names in (tables, table_states)]
-    grads = {stored_gradient(sharded, op.inputs[0]) for op in graph.ops if op.kind is OpKind.OPTIMIZER and own(op.layer)}
-    gradients = sum(evaluate(graph.tensors[g].nbytes) for g in grads)
-    # saved tensors per block: freed after the backward's B pass, or kept until its W pass
-    by_layer: Counter = Counter()
-    until_w: Counter = Counter()
+    leaves = tuple((t.role, frozenset(op.layer for op in users.get(name, ())), t.nbytes, name)
+                   for name, t in graph.tensors.items() if name not in graph.producer)
+    casts = tuple((op.layer, graph.tensors[op.outputs[0]].nbytes) for op in graph.ops
+                  if op.phase is Phase.STEP and op.kind is OpKind.POINTWISE and op.attrs["fn"] is Pointwise.CAST)
+    tables = frozenset(op.inputs[0] for op in graph.ops if op.kind is OpKind.EMBEDDING_BAG)
+    table_states = frozenset(name for op in graph.ops if op.attrs.get("weight") in tables for name in op.inputs
+                             if graph.tensors[name].role is Role.OPTIMIZER_STATE)
+    grads = tuple((op.layer, g, graph.tensors[g].nbytes) for op in graph.ops if op.kind is OpKind.OPTIMIZER
+                  for g in (stored_gradient(sharded, op.inputs[0]),))
+    saved = []
     for name, readers in users.items():
         made_by = graph.producer.get(name)
-        if made_by is None or made_by.phase is not Phase.FORWARD or not own(made_by.layer):
+        if made_by is None or made_by.phase is not Phase.FORWARD:
             continue
         backward = [user for user in readers if user.phase in _BACKWARD]
         if backward:
-            size = evaluate(graph.tensors[name].memory_bytes)
-            by_layer[made_by.layer] += size
-            if any(user.phase is Phase.BACKWARD_WEIGHT for user in backward):
-                until_w[made_by.layer] += size
+            saved.append((made_by.layer, graph.tensors[name].memory_bytes,
+                          any(user.phase is Phase.BACKWARD_WEIGHT for user in backward)))
+    return _Index(leaves, casts, tables, table_states, grads, tuple(saved))
+
+
+def memory(sharded: ShardedGraph, evaluate: Evaluator, stages=None, actions=None, rank: int = 0) -> Memory:
+    """Memory of pipeline stage `rank` (its virtual stages under `stages`) running `actions`
+    (its schedule); without them, the whole graph and one micro-batch at a time."""
+    index = _index(sharded)
+    layers = {layer for _, used, _, _ in index.leaves for layer in used} | {
+        item[0] for items in (index.saved, index.casts, index.grads) for item in items}
+    mine = layers if stages is None else {
+        layer for layer in layers if stages.rank_and_chunk(stages.virtual_stage(layer))[0] == rank}
+    own = mine.__contains__
+    held = [(role, nbytes, name) for role, used, nbytes, name in index.leaves if not mine.isdisjoint(used)]
+    weights = sum(evaluate(nbytes) for role, nbytes, _ in held if role is Role.WEIGHT)
+    # fp8 training: the weights' fp8 copies, cast once per step and kept until the next
+    weights += sum(evaluate(nbytes) for layer, nbytes in index.casts if own(layer))
+    states = sum(evaluate(nbytes) for role, nbytes, _ in held if role is Role.OPTIMIZER_STATE)
+    embedding = [sum(evaluate(nbytes) for _, nbytes, name in held if name in names)
+                 for names in (index.tables, index.table_states)]
+    grads = {g: nbytes for layer, g, nbytes in index.grads if own(layer)}
+    gradients = sum(evaluate(nbytes) for nbytes in grads.values())
+    # saved tensors per block: freed after the backward's B pass, or kept until its W pass
+    by_layer: Counter = Counter()
+    until_w: Counter = Counter()
+    for layer, nbytes, read_by_w in index.saved:
+        if own(layer):
+            size = evaluate(nbytes)
+            by_layer[layer] += size
+            if read_by_w:
+                until_w[layer] += size
     if actions is None:
         activations = sum(by_layer.values())
     else:

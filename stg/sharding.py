@@ -12,6 +12,7 @@ size, are recomputed from what one rank holds: right by construction.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field, replace
 from typing import Mapping, Sequence
 
@@ -177,6 +178,24 @@ class _Sharder:
 
 def _phase_group(phase: Phase) -> str:
     return {Phase.FORWARD: "F", Phase.STEP: "S"}.get(phase, "B")
+
+
+def per_graph(fn):
+    """Memoise fn(sharded) on the graph object itself (a ShardedGraph is never mutated): what
+    a pass reads of a structure is gathered once, however many plans bind it."""
+    memo: dict[int, tuple] = {}
+
+    @functools.wraps(fn)
+    def wrapper(sharded):
+        hit = memo.get(id(sharded))
+        if hit is not None and hit[0] is sharded:
+            return hit[1]
+        if len(memo) >= 8:
+            memo.clear()
+        value = fn(sharded)
+        memo[id(sharded)] = (sharded, value)
+        return value
+    return wrapper
 
 
 def shard(graph: Graph, spec: ShardingSpec) -> ShardedGraph:
