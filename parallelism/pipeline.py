@@ -11,6 +11,7 @@ the rank classes are lowered (stg/lower.py).
 from __future__ import annotations
 
 import bisect
+import functools
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -74,6 +75,11 @@ def balanced_split(costs: Sequence[int], stages: int) -> tuple[int, ...]:
     Of the splits with that bottleneck, the one with the fewest blocks on the earliest stages
     (lexicographically least): early stages hold the most micro-batches' activations under
     1F1B. Exact (dynamic programming over suffixes), deterministic, integer arithmetic."""
+    return _balanced_split(tuple(costs), stages)
+
+
+@functools.lru_cache(maxsize=64)  # plans of one model and sequence share it (an O(stages * blocks^2) search)
+def _balanced_split(costs: tuple[int, ...], stages: int) -> tuple[int, ...]:
     blocks = list(costs[1:-1])
     n = len(blocks)
     if stages == 1:

@@ -80,6 +80,16 @@ def check_divisibility(sharded: ShardedGraph, bindings: Mapping[sympy.Symbol, in
             raise LayoutError(f"{split} does not divide {logical} dimension {size}={value} of tensor {name}")
 
 
+@per_graph
+def _positions(sharded: ShardedGraph) -> dict[str, int]:
+    return {op.name: n for n, op in enumerate(sharded.graph.ops)}
+
+
+@per_graph
+def _layers(sharded: ShardedGraph) -> frozenset[int]:
+    return frozenset(op.layer for op in sharded.graph.ops)
+
+
 def _padded(logical: str) -> bool:
     """Dimensions split unevenly by design: expert buffers and stacked embedding rows are
     padded up per rank; a rank's share of routed ids is a mean (model_zoo/moe.py, dlrm.py)."""
@@ -114,6 +124,7 @@ class Pipeline:
 class _ProgramBuilder:
     def __init__(self, sharded: ShardedGraph, evaluate: Evaluator, device: DeviceSpec, bucket_bytes: int,
                  pipeline: Pipeline, rank: int, comm_evaluate: Evaluator | None = None):
+        self.sharded = sharded
         self.graph = sharded.graph
         self.ev = evaluate
         self.comm_ev = comm_evaluate or evaluate  # sizes that every member of a group must agree on
@@ -285,7 +296,7 @@ class _ProgramBuilder:
         """The step's reductions of gradients the micro-batches make go out in buckets as the
         last backward makes them (PyTorch DDP's overlap): each bucket right after the op that
         finishes its last gradient, in the last action that runs that op."""
-        position = {op.name: n for n, op in enumerate(self.graph.ops)}
+        position = _positions(self.sharded)
         run_of = {op.name: key for key, ops in runs.items() for op in ops}
         # A reduction over pipeline stages (a tied embedding's) waits for the flush, as Megatron's
         # embedding all-reduce does: on the one comm chain it would otherwise go ahead of sends
@@ -323,8 +334,9 @@ class _ProgramBuilder:
         runs = {}  # (virtual stage, action kind) -> its ops in program order
         units: dict[tuple, list[Op]] = {}
         step = []
+        stage_of = {layer: stages.virtual_stage(layer) for layer in _layers(self.sharded)}
         for op in self.graph.ops:
-            stage = stages.virtual_stage(op.layer)
+            stage = stage_of[op.layer]
             if stage not in mine:
                 continue
             if op.phase is Phase.STEP:
