@@ -12,6 +12,8 @@ numbers are written as fixed-width varints.
 
 from __future__ import annotations
 
+import functools
+
 from dataclasses import dataclass
 from typing import Mapping, Sequence
 
@@ -39,6 +41,7 @@ def varint(value: int) -> bytes:
     return bytes(out)
 
 
+@functools.lru_cache(maxsize=None)  # a handful of (field, wire) pairs, asked for on every node
 def _key(field: int, wire: int) -> bytes:
     return varint(field << 3 | wire)
 
@@ -47,9 +50,14 @@ def _len_field(field: int, payload: bytes) -> bytes:
     return _key(field, _LEN) + varint(len(payload)) + payload
 
 
+@functools.lru_cache(maxsize=None)
+def _attr_head(name: str) -> bytes:
+    return _len_field(_ATTR_NAME, name.encode())
+
+
 def _attr(name: str, field: int, value: int | str | bool) -> bytes:
     # a oneof member is written even when it holds the default (false, 0): presence matters
-    head = _len_field(_ATTR_NAME, name.encode())
+    head = _attr_head(name)
     if field == _STRING:
         body = head + _len_field(_STRING, value.encode())
     else:
