@@ -19,7 +19,7 @@ from model_zoo.described import DescribedConfig, build_described
 from model_zoo.dlrm import DLRMConfig, TableGroup, build_dlrm
 from model_zoo.transformer import TransformerConfig, build_transformer
 from stg.errors import ModelSpecError
-from stg.graph import Graph
+from stg.graph import DType, Graph
 
 
 @dataclass(frozen=True)
@@ -28,10 +28,12 @@ class GraphOptions:
 
     flash_attention: bool = True  # attention scores stay on chip
     table_groups: tuple[TableGroup, ...] | None = None  # embedding tables as the plan groups them
+    kv_cache: str | None = None  # an inference step over a KV cache of this dtype (stg/serve)
 
 
 def _transformer(config, options: GraphOptions) -> Graph:
-    return build_transformer(config, options.flash_attention)
+    kv_cache = DType.parse(options.kv_cache) if options.kv_cache else None
+    return build_transformer(config, options.flash_attention, kv_cache)
 
 
 # family -> (config parser, graph builder)
@@ -78,6 +80,9 @@ class Model:
         and probabilities are materialised (and saved for the backward)."""
         if options == GraphOptions() and "graph" in self.__dict__:
             return self.__dict__["graph"]
+        if options.kv_cache and FAMILIES[self.family][1] is not _transformer:
+            raise ModelSpecError(f"model {self.name!r}: serving needs a transformer family "
+                                 f"(gpt, llama, mixtral), not {self.family}")
         graph = FAMILIES[self.family][1](self.config, options)
         graph.verify()
         return graph

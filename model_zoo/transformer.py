@@ -21,8 +21,8 @@ from model_zoo import moe
 from stg.builder import GraphBuilder
 from stg.costs import NormKind, Pointwise
 from stg.errors import ModelSpecError
-from stg.graph import Graph
-from stg.symbols import ATTN_FRACTION, B, S
+from stg.graph import DType, Graph
+from stg.symbols import ATTN_FRACTION, B, KV_TOKENS, PAIRS, S, SAMPLED
 
 H, F, A, AKV, DH, V, P = sympy.symbols("H F A Akv Dh V P", positive=True, integer=True)
 
@@ -157,14 +157,22 @@ class TransformerConfig:
         return sizes
 
 
-def build_transformer(config: TransformerConfig, flash_attention: bool = True) -> Graph:
+def build_transformer(config: TransformerConfig, flash_attention: bool = True, kv_cache: DType | None = None) -> Graph:
     """Forward graph of one micro-batch of B sequences of S tokens, loss included.
 
     Tensors that re-enter the residual stream are anchored with the tag "residual", so that a
     plan can lay the stream out its own way (sequence parallelism splits it on seq). With
     `flash_attention` the score and probability matrices stay on chip: FLOPs, no memory.
     The attention core's ops carry `attention_core` (what selective recompute re-runs).
+
+    With `kv_cache` (the cache's dtype) it is one inference step instead (stg/serve): the
+    step's S tokens packed as one sequence (B = 1), attention one fused op over each layer's
+    K/V cache of KV_TOKENS tokens, the LM head on the SAMPLED positions only, then sampling
+    (a softmax over the vocabulary); no labels, no loss.
     """
+    if kv_cache is not None and config.attention != "gqa":
+        raise ModelSpecError(f"model {config.name!r}: serving supports grouped-query attention; "
+                             f"{config.attention} attention with a KV cache is not implemented yet")
     g = GraphBuilder()
     bias = config.bias
     dropout = config.dropout > 0
@@ -207,6 +215,12 @@ def build_transformer(config: TransformerConfig, flash_attention: bool = True) -
         if config.positions == "rope":
             q = g.pointwise(f"{p}.attn.q_rope", Pointwise.ROPE, q)
             k = g.pointwise(f"{p}.attn.k_rope", Pointwise.ROPE, k)
+        if kv_cache is not None:
+            caches = [g.input(f"{p}.attn.{n}_cache", [KV_TOKENS, AKV, DH], ["kv_tokens", "kv_heads", "head_dim"],
+                              kv_cache) for n in "kv"]
+            context = g.attention(f"{p}.attn.core", q, k, v, *caches, pairs=PAIRS)
+            return linear(f"{p}.attn.out", "bsngd,ngdh->bsh", context, [AKV, groups, DH, H],
+                          ["kv_heads", "q_per_kv", "head_dim", "embed"], [H], ["embed"], residual=True)
         scores = g.einsum(f"{p}.attn.scores", "bsngd,btnd->bngst", q, k, density=ATTN_FRACTION,
                           transient=flash_attention, **core)
         probs = g.softmax(f"{p}.attn.probs", scores, **core)
@@ -238,7 +252,7 @@ def build_transformer(config: TransformerConfig, flash_attention: bool = True) -
     # -- layer 0: embeddings -------------------------------------------------------------------
     g.layer = 0
     ids = g.input("tokens", [B, S], ["batch", "seq"])
-    labels = g.input("labels", [B, S], ["batch", "seq"])
+    labels = g.input("labels", [B, S], ["batch", "seq"]) if kv_cache is None else None
     table = g.weight("embed.weight", [V, H], ["vocab", "embed"])
     x = g.constrain("embed.out", g.embedding("embed", table, ids), "residual")
     if config.positions == "learned":
@@ -261,6 +275,10 @@ def build_transformer(config: TransformerConfig, flash_attention: bool = True) -
     g.layer = config.layers + 1
     x = norm_op("final_norm", x)
     head = table if config.tied_embeddings else g.weight("lm_head.weight", [V, H], ["vocab", "embed"])
+    if kv_cache is not None:  # the positions that yield a token, then sampling over the vocabulary
+        x = g.gather("sampled", x, [SAMPLED, H], ["sampled", "embed"])
+        g.softmax("sample", g.einsum("logits", "nh,vh->nv", x, head))
+        return g.build()
     logits = g.einsum("logits", "bsh,vh->bsv", x, head)
     g.cross_entropy("loss", logits, labels)
     return g.build()

@@ -91,6 +91,20 @@ class GraphBuilder:
             return {**attrs, "density": producer.attrs["density"]}
         return attrs
 
+    def attention(self, name: str, q: str, k: str, v: str, k_cache: str, v_cache: str, pairs) -> str:
+        """Fused attention of the step's queries q [.., kv_heads, q_per_kv, d] over a KV cache
+        [kv_tokens, kv_heads, d] that already holds the new keys and values k, v; `pairs` is
+        the number of query-key pairs scored (ragged over requests). Output shaped like q."""
+        src = self.tensors[q]
+        for cache in (k_cache, v_cache):
+            t = self.tensors[cache]
+            if t.dims[1:] != ("kv_heads", "head_dim") or sympy.simplify(t.shape[-1] - src.shape[-1]) != 0:
+                raise GraphError(f"op {name}: cache {t.name} {list(t.shape)} axes {list(t.dims)} is not "
+                                 f"[kv_tokens, kv_heads, head_dim] matching {src.name} {list(src.shape)}")
+        out = Tensor(name, src.shape, src.dims, src.dtype, Role.ACTIVATION)
+        self.add_op(name, OpKind.ATTENTION, (q, k, v, k_cache, v_cache), (out,), {"pairs": sympy.sympify(pairs)})
+        return name
+
     def softmax(self, name: str, x: str, **attrs) -> str:
         attrs = self._masked(x, attrs)
         src = self.tensors[x]

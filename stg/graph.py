@@ -23,6 +23,7 @@ class DType(Enum):
     BF16 = ("bf16", 2)
     FP16 = ("fp16", 2)
     FP32 = ("fp32", 4)
+    FP8 = ("fp8", 1)  # serving: fp8 weights or KV cache (e4m3)
     UINT8 = ("uint8", 1)  # dropout masks
     INT32 = ("int32", 4)
     INT64 = ("int64", 8)
@@ -80,6 +81,11 @@ class OpKind(Enum):
     COMBINE = "combine"  # expert buffers back to tokens, weighted by the gates
     COMBINE_GRAD = "combine_grad"
     OPTIMIZER = "optimizer"
+    # Inference: one fused kernel (FlashAttention / vLLM's paged attention) over a KV cache:
+    # the step's queries attend to their request's cached keys and values plus their own.
+    # The score pairs are ragged (each request its own q x (c + q)), so their count is a
+    # symbol in attrs["pairs"]; the cache inputs hold the keys and values after the append.
+    ATTENTION = "attention"
     COLLECTIVE = "collective"
     SLICE = "slice"  # a replicated tensor viewed as one rank's shard: no traffic, no node
     # A layout anchor (JAX's with_sharding_constraint): the tensor must have the layout its

@@ -1,0 +1,218 @@
+"""The serving engine's programs: the inference step graph laid out once, lowered per step.
+
+The step graph (the model's forward with a KV cache, stg/serve/step.py) goes through the same
+passes as training, minus autodiff: tensor parallelism's layouts (heads, KV heads, MLP and
+vocabulary split on tp; no sequence parallelism: the residual stream is whole, so each block
+ends in an ALL_REDUCE, as vLLM runs it), the redistribution rule table, pipeline cut into
+send/recv pairs (one micro-batch per step), and lowering per pipeline stage. A step's shape
+binds four symbols; every FLOP and byte follows from the local shapes.
+
+Replicas (`replicas`, the CLI's --dp) are independent engines: the mesh's dp axis, each
+replica a variant with its own iterations when their schedules differ.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass, replace
+from fractions import Fraction
+from math import ceil
+
+import sympy
+
+from model_zoo import GraphOptions, Model
+from parallelism import sharding_spec
+from parallelism.pipeline import cut, stage_plan, untie
+from stg.builder import GraphBuilder
+from stg.device import DEFAULT_DEVICE, DEVICES, device_spec
+from stg.errors import PlanError
+from stg.graph import DType, Graph, OpKind, Role
+from stg.lower import Evaluator, Pipeline, check_divisibility, lower
+from stg.mesh import axis_symbol
+from stg.plan import AttentionFlops, Plan
+from stg.program import NodeType, RankProgram
+from stg.schedule import make_schedule
+from stg.serve.scheduler import Policy
+from stg.serve.step import StepShape
+from stg.sharding import shard
+from model_zoo.moe import CF, LOAD
+from stg.symbols import ATTN_FRACTION, KV_TOKENS, PAIRS, SAMPLED, B, S
+
+DTYPES = ("bf16", "fp8")
+STEP_SYMBOLS = (B, S, KV_TOKENS, PAIRS, SAMPLED, ATTN_FRACTION)
+
+
+@dataclass(frozen=True)
+class ServePlan:
+    """How a model is served: parallel layout, dtypes, device, scheduler and KV cache, in
+    vLLM's and Sarathi-Serve's vocabulary (the CLI's flags and the API's names are these)."""
+
+    tp: int = 1
+    pp: int = 1
+    dp: int = 1  # independent replicas; requests are assigned round-robin in arrival order
+    dtype: str = "bf16"  # weights
+    kv_cache_dtype: str = "bf16"
+    device: str = DEFAULT_DEVICE
+    attention_flops: AttentionFlops = AttentionFlops.CAUSAL
+    scheduler: Policy = Policy.SARATHI
+    max_num_batched_tokens: int = 512
+    max_num_seqs: int = 256
+    block_size: int = 16
+    gpu_memory_utilization: float = 0.9
+    num_kv_blocks: int | None = None  # overrides the planner
+
+    def __post_init__(self):
+        for name in ("tp", "pp", "dp", "max_num_batched_tokens", "max_num_seqs", "block_size"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise PlanError(f"{name}: must be a positive integer, got {value!r}")
+        if self.num_kv_blocks is not None and (isinstance(self.num_kv_blocks, bool)
+                                               or not isinstance(self.num_kv_blocks, int) or self.num_kv_blocks <= 0):
+            raise PlanError(f"num_kv_blocks: must be a positive integer, got {self.num_kv_blocks!r}")
+        for name in ("dtype", "kv_cache_dtype"):
+            if getattr(self, name) not in DTYPES:
+                raise PlanError(f"{name}: must be one of {list(DTYPES)}, got {getattr(self, name)!r}")
+        if self.device not in DEVICES:
+            raise PlanError(f"device: unknown device {self.device!r}; known: {', '.join(DEVICES)}")
+        util = self.gpu_memory_utilization
+        if isinstance(util, bool) or not isinstance(util, (int, float)) or not 0 < util <= 1:
+            raise PlanError(f"gpu_memory_utilization: must be in (0, 1], got {util!r}")
+        for name, kind in (("attention_flops", AttentionFlops), ("scheduler", Policy)):
+            value = getattr(self, name)
+            if not isinstance(value, kind):
+                try:
+                    object.__setattr__(self, name, kind(value))
+                except ValueError:
+                    raise PlanError(f"{name}: must be one of {[m.value for m in kind]}, got {value!r}") from None
+
+    def parallel(self) -> Plan:
+        """The layout part as a training Plan (one replica): what the sharding rules read."""
+        return Plan(tp=self.tp, pp=self.pp, sp=False, device=self.device, attention_flops=self.attention_flops,
+                    schedule="gpipe")
+
+    def to_dict(self) -> dict:
+        return {**{k: getattr(self, k) for k in self.__dataclass_fields__},
+                "attention_flops": self.attention_flops.value, "scheduler": self.scheduler.value}
+
+
+def cast_weights(graph: Graph, dtype: DType) -> Graph:
+    """The same graph with every weight stored in `dtype`; each op's bytes re-derived."""
+    b = GraphBuilder()
+    for t in graph.tensors.values():
+        if t.name not in graph.producer:
+            b.tensors[t.name] = replace(t, dtype=dtype) if t.role is Role.WEIGHT else t
+    for op in graph.ops:
+        b.layer = op.layer
+        b.add_op(op.name, op.kind, op.inputs, [graph.tensors[o] for o in op.outputs], dict(op.attrs), phase=op.phase)
+    return b.build()
+
+
+class StepEvaluator(Evaluator):
+    """Binds one step's symbols. Each expression is compiled once per engine into a polynomial
+    in the step symbols with exact rational coefficients; a step evaluates it with integers."""
+
+    def __init__(self, compiled: dict, static: dict, shape: StepShape):
+        self.compiled, self.static = compiled, static
+        self.values = tuple(shape.bindings()[s] for s in STEP_SYMBOLS)
+
+    def __call__(self, expr: sympy.Expr) -> int:
+        terms = self.compiled.get(expr)
+        if terms is None:
+            terms = self.compiled[expr] = _polynomial(sympy.sympify(expr).xreplace(self.static))
+        if not isinstance(terms, list):  # not a polynomial (a ceiling, a min): bind it directly
+            return int(sympy.ceiling(terms.xreplace(dict(zip(STEP_SYMBOLS, self.values)))))
+        total = Fraction(0)
+        for coefficient, powers in terms:
+            term = coefficient
+            for value, power in zip(self.values, powers):
+                if power:
+                    term *= value ** power
+            total += term
+        return ceil(total)
+
+
+def _polynomial(expr: sympy.Expr):
+    try:
+        poly = sympy.Poly(expr, *STEP_SYMBOLS)
+    except sympy.PolynomialError:
+        return expr
+    if not all(c.is_Rational for c in poly.coeffs()):
+        return expr
+    return [(Fraction(int(c.p), int(c.q)), powers) for powers, c in poly.terms()]
+
+
+class Engine:
+    """One replica's programs: per pipeline stage, the lowered program of a step shape."""
+
+    def __init__(self, model: Model, plan: ServePlan, cache_size: int = 64):
+        self.model, self.plan = model, plan
+        parallel = plan.parallel()
+        graph = model.forward_graph(GraphOptions(kv_cache=plan.kv_cache_dtype))
+        if plan.dtype != "bf16":
+            graph = cast_weights(graph, DType.parse(plan.dtype))
+        stages = stage_plan(parallel, model.layers) if plan.pp > 1 else None
+        if stages is not None:  # a weight read on two stages (tied embeddings): a copy on each
+            graph, _ = untie(graph, stages)
+        self.sharded = shard(graph, sharding_spec(parallel))
+        mesh = parallel.mesh()
+        self.static = {sympy.sympify(k): sympy.sympify(v) for k, v in {
+            **model.config.sizes(vocab_multiple=plan.tp), CF: 1, LOAD: 1,
+            **{axis_symbol(axis): size for axis, size in mesh.axes}}.items()}
+        check_divisibility(self.sharded, {**self.static, **StepShape(1, 1, 1, 1).bindings()})
+        if stages is None:
+            self.pipeline = Pipeline.single_stage(1)
+        else:
+            self.pipeline = Pipeline(stages, make_schedule("gpipe", plan.pp, 1, 1), False,
+                                     tuple(cut(self.sharded.graph, stages)))
+        self.device = device_spec(plan.device)
+        self.compiled: dict = {}
+        self.cache: OrderedDict = OrderedDict()
+        self.cache_size = cache_size
+
+    @property
+    def edges(self) -> int:
+        return len(self.pipeline.edges)
+
+    def evaluator(self, shape: StepShape) -> StepEvaluator:
+        return StepEvaluator(self.compiled, self.static, shape)
+
+    def program(self, shape: StepShape, stage: int) -> RankProgram:
+        """Stage `stage`'s program for one step of this shape (steps of one shape share it)."""
+        key = (shape, stage)
+        if key in self.cache:
+            self.cache.move_to_end(key)
+            return self.cache[key]
+        program = lower(self.sharded, self.evaluator(shape), self.device, pipeline=self.pipeline,
+                        bucket_bytes=1 << 62, rank=stage)
+        self.cache[key] = program
+        if len(self.cache) > self.cache_size:
+            self.cache.popitem(last=False)
+        return program
+
+    def stage_ops(self, stage: int):
+        stages = self.pipeline.stages
+        return [op for op in self.sharded.graph.ops if stages.virtual_stage(op.layer) == stage]
+
+    def kv_bytes_per_token(self, stage: int) -> int:
+        """KV cache bytes one token takes on a rank of `stage`: its layers' K and V shards."""
+        ev = self.evaluator(StepShape(1, 1, 1, 1))
+        caches = {name for op in self.stage_ops(stage) if op.kind is OpKind.ATTENTION for name in op.inputs[3:]}
+        return sum(ev(self.sharded.graph.tensors[name].nbytes) for name in caches)
+
+    def weight_bytes(self, stage: int) -> int:
+        ev = self.evaluator(StepShape(1, 1, 1, 1))
+        used = {name for op in self.stage_ops(stage) for name in op.inputs}
+        return sum(ev(t.nbytes) for t in self.sharded.graph.weights if t.name in used)
+
+    def activation_reserve(self, stage: int) -> int:
+        """Activation memory kept free for one budget-sized step without cache (what vLLM's
+        profiling run measures): the residual stream of max_num_batched_tokens tokens plus
+        the largest op's activation inputs and outputs (Nout = min(budget, max_num_seqs))."""
+        plan = self.plan
+        budget = plan.max_num_batched_tokens
+        ev = self.evaluator(StepShape(budget, 0, 0, min(budget, plan.max_num_seqs)))
+        tensors = self.sharded.graph.tensors
+        largest = max(sum(ev(tensors[n].memory_bytes) for n in (*op.inputs, *op.outputs)
+                          if tensors[n].role is Role.ACTIVATION) for op in self.stage_ops(stage))
+        residual = ev(tensors["embed"].nbytes) if "embed" in tensors else 0
+        return largest + residual

@@ -1,0 +1,283 @@
+"""The serving modes, from a model and a ServePlan to a written trace set.
+
+  prefill  one step: `batch` prompts of `prompt` tokens, each sampling its first token
+  decode   `steps` steps of `batch` requests, the context growing by one a step from `context`
+  serve    a request trace through the continuous-batching scheduler (stg/serve/scheduler.py)
+
+Every rank's trace is its iterations one after another: iteration i + 1's first compute
+follows iteration i's last compute, its first communication the last one of iteration i, and
+send/recv tags are unique per iteration. With pp > 1 a stage may start the next iteration
+while later stages finish this one (iterations are the pipeline's micro-batches).
+
+Time (serve mode): each replica has a clock; before each iteration the requests that have
+arrived by then join its queue. An iteration lasts what the cost model says: per pipeline
+stage, the sum of its compute nodes' durations (the device roofline, max(FLOPs / peak,
+bytes / bandwidth), the durations written in the trace) plus its collectives and sends under
+the alpha-beta network of `stg validate --timed alpha-beta` (ring factors, 5 us, 50 GB/s),
+stages one after another. A request's token is out when its iteration ends.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from dataclasses import dataclass, replace
+from enum import Enum
+from pathlib import Path
+from typing import Mapping, Sequence
+
+from model_zoo import Model, load_model
+from stg import __version__
+from stg.chakra.replay import CommCost, CommModel
+from stg.emit import write_trace_set
+from stg.errors import PlanError
+from stg.plan import Plan
+from stg.program import ClassStats, NodeType, RankProgram
+from stg.serve.engine import Engine, ServePlan
+from stg.serve.kvcache import KVPlan, kv_bytes_per_token_per_layer, plan_kv_cache
+from stg.serve.scheduler import Iteration, Request, Scheduler, SchedulerConfig, Slot
+from stg.serve.step import StepShape, uniform
+from stg.slice_check import check_slice
+
+TAG_LIMIT = 400_000_000  # below ASTRA-sim's comm_tag limit
+
+
+class Mode(Enum):
+    PREFILL = "prefill"
+    DECODE = "decode"
+    SERVE = "serve"
+
+
+def chain(programs: Sequence[RankProgram], edges: int) -> RankProgram:
+    """One rank's iterations in order, as one program (see the module docstring)."""
+    nodes, stats = [], ClassStats()
+    last_compute = last_comm = None
+    for index, program in enumerate(programs):
+        base = len(nodes)
+        comm_seen = False
+        for node in program.nodes:
+            deps = {d + base for d in node.deps}
+            compute = node.type is NodeType.COMP_NODE
+            if last_compute is not None and not any(program.nodes[d].type is NodeType.COMP_NODE for d in node.deps):
+                deps.add(last_compute)  # the iteration's first compute (or a comm with no compute before it)
+            if not compute and not comm_seen:
+                comm_seen = True
+                if last_comm is not None:
+                    deps.add(last_comm)
+            tag = node.tag + index * edges if node.type in (NodeType.COMM_SEND_NODE, NodeType.COMM_RECV_NODE) else 0
+            nodes.append(replace(node, id=len(nodes), deps=tuple(sorted(deps)), tag=tag,
+                                 name=f"i{index}.{node.name}"))
+        for node in nodes[base:]:
+            if node.type is NodeType.COMP_NODE:
+                last_compute = node.id
+            else:
+                last_comm = node.id
+        _add_stats(stats, program.stats)
+    return RankProgram(programs[0].key, tuple(nodes), stats)
+
+
+def _add_stats(total: ClassStats, more: ClassStats) -> None:
+    for name in ("flops_by_phase", "comm_bytes", "comm_count", "nodes"):
+        getattr(total, name).update(getattr(more, name))
+    for name in ("compute_bytes", "send_bytes", "recv_bytes", "matmul_flops", "recompute_flops"):
+        setattr(total, name, getattr(total, name) + getattr(more, name))
+
+
+class Clock:
+    """Iteration durations under the cost model (module docstring), per step shape."""
+
+    def __init__(self, engine: Engine, comm: CommCost = CommCost(CommModel.ALPHA_BETA)):
+        self.engine, self.comm = engine, comm
+        self.sizes = engine.plan.parallel().mesh().sizes
+        self.cache: dict[StepShape, float] = {}
+
+    def program_us(self, program: RankProgram) -> float:
+        total = 0.0
+        for node in program.nodes:
+            if node.type is NodeType.COMP_NODE:
+                total += node.duration_us
+            elif node.type is NodeType.COMM_COLL_NODE:
+                members = math.prod(self.sizes[a] for a in node.group.axes)
+                total += self.comm.collective_us(node.collective.value, node.comm_bytes, members)
+            elif node.type is NodeType.COMM_SEND_NODE:
+                total += self.comm.send_us(node.comm_bytes)
+        return total
+
+    def step_us(self, shape: StepShape) -> float:
+        if shape not in self.cache:
+            self.cache[shape] = sum(self.program_us(self.engine.program(shape, s)) for s in range(self.engine.plan.pp))
+        return self.cache[shape]
+
+
+@dataclass(frozen=True)
+class Timed:
+    iteration: Iteration
+    shape: StepShape
+    start_s: float
+    end_s: float
+
+    def to_dict(self) -> dict:
+        return {**self.iteration.to_dict(), **self.shape.to_dict(), "start_s": self.start_s, "end_s": self.end_s}
+
+
+def scheduler_config(plan: ServePlan, kv: KVPlan) -> SchedulerConfig:
+    return SchedulerConfig(plan.scheduler, plan.max_num_batched_tokens, plan.max_num_seqs, plan.block_size, kv.blocks)
+
+
+def run_replica(requests: Sequence[Request], config: SchedulerConfig, clock: Clock, attention) -> list[Timed]:
+    """Schedule one replica's requests in time."""
+    pending, scheduler, now, timed = deque(requests), Scheduler(config), 0.0, []
+    while pending or not scheduler.idle:
+        arrived = []
+        while pending and pending[0].arrival_s <= now:
+            arrived.append(pending.popleft())
+        scheduler.arrive(arrived)
+        if scheduler.idle:
+            now = pending[0].arrival_s
+            continue
+        iteration = scheduler.step()
+        shape = StepShape.of(iteration.slots, attention)
+        end = now + clock.step_us(shape) / 1e6
+        timed.append(Timed(iteration, shape, now, end))
+        now = end
+    return timed
+
+
+def request_metrics(requests: Sequence[Request], timed: Sequence[Timed]) -> list[dict]:
+    first, last, by_id = {}, {}, {r.id: r for r in requests}
+    for t in timed:
+        for slot in t.iteration.slots:
+            if slot.samples:
+                first.setdefault(slot.request, t.end_s)
+                last[slot.request] = t.end_s
+    rows = []
+    for r in requests:
+        ttft, e2e = first[r.id] - r.arrival_s, last[r.id] - r.arrival_s
+        tpot = (last[r.id] - first[r.id]) / (r.output - 1) if r.output > 1 else None
+        rows.append({"request": r.id, "arrival_s": r.arrival_s, "prompt": r.prompt, "output": r.output,
+                     "ttft_s": ttft, "tpot_s": tpot, "e2e_s": e2e})
+    return rows
+
+
+def _percentiles(values: list[float]) -> dict:
+    if not values:
+        return {}
+    ordered = sorted(values)
+    pick = lambda p: ordered[min(len(ordered) - 1, int(p * len(ordered)))]
+    return {"mean": sum(ordered) / len(ordered), "p50": pick(0.5), "p90": pick(0.9), "p99": pick(0.99)}
+
+
+def totals(rows: list[dict], makespan: float, slo_ttft_s: float | None, slo_tpot_s: float | None) -> dict:
+    tokens = sum(r["output"] for r in rows)
+    result = {"requests": len(rows), "output_tokens": tokens, "makespan_s": makespan,
+              "throughput_tokens_per_s": tokens / makespan if makespan else None,
+              "ttft_s": _percentiles([r["ttft_s"] for r in rows]),
+              "tpot_s": _percentiles([r["tpot_s"] for r in rows if r["tpot_s"] is not None]),
+              "e2e_s": _percentiles([r["e2e_s"] for r in rows])}
+    if slo_ttft_s is not None or slo_tpot_s is not None:
+        good = [r for r in rows if (slo_ttft_s is None or r["ttft_s"] <= slo_ttft_s)
+                and (slo_tpot_s is None or r["tpot_s"] is None or r["tpot_s"] <= slo_tpot_s)]
+        result["goodput_tokens_per_s"] = sum(r["output"] for r in good) / makespan if makespan else None
+        result["slo_attainment"] = len(good) / len(rows)
+    return result
+
+
+def generate_serving(model: Model | str | Path | Mapping, plan: ServePlan | Mapping, out: str | Path, *,
+                     mode: Mode | str, batch: int = 1, prompt: int = 1024, context: int = 1024, steps: int = 1,
+                     requests: Sequence[Request] | str | Path | None = None, slo_ttft_ms: float | None = None,
+                     slo_tpot_ms: float | None = None) -> dict:
+    """Write the trace set of a serving run to OUT and return its summary (summary.json)."""
+    model = model if isinstance(model, Model) else load_model(model)
+    plan = plan if isinstance(plan, ServePlan) else ServePlan(**plan)
+    try:
+        mode = Mode(mode)
+    except ValueError:
+        raise PlanError(f"mode: must be one of {[m.value for m in Mode]}, got {mode!r}") from None
+    for name, value in (("batch", batch), ("prompt", prompt), ("context", context), ("steps", steps)):
+        if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+            raise PlanError(f"{name}: must be a positive integer, got {value!r}")
+    engine = Engine(model, plan)
+    kv = plan_kv_cache(engine)
+    clock = Clock(engine)
+    if mode is Mode.SERVE:
+        if requests is None:
+            raise PlanError("requests: serve mode needs a request trace (--requests FILE)")
+        if not isinstance(requests, (list, tuple)):
+            from stg.serve.requests import load_requests
+
+            requests = load_requests(requests)
+        config = scheduler_config(plan, kv)
+        shares = [list(requests[r::plan.dp]) for r in range(plan.dp)]  # round-robin in arrival order
+        replicas = [run_replica(share, config, clock, plan.attention_flops) for share in shares]
+    else:
+        tokens = prompt if mode is Mode.PREFILL else context + steps
+        need = batch * -(-tokens // plan.block_size)
+        if need > kv.blocks:
+            raise PlanError(f"batch: {batch} requests of {tokens} tokens need {need} KV blocks; the cache has "
+                            f"{kv.blocks} (num_kv_blocks)")
+        slot_lists = ([uniform(batch, prompt, 0)] if mode is Mode.PREFILL
+                      else [uniform(batch, 1, context + i) for i in range(steps)])
+        now, timed = 0.0, []
+        for index, slots in enumerate(slot_lists):
+            shape = StepShape.of(slots, plan.attention_flops)
+            end = now + clock.step_us(shape) / 1e6
+            timed.append(Timed(Iteration(index, slots, need), shape, now, end))
+            now = end
+        replicas = [timed]
+    summary = _summary(model, plan, mode, engine, kv, replicas, requests, slo_ttft_ms, slo_tpot_ms)
+    workload = _workload(model, plan, engine, replicas)
+    summary["rank_classes"] = [{"class": c, "stage": c // workload.variants, "replica": c % workload.variants
+                                if workload.variants > 1 else None, "count": workload.class_count(c),
+                                **p.stats.to_dict()} for c, p in enumerate(workload.programs)]
+    summary["rank_class"] = [workload.class_of(r) for r in range(workload.mesh.size)]
+    check_slice(workload)
+    write_trace_set(Path(out), workload, summary)
+    return summary
+
+
+def _workload(model: Model, plan: ServePlan, engine: Engine, replicas: list[list[Timed]]):
+    from stg.api import Workload
+
+    iterations = max(len(r) for r in replicas)
+    if iterations * max(engine.edges, 1) >= TAG_LIMIT:
+        raise PlanError(f"iterations: {iterations} are too many for unique send/recv tags below {TAG_LIMIT:,}")
+    parallel = Plan(tp=plan.tp, pp=plan.pp, dp=plan.dp, sp=False, device=plan.device, schedule="gpipe")
+    shared = len(replicas) == 1  # every replica runs the same iterations
+    programs = [chain([engine.program(t.shape, stage) for t in timed], engine.edges)
+                for stage in range(plan.pp) for timed in replicas]
+    axes, index = ((), ()) if shared else (("dp",), tuple(range(plan.dp)))
+    return Workload(model, parallel, parallel.mesh(), engine.sharded, tuple(programs), (), {}, axes, index)
+
+
+def _summary(model, plan, mode, engine, kv, replicas, requests, slo_ttft_ms, slo_tpot_ms) -> dict:
+    config = model.config
+    summary = {
+        "stg_version": __version__,
+        "model": {**model.describe(), "source": model.source},
+        "mode": mode.value,
+        "serve_plan": plan.to_dict(),
+        "mesh": dict(plan.parallel().mesh().axes) | {"dp": plan.dp},
+        "world_size": plan.dp * plan.tp * plan.pp,
+        "kv_cache": {**kv.to_dict(), "kv_bytes_per_token_per_layer": kv_bytes_per_token_per_layer(
+            config, plan.kv_cache_dtype)},
+        "cost_model": "device roofline per compute node + alpha-beta collectives (5 us, 50 GB/s), stages in sequence",
+        "replicas": [],
+    }
+    for index, timed in enumerate(replicas):
+        entry = {"replica": index, "iterations": [t.to_dict() for t in timed],
+                 "makespan_s": timed[-1].end_s if timed else 0.0}
+        if mode is Mode.SERVE:
+            mine = list(requests[index::plan.dp])
+            rows = request_metrics(mine, timed)
+            entry["requests"] = rows
+            entry["totals"] = totals(rows, entry["makespan_s"], _s(slo_ttft_ms), _s(slo_tpot_ms))
+        summary["replicas"].append(entry)
+    if mode is Mode.SERVE:
+        rows = [row for entry in summary["replicas"] for row in entry["requests"]]
+        makespan = max(entry["makespan_s"] for entry in summary["replicas"])
+        summary["totals"] = totals(rows, makespan, _s(slo_ttft_ms), _s(slo_tpot_ms))
+    return summary
+
+
+def _s(ms: float | None) -> float | None:
+    return None if ms is None else ms / 1e3
