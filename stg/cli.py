@@ -384,3 +384,8 @@ def describe(
     block = sympy.Add(*(op.flops for op in graph.ops if op.layer == 1))
     typer.echo(f"# forward FLOPs of block 1: {block}")
     typer.echo(f"# {loaded.name}: {loaded.layers} blocks, {loaded.params:,} parameters")
+
+
+from stg.serve.cli import serve as _serve  # noqa: E402  (its module imports this one lazily)
+
+app.command("serve")(_serve)

@@ -94,8 +94,8 @@ class Clock:
     def program_us(self, program: RankProgram) -> float:
         total = 0.0
         for node in program.nodes:
-            if node.type is NodeType.COMP_NODE:
-                total += node.duration_us
+            if node.type is NodeType.COMP_NODE:  # unrounded: the trace's durations are whole microseconds
+                total += self.engine.device.duration_us(node.flops, node.nbytes)
             elif node.type is NodeType.COMM_COLL_NODE:
                 members = math.prod(self.sizes[a] for a in node.group.axes)
                 total += self.comm.collective_us(node.collective.value, node.comm_bytes, members)

@@ -1,0 +1,18 @@
+"""Inference and serving workloads (DESIGN.md's stg/serve room).
+
+    from stg.serve import ServePlan, generate_serving
+    generate_serving("llama3-8b", ServePlan(tp=2), "out/", mode="decode", batch=8, context=1024, steps=16)
+
+engine     the inference step graph laid out once, lowered per step shape (ServePlan)
+step       a step's (q, c) per request bound to the graph's symbols
+scheduler  continuous batching: sarathi and vllm, pure bookkeeping
+kvcache    KV bytes per token and the cache planner
+requests   Azure and Mooncake request traces
+run        the three modes (prefill, decode, serve), time and metrics, writing the set
+"""
+
+from stg.serve.engine import ServePlan
+from stg.serve.run import Mode, generate_serving
+from stg.serve.scheduler import Policy, Request, Scheduler, SchedulerConfig
+
+__all__ = ["Mode", "Policy", "Request", "Scheduler", "SchedulerConfig", "ServePlan", "generate_serving"]

@@ -1,0 +1,176 @@
+"""Serving: the inference step's FLOPs and bytes, the KV cache and its planner, the written sets.
+
+FLOPs are checked against a hand formula of what PyTorch's FlopCounterMode counts on the
+HuggingFace model code (torch/utils/flop_counter.py: 2·m·n·k per mm/addmm/bmm; for
+scaled_dot_product_attention 2·b·h·s_q·s_kv·d for Q·K^T plus as much for P·V, whole squares),
+with sizes from the models' HuggingFace config.json files written out here. HF generate()
+applies the LM head to the last position only during prefill (logits_to_keep=1), so the head
+covers one position per request per step, as stg's step graph does.
+"""
+
+import json
+
+import pytest
+
+from model_zoo import load_model
+from stg.chakra.validate import validate
+from stg.errors import PlanError, StgError
+from stg.plan import AttentionFlops
+from stg.serve import ServePlan, generate_serving
+from stg.serve.engine import Engine
+from stg.serve.kvcache import kv_bytes_per_token_per_layer, plan_kv_cache, pool_blocks
+from stg.serve.requests import load_requests
+from stg.serve.step import StepShape, uniform
+
+# name: (layers, hidden, intermediate, heads, kv_heads, vocab, experts, top_k) from config.json
+HF = {
+    "llama3-8b": (32, 4096, 14336, 32, 8, 128256, None, None),  # meta-llama/Meta-Llama-3-8B
+    "llama2-70b": (80, 8192, 28672, 64, 8, 32000, None, None),  # meta-llama/Llama-2-70b-hf
+    "mixtral-8x7b": (32, 4096, 14336, 32, 8, 32000, 8, 2),  # mistralai/Mixtral-8x7B-v0.1
+}
+
+
+TINY = load_model(dict(name="tiny-llama", family="llama", layers=4, hidden=64, ffn=176, heads=8, kv_heads=4,
+                       vocab=1000))
+
+
+def flop_counter_formula(name, tokens, pairs, sampled):
+    """FlopCounterMode's count of one HF forward: q/k/v/o projections, the MLP (per routed
+    expert: each token through its top-k experts' three matmuls, plus the router), SDPA's two
+    batched matmuls over `pairs` query-key pairs, the LM head on `sampled` positions."""
+    layers, h, f, heads, kv_heads, vocab, experts, top_k = HF[name]
+    d = h // heads
+    projections = 2 * tokens * (h * heads * d + 2 * h * kv_heads * d + heads * d * h)
+    mlp = 2 * tokens * 3 * h * f if experts is None else 2 * tokens * (top_k * 3 * h * f + h * experts)
+    sdpa = 2 * heads * d * pairs + 2 * heads * d * pairs
+    return layers * (projections + mlp + sdpa) + 2 * sampled * h * vocab
+
+
+@pytest.mark.parametrize("name", sorted(HF))
+def test_prefill_and_decode_flops_match_flop_counter_formula(name):
+    engine = Engine(load_model(name), ServePlan(attention_flops="full"))
+    # prefill: batch 1, prompt 1024: 1024 x 1024 pairs (whole square); head on 1 position
+    prefill = engine.program(StepShape.of(uniform(1, 1024, 0), AttentionFlops.FULL), 0).stats.to_dict()["flops"]
+    expected = flop_counter_formula(name, 1024, 1024 * 1024, 1)
+    assert abs(prefill - expected) / expected < 0.01
+    # decode: batch 8 at context 1024: each query attends 1024 cached keys and its own
+    decode = engine.program(StepShape.of(uniform(8, 1, 1024), AttentionFlops.FULL), 0).stats.to_dict()["flops"]
+    expected = flop_counter_formula(name, 8, 8 * 1025, 8)
+    assert abs(decode - expected) / expected < 0.01
+
+
+def test_step_shape_counts_pairs_per_request():
+    slots = uniform(2, 3, 5)  # two requests, 3 new tokens on 5 cached
+    assert StepShape.of(slots, AttentionFlops.FULL).pairs == 2 * 3 * 8
+    assert StepShape.of(slots, AttentionFlops.CAUSAL).pairs == 2 * (3 * 5 + 6)  # 5+6+7+8 = 26 each
+    assert StepShape.of(slots, AttentionFlops.CAUSAL).kv_tokens == 16
+
+
+def test_kv_bytes_per_token():
+    assert kv_bytes_per_token_per_layer(load_model("llama3-8b").config) == 2 * 8 * 128 * 2 == 4096
+    assert kv_bytes_per_token_per_layer(load_model("llama3-8b").config, "fp8") == 2048
+    # DeepSeek-V3 (MLA): kv_lora_rank 512 + qk_rope_head_dim 64, bf16
+    assert kv_bytes_per_token_per_layer(load_model("deepseek-v3").config) == (512 + 64) * 2
+    # the step graph's cache tensors agree, per rank: 32 layers, KV heads split by tp
+    assert Engine(load_model("llama3-8b"), ServePlan()).kv_bytes_per_token(0) == 32 * 4096
+    assert Engine(load_model("llama3-8b"), ServePlan(tp=2)).kv_bytes_per_token(0) == 32 * 4096 // 2
+
+
+def test_decode_is_memory_bound_reading_weights_and_the_whole_cache():
+    engine = Engine(load_model("llama3-8b"), ServePlan())
+    shape = StepShape.of(uniform(8, 1, 4096), AttentionFlops.CAUSAL)
+    stats = engine.program(shape, 0).stats.to_dict()
+    # every weight read once (the embedding table only in the looked-up rows) and every
+    # request's whole cache in every layer
+    weights = 2 * (8_030_261_248 - 128256 * 4096)
+    cache = 8 * 4097 * 32 * 4096
+    assert weights + cache < stats["compute_bytes"] < 1.01 * (weights + cache)
+    h100 = 3.35e12  # bytes/s; decode's arithmetic intensity is far below 989e12 / 3.35e12 FLOP/byte
+    assert stats["flops"] / stats["compute_bytes"] < 10
+    durations = sum(n.duration_us for n in engine.program(shape, 0).nodes)
+    assert durations == pytest.approx(stats["compute_bytes"] / h100 * 1e6, rel=0.02)
+
+
+def test_pool_formula_with_hand_numbers():
+    # (80 GiB x 0.9 - 16 GB weights - 0.5 GB reserve) / (16 tokens x 131,072 B)
+    assert pool_blocks(80 * 2**30, 0.9, 16_000_000_000, 500_000_000, 16, 131_072) == (
+        (77_309_411_328 - 16_000_000_000 - 500_000_000) // 2_097_152) == 28_996
+    assert 28_996 * 2_097_152 <= 60_809_411_328 < 28_997 * 2_097_152
+
+
+def test_planner_for_llama3_8b_on_h100():
+    engine = Engine(load_model("llama3-8b"), ServePlan())
+    kv = plan_kv_cache(engine)
+    # parameters: embedding and head 2 x 128256 x 4096, per layer q,o 2 x 4096^2, k,v 2 x 4096 x 1024,
+    # MLP 3 x 4096 x 14336, two norms 2 x 4096; final norm 4096 -- bf16
+    params = 2 * 128256 * 4096 + 32 * (2 * 4096**2 + 2 * 4096 * 1024 + 3 * 4096 * 14336 + 2 * 4096) + 4096
+    assert params == 8_030_261_248
+    weights = 2 * params
+    # reserve for a 512-token step: the residual stream (512 x 4096 bf16) plus the largest op's
+    # activations, sampling's softmax over min(512, 256) = 256 rows of 128,256 logits, in and out
+    reserve = 512 * 4096 * 2 + 2 * 256 * 128256 * 2
+    stage = kv.per_stage[0]
+    assert (stage["weight_bytes"], stage["activation_reserve_bytes"]) == (weights, reserve)
+    assert kv.blocks == (int(80 * 2**30 * 0.9) - weights - reserve) // (16 * 32 * 4096)
+    assert kv.tokens == kv.blocks * 16
+    assert plan_kv_cache(Engine(load_model("llama3-8b"), ServePlan(num_kv_blocks=100))).blocks == 100
+
+
+def test_planner_refuses_a_model_that_does_not_fit():
+    with pytest.raises(PlanError, match="gpu_memory_utilization"):
+        plan_kv_cache(Engine(load_model("llama2-70b"), ServePlan()))
+
+
+@pytest.mark.parametrize("mode, plan, extra", [
+    ("prefill", dict(tp=2, pp=2), dict(batch=2, prompt=64)),
+    ("decode", dict(tp=2, dp=2), dict(batch=4, context=100, steps=3)),
+    ("serve", dict(tp=2, pp=2, dp=2, max_num_batched_tokens=64), dict(requests="examples/requests-azure.csv")),
+    ("serve", dict(dp=1, scheduler="vllm", num_kv_blocks=40), dict(requests="examples/requests-azure.csv")),
+])
+def test_sets_validate(tmp_path, mode, plan, extra):
+    out = tmp_path / "set"
+    summary = generate_serving(TINY, ServePlan(**plan), out, mode=mode, **extra)
+    assert validate(out, replay=True) == []
+    data = json.loads((out / "summary.json").read_text())
+    assert data["mode"] == mode and data["world_size"] == plan.get("tp", 1) * plan.get("pp", 1) * plan.get("dp", 1)
+    if mode == "serve":
+        rows = [r for replica in summary["replicas"] for r in replica["requests"]]
+        assert len(rows) == len(load_requests("examples/requests-azure.csv"))
+        assert all(r["ttft_s"] > 0 and r["e2e_s"] >= r["ttft_s"] for r in rows)
+        # every output token is sampled once
+        sampled = sum(len([s for s in it["requests"]]) for rep in summary["replicas"] for it in rep["iterations"])
+        assert sampled >= sum(r["output"] for r in rows)
+
+
+def test_tp_all_reduces_per_layer_and_pp_sends_per_iteration(tmp_path):
+    summary = generate_serving(TINY, ServePlan(tp=2, pp=2), tmp_path / "s", mode="decode", batch=2, steps=3)
+    first, last = summary["rank_classes"]
+    layers = TINY.layers // 2
+    # per iteration: 2 all-reduces per layer; the first stage also the vocabulary-parallel embedding's
+    assert first["comm_count"]["ALL_REDUCE"] == 3 * (2 * layers + 1)
+    assert last["comm_count"] == {"ALL_REDUCE": 3 * 2 * layers, "ALL_GATHER": 3}  # + the logits for sampling
+    hidden = TINY.config.hidden
+    assert first["send_bytes"] == last["recv_bytes"] == 3 * 2 * hidden * 2  # 2 tokens x hidden bf16, per step
+
+
+def test_requests_both_schemas(tmp_path):
+    azure = load_requests("examples/requests-azure.csv")
+    assert azure[0].arrival_s == 0 and all(a.arrival_s <= b.arrival_s for a, b in zip(azure, azure[1:]))
+    mooncake = tmp_path / "m.jsonl"
+    mooncake.write_text('{"timestamp": 500, "input_length": 10, "output_length": 3}\n'
+                        '{"timestamp": 0, "input_length": 7, "output_length": 2}\n')
+    loaded = load_requests(mooncake)
+    assert [(r.arrival_s, r.prompt, r.output) for r in loaded] == [(0.0, 7, 2), (0.5, 10, 3)]
+    bad = tmp_path / "b.jsonl"
+    bad.write_text('{"timestamp": 0, "input_length": -1, "output_length": 3}\n')
+    with pytest.raises(PlanError, match="input_length must be a positive integer"):
+        load_requests(bad)
+
+
+def test_bad_input_is_one_line_and_writes_nothing(tmp_path):
+    for plan, kwargs, field in [(dict(tp=3), {}, "tp=3 does not divide"), ({}, dict(mode="x"), "mode:"),
+                                (dict(kv_cache_dtype="int4"), {}, "kv_cache_dtype"),
+                                ({}, dict(mode="serve"), "requests:")]:
+        with pytest.raises(StgError, match=field):
+            generate_serving(TINY, ServePlan(**plan), tmp_path / "o", **{"mode": "prefill", **kwargs})
+    assert not (tmp_path / "o").exists()
