@@ -168,6 +168,7 @@ class Engine:
         self.compiled: dict = {}
         self.cache: OrderedDict = OrderedDict()
         self.cache_size = cache_size
+        self.templates: dict = {}
 
     @property
     def edges(self) -> int:
@@ -188,6 +189,17 @@ class Engine:
         if len(self.cache) > self.cache_size:
             self.cache.popitem(last=False)
         return program
+
+    def template(self, stage: int):
+        """Stage `stage`'s iteration as a StageTemplate (stg/serve/template.py), built once."""
+        if stage not in self.templates:
+            from stg.serve.template import build_template
+
+            lowered = lambda evaluate: lower(self.sharded, evaluate, self.device, pipeline=self.pipeline,
+                                             bucket_bytes=1 << 62, rank=stage)
+            self.templates[stage] = build_template(lowered, {**self.static, B: 1, ATTN_FRACTION: 1},
+                                                   StepShape(8, 64, 100, 2), (S, KV_TOKENS, PAIRS, SAMPLED))
+        return self.templates[stage]
 
     def stage_ops(self, stage: int):
         stages = self.pipeline.stages

@@ -20,6 +20,7 @@ stages one after another. A request's token is out when its iteration ends.
 from __future__ import annotations
 
 import math
+import shutil
 from collections import deque
 from dataclasses import dataclass, replace
 from enum import Enum
@@ -29,14 +30,15 @@ from typing import Mapping, Sequence
 from model_zoo import Model, load_model
 from stg import __version__
 from stg.chakra.replay import CommCost, CommModel
-from stg.emit import write_trace_set
-from stg.errors import PlanError
+from stg.emit import commit_output, prepare_output, write_groups, write_json
+from stg.errors import OutputError, PlanError
 from stg.plan import Plan
-from stg.program import ClassStats, NodeType, RankProgram
+from stg.program import NodeType, RankProgram
 from stg.serve.engine import Engine, ServePlan
 from stg.serve.kvcache import KVPlan, kv_bytes_per_token_per_layer, plan_kv_cache
 from stg.serve.scheduler import Iteration, Request, Scheduler, SchedulerConfig, Slot
 from stg.serve.step import StepShape, uniform
+from stg.serve.stream import StageWriter, links, stage_stats, write_class
 from stg.slice_check import check_slice
 
 TAG_LIMIT = 400_000_000  # below ASTRA-sim's comm_tag limit
@@ -49,38 +51,17 @@ class Mode(Enum):
 
 
 def chain(programs: Sequence[RankProgram], edges: int) -> RankProgram:
-    """One rank's iterations in order, as one program (see the module docstring)."""
-    nodes, stats = [], ClassStats()
-    last_compute = last_comm = None
+    """Iterations of one stage in order as one program, linked as the written set links them
+    (stg/serve/stream.py); for the slice check."""
+    nodes = []
     for index, program in enumerate(programs):
-        base = len(nodes)
-        comm_seen = False
-        for node in program.nodes:
-            deps = {d + base for d in node.deps}
-            compute = node.type is NodeType.COMP_NODE
-            if last_compute is not None and not any(program.nodes[d].type is NodeType.COMP_NODE for d in node.deps):
-                deps.add(last_compute)  # the iteration's first compute (or a comm with no compute before it)
-            if not compute and not comm_seen:
-                comm_seen = True
-                if last_comm is not None:
-                    deps.add(last_comm)
-            tag = node.tag + index * edges if node.type in (NodeType.COMM_SEND_NODE, NodeType.COMM_RECV_NODE) else 0
-            nodes.append(replace(node, id=len(nodes), deps=tuple(sorted(deps)), tag=tag,
-                                 name=f"i{index}.{node.name}"))
-        for node in nodes[base:]:
-            if node.type is NodeType.COMP_NODE:
-                last_compute = node.id
-            else:
-                last_comm = node.id
-        _add_stats(stats, program.stats)
-    return RankProgram(programs[0].key, tuple(nodes), stats)
-
-
-def _add_stats(total: ClassStats, more: ClassStats) -> None:
-    for name in ("flops_by_phase", "comm_bytes", "comm_count", "nodes"):
-        getattr(total, name).update(getattr(more, name))
-    for name in ("compute_bytes", "send_bytes", "recv_bytes", "matmul_flops", "recompute_flops"):
-        setattr(total, name, getattr(total, name) + getattr(more, name))
+        base, previous = len(nodes), links(program.nodes)
+        for i, node in enumerate(program.nodes):
+            deps = {d + base for d in node.deps} | ({base + d for d in previous[i]} if index else set())
+            message = node.type in (NodeType.COMM_SEND_NODE, NodeType.COMM_RECV_NODE)
+            nodes.append(replace(node, id=len(nodes), deps=tuple(sorted(deps)),
+                                 tag=node.tag + index * edges if message else 0))
+    return RankProgram(programs[0].key, tuple(nodes), programs[0].stats)
 
 
 class Clock:
@@ -91,21 +72,24 @@ class Clock:
         self.sizes = engine.plan.parallel().mesh().sizes
         self.cache: dict[StepShape, float] = {}
 
-    def program_us(self, program: RankProgram) -> float:
-        total = 0.0
-        for node in program.nodes:
-            if node.type is NodeType.COMP_NODE:  # unrounded: the trace's durations are whole microseconds
-                total += self.engine.device.duration_us(node.flops, node.nbytes)
-            elif node.type is NodeType.COMM_COLL_NODE:
+    def stage_us(self, stage: int, shape: StepShape) -> float:
+        template = self.engine.template(stage)
+        values = template.values(shape, self.engine.device)
+        total = float(values["exact_us"].sum())  # unrounded: the trace's durations are whole microseconds
+        for index, size in zip(template.comm, values["comm_bytes"]):
+            node = template.program.nodes[index]
+            if node.type is NodeType.COMM_COLL_NODE:
                 members = math.prod(self.sizes[a] for a in node.group.axes)
-                total += self.comm.collective_us(node.collective.value, node.comm_bytes, members)
+                total += self.comm.collective_us(node.collective.value, int(size), members)
             elif node.type is NodeType.COMM_SEND_NODE:
-                total += self.comm.send_us(node.comm_bytes)
+                total += self.comm.send_us(int(size))
         return total
 
     def step_us(self, shape: StepShape) -> float:
         if shape not in self.cache:
-            self.cache[shape] = sum(self.program_us(self.engine.program(shape, s)) for s in range(self.engine.plan.pp))
+            if len(self.cache) > 100_000:
+                self.cache.clear()
+            self.cache[shape] = sum(self.stage_us(s, shape) for s in range(self.engine.plan.pp))
         return self.cache[shape]
 
 
@@ -225,28 +209,78 @@ def generate_serving(model: Model | str | Path | Mapping, plan: ServePlan | Mapp
             now = end
         replicas = [timed]
     summary = _summary(model, plan, mode, engine, kv, replicas, requests, slo_ttft_ms, slo_tpot_ms)
-    workload = _workload(model, plan, engine, replicas)
-    summary["rank_classes"] = [{"class": c, "stage": c // workload.variants, "replica": c % workload.variants
-                                if workload.variants > 1 else None, "count": workload.class_count(c),
-                                **p.stats.to_dict()} for c, p in enumerate(workload.programs)]
-    summary["rank_class"] = [workload.class_of(r) for r in range(workload.mesh.size)]
-    check_slice(workload)
-    write_trace_set(Path(out), workload, summary)
+    _write(Path(out), model, plan, engine, replicas, summary)
     return summary
 
 
-def _workload(model: Model, plan: ServePlan, engine: Engine, replicas: list[list[Timed]]):
+def _workload(model: Model, plan: ServePlan, engine: Engine, shared: bool, repeat: int = 1):
+    """The set's ranks and classes (stg.api.Workload) with each class's program the stage's
+    template repeated `repeat` times; classes are (stage, replica) unless every replica runs
+    the same iterations."""
     from stg.api import Workload
 
+    parallel = Plan(tp=plan.tp, pp=plan.pp, dp=plan.dp, sp=False, device=plan.device, schedule="gpipe")
+    variants = 1 if shared else plan.dp
+    programs = [chain([engine.template(stage).program] * repeat, engine.edges)
+                for stage in range(plan.pp) for _ in range(variants)]
+    axes, index = ((), ()) if shared else (("dp",), tuple(range(plan.dp)))
+    return Workload(model, parallel, parallel.mesh(), engine.sharded, tuple(programs), (), {}, axes, index)
+
+
+def _write(out: Path, model: Model, plan: ServePlan, engine: Engine, replicas: list[list[Timed]], summary: dict):
+    """Check a two-iteration slice for deadlocks (every iteration has the same structure and
+    iterations only follow each other), then stream every class's iterations to its ranks."""
     iterations = max(len(r) for r in replicas)
     if iterations * max(engine.edges, 1) >= TAG_LIMIT:
         raise PlanError(f"iterations: {iterations} are too many for unique send/recv tags below {TAG_LIMIT:,}")
-    parallel = Plan(tp=plan.tp, pp=plan.pp, dp=plan.dp, sp=False, device=plan.device, schedule="gpipe")
-    shared = len(replicas) == 1  # every replica runs the same iterations
-    programs = [chain([engine.program(t.shape, stage) for t in timed], engine.edges)
-                for stage in range(plan.pp) for timed in replicas]
-    axes, index = ((), ()) if shared else (("dp",), tuple(range(plan.dp)))
-    return Workload(model, parallel, parallel.mesh(), engine.sharded, tuple(programs), (), {}, axes, index)
+    shared = len(replicas) == 1
+    check_slice(_workload(model, plan, engine, shared, repeat=2))
+    workload = _workload(model, plan, engine, shared)
+    world = workload.mesh.size
+    members: dict[int, list[int]] = {}
+    for rank in range(world):
+        members.setdefault(workload.class_of(rank), []).append(rank)
+    id_width = max(1, (max(len(r) for r in replicas) * max(len(engine.template(s).program.nodes)
+                                                          for s in range(plan.pp))).bit_length() // 7 + 1)
+    folder = prepare_output(out)
+    try:
+        write_groups(folder / "workload.json", workload.group_ids)
+        classes = []
+        for cls, program in enumerate(workload.programs):
+            stage, replica = divmod(cls, workload.variants)
+            template = engine.template(stage)
+            holes = program.holes
+            widths = {h: len(v) for h, v in workload.hole_values(members[cls][0], holes).items()}
+            writer = StageWriter(template, engine.edges, id_width, widths)
+            stats: dict = {}
+
+            def values():
+                for timed in replicas[replica]:
+                    v = template.values(timed.shape, engine.device)
+                    stage_stats(template, v, stats)
+                    yield v
+
+            write_class(folder, writer, values(), members[cls], lambda r: workload.hole_values(r, holes))
+            classes.append({"class": cls, "stage": stage, "replica": None if shared else replica,
+                            "count": len(members[cls]), **_stats_dict(stats)})
+        summary["rank_classes"] = classes
+        summary["rank_class"] = [workload.class_of(r) for r in range(world)]
+        write_json(folder / "summary.json", summary)
+        commit_output(folder, out)
+    except OSError as err:
+        shutil.rmtree(folder, ignore_errors=True)
+        raise OutputError(f"output {out}: write failed ({err.strerror})") from None
+    except BaseException:
+        shutil.rmtree(folder, ignore_errors=True)
+        raise
+
+
+def _stats_dict(stats: dict) -> dict:
+    return {"flops": stats.get("flops", 0), "compute_bytes": stats.get("compute_bytes", 0),
+            "comm_bytes": dict(sorted(stats.get("comm_bytes", {}).items())),
+            "comm_count": dict(sorted(stats.get("comm_count", {}).items())),
+            "send_bytes": stats.get("send_bytes", 0), "recv_bytes": stats.get("recv_bytes", 0),
+            "nodes": dict(sorted(stats.get("nodes", {}).items()))}
 
 
 def _summary(model, plan, mode, engine, kv, replicas, requests, slo_ttft_ms, slo_tpot_ms) -> dict:
