@@ -19,6 +19,7 @@ stages one after another. A request's token is out when its iteration ends.
 
 from __future__ import annotations
 
+import json
 import math
 import shutil
 from collections import deque
@@ -30,7 +31,7 @@ from typing import Mapping, Sequence
 from model_zoo import Model, load_model
 from stg import __version__
 from stg.chakra.replay import CommCost, CommModel
-from stg.emit import commit_output, prepare_output, write_groups, write_json
+from stg.emit import commit_output, prepare_output, write_groups
 from stg.errors import OutputError, PlanError
 from stg.plan import Plan
 from stg.program import NodeType, RankProgram
@@ -265,7 +266,9 @@ def _write(out: Path, model: Model, plan: ServePlan, engine: Engine, replicas: l
                             "count": len(members[cls]), **_stats_dict(stats)})
         summary["rank_classes"] = classes
         summary["rank_class"] = [workload.class_of(r) for r in range(world)]
-        write_json(folder / "summary.json", summary)
+        with open(folder / "summary.json", "w") as f:  # streamed: it holds every iteration
+            json.dump(summary, f, indent=1)
+            f.write("\n")
         commit_output(folder, out)
     except OSError as err:
         shutil.rmtree(folder, ignore_errors=True)
