@@ -39,6 +39,9 @@ from model_zoo.moe import CF, LOAD
 from stg.symbols import ATTN_FRACTION, KV_TOKENS, PAIRS, SAMPLED, B, S
 
 DTYPES = ("bf16", "fp8")
+# vLLM's default for MoE layers: every expert's FFN split over tp like a dense MLP (training
+# keeps experts whole on a tp rank, etp = 1)
+SERVING_RULES = {"expert_mlp": ("tp",)}
 STEP_SYMBOLS = (B, S, KV_TOKENS, PAIRS, SAMPLED, ATTN_FRACTION)
 
 
@@ -88,7 +91,7 @@ class ServePlan:
     def parallel(self) -> Plan:
         """The layout part as a training Plan (one replica): what the sharding rules read."""
         return Plan(tp=self.tp, pp=self.pp, sp=False, device=self.device, attention_flops=self.attention_flops,
-                    schedule="gpipe")
+                    schedule="gpipe", rules=SERVING_RULES if self.tp > 1 else None)
 
     def to_dict(self) -> dict:
         return {**{k: getattr(self, k) for k in self.__dataclass_fields__},
