@@ -170,7 +170,9 @@ def test_requests_both_schemas(tmp_path):
 def test_bad_input_is_one_line_and_writes_nothing(tmp_path):
     for plan, kwargs, field in [(dict(tp=3), {}, "tp=3 does not divide"), ({}, dict(mode="x"), "mode:"),
                                 (dict(kv_cache_dtype="int4"), {}, "kv_cache_dtype"),
-                                ({}, dict(mode="serve"), "requests:")]:
+                                ({}, dict(mode="serve"), "requests:"),
+                                (dict(prefill_instances=1), {}, "needs both"),
+                                (dict(prefill_instances=1, decode_instances=1), {}, "mode serve")]:
         with pytest.raises(StgError, match=field):
             generate_serving(TINY, ServePlan(**plan), tmp_path / "o", **{"mode": "prefill", **kwargs})
     assert not (tmp_path / "o").exists()
@@ -206,3 +208,29 @@ def test_streamed_records_decode_with_the_stock_protobuf_runtime(tmp_path):
         cls = summary["rank_classes"][summary["rank_class"][rank]]
         flops = sum({a.name: a for a in n.attr}["num_ops"].int64_val for n in nodes if n.type == pb.COMP_NODE)
         assert flops >= cls["flops"]  # (written values are at least 1)
+
+
+def test_disaggregated_prefill_decode_moves_each_kv_cache_once(tmp_path):
+    from stg.chakra import et_def_pb2 as pb
+    from stg.chakra.reader import read_trace
+
+    out = tmp_path / "d"
+    plan = ServePlan(tp=2, pp=2, prefill_instances=1, decode_instances=2, max_num_batched_tokens=64)
+    summary = generate_serving(TINY, plan, out, mode="serve", requests="examples/requests-azure.csv")
+    assert validate(out, replay=True) == []
+    requests = load_requests("examples/requests-azure.csv")
+    moved = [r for r in requests if r.output > 1]
+    assert sorted(t["request"] for t in summary["kv_transfers"]) == [r.id for r in moved]
+    # instances on dp: rank = stage * 6 + instance * 2 + tp; decode instance k gets ids with id % 2 == k - 1
+    per_token_per_layer = 2 * (4 // 2) * (64 // 8) * 2  # K and V, 2 of 4 KV heads, head_dim 8, bf16
+    for instance in (1, 2):
+        for stage in (0, 1):
+            rank = stage * 6 + instance * 2 + 1
+            nodes = read_trace(out / f"workload.{rank}.et").nodes
+            kv = [n for n in nodes if n.type == pb.COMM_RECV_NODE and n.name.startswith("kv ")]
+            size = sum({a.name: a for a in n.attr}["comm_size"].int64_val for n in kv)
+            mine = [r for r in moved if r.id % 2 == instance - 1]
+            assert len(kv) == 2 * len(mine)  # one pair per layer, 2 layers a stage
+            assert size == sum(r.prompt for r in mine) * per_token_per_layer * 2
+    rows = {r["request"]: r for r in summary["requests"]}
+    assert all(rows[r.id]["e2e_s"] > rows[r.id]["ttft_s"] > 0 for r in moved)

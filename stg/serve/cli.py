@@ -30,6 +30,8 @@ def serve(
     block_size: int = typer.Option(16, "--block-size", help="Tokens per KV-cache block."),
     gpu_memory_utilization: float = typer.Option(0.9, "--gpu-memory-utilization", help="Share of device memory for weights, activations and the KV cache."),
     num_kv_blocks: Optional[int] = typer.Option(None, "--num-kv-blocks", help="KV-cache blocks per rank, overriding the planner."),
+    prefill_instances: int = typer.Option(0, "--prefill-instances", help="Disaggregated serving: prefill instances (each tp x pp); requests' KV caches move to --decode-instances as send/recv pairs per layer."),
+    decode_instances: int = typer.Option(0, "--decode-instances", help="Disaggregated serving: decode instances (each tp x pp)."),
     slo_ttft_ms: Optional[float] = typer.Option(None, "--slo-ttft-ms", help="serve: TTFT target for goodput."),
     slo_tpot_ms: Optional[float] = typer.Option(None, "--slo-tpot-ms", help="serve: TPOT target for goodput."),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="No summary line."),
@@ -43,12 +45,13 @@ def serve(
                          attention_flops=attention_flops, scheduler=scheduler,
                          max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs,
                          block_size=block_size, gpu_memory_utilization=gpu_memory_utilization,
-                         num_kv_blocks=num_kv_blocks)
+                         num_kv_blocks=num_kv_blocks, prefill_instances=prefill_instances,
+                         decode_instances=decode_instances)
         summary = generate_serving(model, plan, out, mode=mode, batch=batch, prompt=prompt, context=context,
                                    steps=steps, requests=requests, slo_ttft_ms=slo_ttft_ms, slo_tpot_ms=slo_tpot_ms)
     if not quiet:
         kv = summary["kv_cache"]
-        iterations = sum(len(r["iterations"]) for r in summary["replicas"])
+        iterations = sum(len(r["iterations"]) for r in summary.get("replicas", summary.get("instances", [])))
         line = (f"{summary['world_size']} ranks, {iterations} iterations, KV cache {kv['blocks']:,} blocks "
                 f"({kv['tokens']:,} tokens) per rank")
         if "totals" in summary:

@@ -63,6 +63,10 @@ class ServePlan:
     block_size: int = 16
     gpu_memory_utilization: float = 0.9
     num_kv_blocks: int | None = None  # overrides the planner
+    # disaggregated serving (stg/serve/disagg.py): prefill and decode instances, each tp x pp
+    # (0 and 0: every replica does both)
+    prefill_instances: int = 0
+    decode_instances: int = 0
 
     def __post_init__(self):
         for name in ("tp", "pp", "dp", "max_num_batched_tokens", "max_num_seqs", "block_size"):
@@ -72,6 +76,14 @@ class ServePlan:
         if self.num_kv_blocks is not None and (isinstance(self.num_kv_blocks, bool)
                                                or not isinstance(self.num_kv_blocks, int) or self.num_kv_blocks <= 0):
             raise PlanError(f"num_kv_blocks: must be a positive integer, got {self.num_kv_blocks!r}")
+        for name in ("prefill_instances", "decode_instances"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise PlanError(f"{name}: must be a whole number of instances, got {value!r}")
+        if (self.prefill_instances > 0) != (self.decode_instances > 0):
+            raise PlanError("prefill_instances and decode_instances: disaggregated serving needs both (or neither)")
+        if self.prefill_instances and self.dp > 1:
+            raise PlanError(f"dp={self.dp}: with prefill and decode instances the instances are the replicas; leave dp 1")
         for name in ("dtype", "kv_cache_dtype"):
             if getattr(self, name) not in DTYPES:
                 raise PlanError(f"{name}: must be one of {list(DTYPES)}, got {getattr(self, name)!r}")

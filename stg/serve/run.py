@@ -191,10 +191,19 @@ def generate_serving(model: Model | str | Path | Mapping, plan: ServePlan | Mapp
             from stg.serve.requests import load_requests
 
             requests = load_requests(requests)
+        if plan.prefill_instances:
+            from stg.serve.disagg import run_disaggregated
+
+            summary = _header(model, plan, mode, kv)
+            summary["world_size"] = (plan.prefill_instances + plan.decode_instances) * plan.tp * plan.pp
+            return run_disaggregated(model, plan, engine, kv, list(requests), Path(out), summary, _s(slo_ttft_ms),
+                                     _s(slo_tpot_ms))
         config = scheduler_config(plan, kv)
         shares = [list(requests[r::plan.dp]) for r in range(plan.dp)]  # round-robin in arrival order
         replicas = [run_replica(share, config, clock, plan.attention_flops) for share in shares]
     else:
+        if plan.prefill_instances:
+            raise PlanError("prefill_instances: disaggregated serving runs a request trace (mode serve)")
         tokens = prompt if mode is Mode.PREFILL else context + steps
         need = batch * -(-tokens // plan.block_size)
         if need > kv.blocks:
@@ -286,9 +295,8 @@ def _stats_dict(stats: dict) -> dict:
             "nodes": dict(sorted(stats.get("nodes", {}).items()))}
 
 
-def _summary(model, plan, mode, engine, kv, replicas, requests, slo_ttft_ms, slo_tpot_ms) -> dict:
-    config = model.config
-    summary = {
+def _header(model, plan, mode, kv) -> dict:
+    return {
         "stg_version": __version__,
         "model": {**model.describe(), "source": model.source},
         "mode": mode.value,
@@ -296,10 +304,13 @@ def _summary(model, plan, mode, engine, kv, replicas, requests, slo_ttft_ms, slo
         "mesh": dict(plan.parallel().mesh().axes) | {"dp": plan.dp},
         "world_size": plan.dp * plan.tp * plan.pp,
         "kv_cache": {**kv.to_dict(), "kv_bytes_per_token_per_layer": kv_bytes_per_token_per_layer(
-            config, plan.kv_cache_dtype)},
+            model.config, plan.kv_cache_dtype)},
         "cost_model": "device roofline per compute node + alpha-beta collectives (5 us, 50 GB/s), stages in sequence",
-        "replicas": [],
     }
+
+
+def _summary(model, plan, mode, engine, kv, replicas, requests, slo_ttft_ms, slo_tpot_ms) -> dict:
+    summary = {**_header(model, plan, mode, kv), "replicas": []}
     for index, timed in enumerate(replicas):
         entry = {"replica": index, "iterations": [t.to_dict() for t in timed],
                  "makespan_s": timed[-1].end_s if timed else 0.0}

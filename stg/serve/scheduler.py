@@ -55,6 +55,9 @@ class Request:
     arrival_s: float
     prompt: int  # prompt tokens
     output: int  # tokens to generate (>= 1)
+    # a decode instance's request (disaggregated serving): its prompt's KV cache arrives with it
+    # and its first token is out; admitted with blocks for prompt + 1 tokens, it decodes at once
+    prefilled: bool = False
 
 
 @dataclass(frozen=True)
@@ -139,7 +142,10 @@ class Scheduler:
             if need > self.config.num_blocks - self.config.watermark_blocks:
                 raise PlanError(f"request {request.id}: needs {need} KV blocks, more than the "
                                 f"{self.config.num_blocks} the cache has (num_kv_blocks)")
-            self.waiting.append(_Live(request, request.prompt))
+            live = _Live(request, request.prompt)
+            if request.prefilled:
+                live.computed, live.generated, live.decoding = request.prompt, 1, True
+            self.waiting.append(live)
 
     @property
     def idle(self) -> bool:
@@ -194,8 +200,8 @@ class Scheduler:
         if sarathi or not preempted:
             while self.waiting and budget > 0 and len(chosen) < c.max_num_seqs:
                 live = self.waiting[0]
-                q = min(live.target, budget)
-                need = self._blocks_for(live.target if sarathi else q)
+                q = 1 if live.decoding else min(live.target, budget)
+                need = self._blocks_for(live.computed + 1 if live.decoding else live.target if sarathi else q)
                 if self.free - need < c.watermark_blocks:
                     break
                 self.waiting.popleft()
