@@ -264,13 +264,13 @@ def _write(out: Path, model: Model, plan: ServePlan, engine: Engine, replicas: l
             writer = StageWriter(template, engine.edges, id_width, widths)
             stats: dict = {}
 
-            def values():
+            def steps():
                 for timed in replicas[replica]:
                     v = template.values(timed.shape, engine.device)
                     stage_stats(template, v, stats)
-                    yield v
+                    yield writer, v
 
-            write_class(folder, writer, values(), members[cls], lambda r: workload.hole_values(r, holes))
+            write_class(folder, steps(), members[cls], lambda r: workload.hole_values(r, holes))
             classes.append({"class": cls, "stage": stage, "replica": None if shared else replica,
                             "count": len(members[cls]), **_stats_dict(stats)})
         summary["rank_classes"] = classes

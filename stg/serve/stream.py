@@ -23,7 +23,7 @@ from stg.chakra import writer as w
 from stg.program import GroupHole, NodeType, RankHole
 from stg.serve.template import StageTemplate
 
-WIDTH = {"id": None, "flops": 9, "nbytes": 9, "duration": 5, "comm": 9, "tag": 5}
+WIDTH = {"id": None, "link": None, "flops": 9, "nbytes": 9, "duration": 5, "comm": 9, "tag": 5}
 
 
 def _slot_attr(name: str, field: int, width: int) -> bytes:
@@ -35,7 +35,8 @@ def _slot_attr(name: str, field: int, width: int) -> bytes:
 class Layout:
     body: np.ndarray  # uint8, slots zero
     slots: dict  # kind -> positions (start bytes), in node order of that kind
-    dep_offsets: np.ndarray  # per dep slot: its value minus the iteration's first node id
+    dep_offsets: np.ndarray  # per id slot (ids, dependencies within the step): value minus the step's first id
+    link_to_comm: np.ndarray  # per link slot: 1 if it names the previous last message, 0 the last compute
     holes: tuple  # (Hole, [k, width] positions)
 
 
@@ -59,15 +60,17 @@ def links(nodes) -> list[tuple[int, ...]]:
 
 def build_layout(template: StageTemplate, first: bool, id_width: int, hole_width: dict) -> Layout:
     nodes = template.program.nodes
-    chunks, slots, dep_offsets, holes, position = [], {k: [] for k in WIDTH}, [], {}, 0
-    previous = links(nodes)
+    chunks, slots, dep_offsets, to_comm, holes, position = [], {k: [] for k in WIDTH}, [], [], {}, 0
+    previous, n = links(nodes), len(nodes)
+    last_compute = max((i for i, x in enumerate(nodes) if x.type is NodeType.COMP_NODE), default=None)
     for i, node in enumerate(nodes):
-        deps = sorted(set(node.deps) | (set() if first else set(previous[i])))
+        deps = sorted(set(node.deps))
+        linked = [] if first else sorted({int(offset + n != last_compute) for offset in previous[i]})
         segments = [w._key(w._ID, w._VARINT), ("id", i), w._len_field(w._NAME, node.name.encode()),
                     w._key(w._TYPE, w._VARINT) + w.varint(int(node.type))]
-        if deps:
-            segments.append(w._key(w._DATA_DEPS, w._LEN) + w.varint(len(deps) * id_width))
-            segments += [("dep", d) for d in deps]
+        if deps or linked:  # links first: they name earlier steps' nodes
+            segments.append(w._key(w._DATA_DEPS, w._LEN) + w.varint((len(deps) + len(linked)) * id_width))
+            segments += [("link", k) for k in linked] + [("dep", d) for d in deps]
         if node.type is NodeType.COMP_NODE:
             segments += [w._key(w._DURATION, w._VARINT), ("duration", i), w._NOT_CPU,
                          _slot_attr("num_ops", w._INT64, WIDTH["flops"]), ("flops", i),
@@ -83,8 +86,8 @@ def build_layout(template: StageTemplate, first: bool, id_width: int, hole_width
                              *w._hole_attr("comm_src", w._INT32, node.src, hole_width[node.src]),
                              *w._hole_attr("comm_dst", w._INT32, node.dst, hole_width[node.dst])]
         size = lambda s: len(s) if isinstance(s, bytes) else (
-            id_width if isinstance(s, tuple) and s[0] in ("id", "dep") else WIDTH[s[0]] if isinstance(s, tuple)
-            else hole_width[s])
+            id_width if isinstance(s, tuple) and s[0] in ("id", "dep", "link") else WIDTH[s[0]]
+            if isinstance(s, tuple) else hole_width[s])
         prefix = w.varint(sum(size(s) for s in segments))
         chunks.append(prefix)
         position += len(prefix)
@@ -96,6 +99,8 @@ def build_layout(template: StageTemplate, first: bool, id_width: int, hole_width
                 slots[kind].append(position)
                 if kind == "id":
                     dep_offsets.append(s[1])
+                elif kind == "link":
+                    to_comm.append(s[1])
                 chunks.append(bytes(size(s)))
             else:
                 holes.setdefault(s, []).append(position)
@@ -103,7 +108,7 @@ def build_layout(template: StageTemplate, first: bool, id_width: int, hole_width
             position += size(s)
     body = np.frombuffer(b"".join(chunks), dtype=np.uint8).copy()
     return Layout(body, {k: np.asarray(v, dtype=np.int64) for k, v in slots.items()},
-                  np.asarray(dep_offsets, dtype=np.int64),
+                  np.asarray(dep_offsets, dtype=np.int64), np.asarray(to_comm, dtype=bool),
                   tuple((h, np.asarray(p, dtype=np.int64)[:, None] + np.arange(hole_width[h])) for h, p in holes.items()))
 
 
@@ -121,25 +126,52 @@ def put(body: np.ndarray, starts: np.ndarray, values: np.ndarray, width: int) ->
 
 
 class StageWriter:
-    """Streams one rank class's iterations (a stage of a replica, or of all replicas) to its ranks."""
+    """One template's records for one rank class: a step's layout filled with its numbers."""
 
     def __init__(self, template: StageTemplate, edges: int, id_width: int, hole_width: dict):
         self.template, self.edges, self.id_width = template, edges, id_width
         self.layouts = {first: build_layout(template, first, id_width, hole_width) for first in (True, False)}
-        self.nodes = len(template.program.nodes)
+        nodes = template.program.nodes
+        self.nodes = len(nodes)
+        self.last_compute = max((i for i, x in enumerate(nodes) if x.type is NodeType.COMP_NODE), default=None)
+        self.last_comm = max((i for i, x in enumerate(nodes) if x.type is not NodeType.COMP_NODE), default=None)
+        self.tags = np.array([n.tag for n in nodes if n.type in (NodeType.COMM_SEND_NODE, NodeType.COMM_RECV_NODE)],
+                             dtype=np.int64)
 
-    def iteration(self, index: int, values: dict) -> Layout:
-        layout = self.layouts[index == 0]
-        body, slots, base = layout.body, layout.slots, index * self.nodes
+    def step(self, cursor: "Cursor", values: dict) -> Layout:
+        """The layout of the step that follows what `cursor` has written; advances the cursor."""
+        layout = self.layouts[cursor.next_id == 0]
+        body, slots, base = layout.body, layout.slots, cursor.next_id
         put(body, slots["id"], base + layout.dep_offsets, self.id_width)
+        if len(layout.link_to_comm):
+            comm = cursor.last_comm if cursor.last_comm is not None else cursor.last_compute
+            put(body, slots["link"], np.where(layout.link_to_comm, comm, cursor.last_compute), self.id_width)
         put(body, slots["flops"], np.maximum(values["flops"], 1), WIDTH["flops"])
         put(body, slots["nbytes"], np.maximum(values["nbytes"], 1), WIDTH["nbytes"])
         put(body, slots["duration"], values["duration_us"], WIDTH["duration"])
         put(body, slots["comm"], values["comm_bytes"], WIDTH["comm"])
-        tags = np.array([n.tag for n in self.template.program.nodes
-                         if n.type in (NodeType.COMM_SEND_NODE, NodeType.COMM_RECV_NODE)], dtype=np.int64)
-        put(body, slots["tag"], tags + index * self.edges, WIDTH["tag"])
+        put(body, slots["tag"], self.tags + cursor.messages.get(id(self), 0) * self.edges, WIDTH["tag"])
+        cursor.messages[id(self)] = cursor.messages.get(id(self), 0) + 1
+        if self.last_compute is not None:
+            cursor.last_compute = base + self.last_compute
+        if self.last_comm is not None:
+            cursor.last_comm = base + self.last_comm
+        cursor.next_id = base + self.nodes
         return layout
+
+
+@dataclass
+class Cursor:
+    """Where a rank's stream stands: the next node id, the last compute and message so far, and
+    per template the steps written (its send/recv tags are tag + steps x edges)."""
+
+    next_id: int = 0
+    last_compute: int | None = None
+    last_comm: int | None = None
+    messages: dict = None
+
+    def __post_init__(self):
+        self.messages = {}
 
 
 def stage_stats(template: StageTemplate, values: dict, stats: dict) -> None:
@@ -161,16 +193,17 @@ def stage_stats(template: StageTemplate, values: dict, stats: dict) -> None:
         counted[node_type] += count
 
 
-def write_class(folder: Path, writer: StageWriter, iterations, ranks: list[int], hole_values) -> None:
-    """`iterations`: per iteration, its values (StageTemplate.values); `hole_values(rank)`: the
-    bytes of each hole for `rank`."""
+def write_class(folder: Path, steps, ranks: list[int], hole_values) -> None:
+    """`steps`: (StageWriter, its values) in the ranks' order; `hole_values(rank)`: the bytes of
+    each hole for `rank`."""
     files = [open(folder / f"workload.{rank}.et", "wb") for rank in ranks]
     try:
         stamps = [hole_values(rank) for rank in ranks]
         for f in files:
             f.write(w.metadata_record())
-        for index, values in enumerate(iterations):
-            layout = writer.iteration(index, values)
+        cursor = Cursor()
+        for writer, values in steps:
+            layout = writer.step(cursor, values)
             for f, stamp in zip(files, stamps):
                 for hole, positions in layout.holes:
                     layout.body[positions] = np.frombuffer(stamp[hole], dtype=np.uint8)
