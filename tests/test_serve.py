@@ -234,3 +234,21 @@ def test_disaggregated_prefill_decode_moves_each_kv_cache_once(tmp_path):
             assert size == sum(r.prompt for r in mine) * per_token_per_layer * 2
     rows = {r["request"]: r for r in summary["requests"]}
     assert all(rows[r.id]["e2e_s"] > rows[r.id]["ttft_s"] > 0 for r in moved)
+
+
+def test_speculative_decoding_runs_draft_steps_then_a_verification(tmp_path):
+    draft = dict(name="tiny-draft", family="llama", layers=1, hidden=32, ffn=64, heads=4, kv_heads=2, vocab=1000)
+    out = tmp_path / "spec"
+    plan = ServePlan(tp=2, speculative=3, draft=draft, acceptance_rate=0.5)
+    summary = generate_serving(TINY, plan, out, mode="serve", requests="examples/requests-azure.csv")
+    assert validate(out, replay=True) == []
+    iterations = summary["replicas"][0]["iterations"]
+    verifying = [it for it in iterations if it["draft_steps"] == 3]
+    assert verifying
+    # a verification runs q = 4 tokens per decode and the LM head on all 4 positions
+    decode_only = next(it for it in verifying if all(q == 4 for _, q, _ in it["requests"]))
+    assert decode_only["sampled"] == decode_only["tokens"] == 4 * len(decode_only["requests"])
+    # every request gets all its tokens: 15/8 per verification, so fewer iterations than tokens
+    requests = load_requests("examples/requests-azure.csv")
+    assert len(summary["replicas"][0]["requests"]) == len(requests)
+    assert len(iterations) < sum(r.output for r in requests)

@@ -1,6 +1,8 @@
 """The continuous-batching schedulers, iteration by iteration, against hand traces of the
 rules in stg/serve/scheduler.py (Sarathi-Serve's chunked prefill; vLLM v1's scheduler)."""
 
+from fractions import Fraction
+
 import pytest
 
 from stg.errors import PlanError
@@ -98,3 +100,20 @@ def test_max_num_seqs_caps_the_batch():
 def test_a_request_larger_than_the_cache_is_refused():
     with pytest.raises(PlanError, match="request 0: needs 3 KV blocks"):
         Scheduler(SchedulerConfig(num_blocks=2, block_size=4, watermark=0.0)).arrive([Request(0, 0, 8, 3)])
+
+
+def test_speculative_decoding_keeps_the_expected_tokens_per_verification():
+    # K = 3 draft tokens accepted with probability 1/2 each: a verification yields
+    # (1 - 0.5^4) / (1 - 0.5) = 15/8 tokens on average (Leviathan et al. 2023, eq. 1); the s-th
+    # keeps floor((s+1) 15/8) - floor(s 15/8): 1, 2, 2, 2, ...
+    config = SchedulerConfig(Policy.SARATHI, max_num_batched_tokens=16, max_num_seqs=4, block_size=4, num_blocks=10,
+                             watermark=0.0, speculative=3, acceptance_rate=0.5)
+    assert config.expected_tokens == Fraction(15, 8)
+    # prompt 4, output 6: the prefill samples token 1; verifications of 4 tokens on 4, 5, 7 cached
+    # (1, 2, 2 kept: tokens 2, 3-4, 5-6); blocks for cache + 4 verified tokens: 8, 9, 11 -> 2, 3, 3
+    assert table(run(config, [Request(0, 0, 4, 6)])) == [
+        ([(0, 4, 0)], 1, [], []),
+        ([(0, 4, 4)], 2, [], []),
+        ([(0, 4, 5)], 3, [], []),
+        ([(0, 4, 7)], 3, [], [0]),
+    ]

@@ -32,6 +32,9 @@ def serve(
     num_kv_blocks: Optional[int] = typer.Option(None, "--num-kv-blocks", help="KV-cache blocks per rank, overriding the planner."),
     prefill_instances: int = typer.Option(0, "--prefill-instances", help="Disaggregated serving: prefill instances (each tp x pp); requests' KV caches move to --decode-instances as send/recv pairs per layer."),
     decode_instances: int = typer.Option(0, "--decode-instances", help="Disaggregated serving: decode instances (each tp x pp)."),
+    speculative: int = typer.Option(0, "--speculative", help="Speculative decoding: draft tokens K per decode (needs --draft; pp 1)."),
+    draft: Optional[str] = typer.Option(None, "--draft", help="Draft model for --speculative: a zoo name or model file (same tp)."),
+    acceptance_rate: float = typer.Option(0.7, "--acceptance-rate", help="Probability that each draft token is accepted; a verification yields (1 - a^(K+1)) / (1 - a) tokens on average."),
     slo_ttft_ms: Optional[float] = typer.Option(None, "--slo-ttft-ms", help="serve: TTFT target for goodput."),
     slo_tpot_ms: Optional[float] = typer.Option(None, "--slo-tpot-ms", help="serve: TPOT target for goodput."),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="No summary line."),
@@ -46,7 +49,8 @@ def serve(
                          max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs,
                          block_size=block_size, gpu_memory_utilization=gpu_memory_utilization,
                          num_kv_blocks=num_kv_blocks, prefill_instances=prefill_instances,
-                         decode_instances=decode_instances)
+                         decode_instances=decode_instances, speculative=speculative, draft=draft,
+                         acceptance_rate=acceptance_rate)
         summary = generate_serving(model, plan, out, mode=mode, batch=batch, prompt=prompt, context=context,
                                    steps=steps, requests=requests, slo_ttft_ms=slo_ttft_ms, slo_tpot_ms=slo_tpot_ms)
     if not quiet:

@@ -67,6 +67,11 @@ class ServePlan:
     # (0 and 0: every replica does both)
     prefill_instances: int = 0
     decode_instances: int = 0
+    # speculative decoding: a draft model (a zoo name or model file; same tp, pp 1) proposes
+    # `speculative` tokens per decode in as many steps, the target verifies them in one
+    speculative: int = 0
+    draft: str | None = None
+    acceptance_rate: float = 0.7  # per draft token (stg/serve/scheduler.py: expected tokens)
 
     def __post_init__(self):
         for name in ("tp", "pp", "dp", "max_num_batched_tokens", "max_num_seqs", "block_size"):
@@ -84,6 +89,10 @@ class ServePlan:
             raise PlanError("prefill_instances and decode_instances: disaggregated serving needs both (or neither)")
         if self.prefill_instances and self.dp > 1:
             raise PlanError(f"dp={self.dp}: with prefill and decode instances the instances are the replicas; leave dp 1")
+        if isinstance(self.speculative, bool) or not isinstance(self.speculative, int) or self.speculative < 0:
+            raise PlanError(f"speculative: must be a whole number of draft tokens, got {self.speculative!r}")
+        if self.speculative and (self.draft is None or self.pp > 1 or self.prefill_instances):
+            raise PlanError("speculative: needs a draft model (draft), pp 1 and no disaggregation")
         for name in ("dtype", "kv_cache_dtype"):
             if getattr(self, name) not in DTYPES:
                 raise PlanError(f"{name}: must be one of {list(DTYPES)}, got {getattr(self, name)!r}")

@@ -60,14 +60,19 @@ class KVPlan:
                 "stages": list(self.per_stage)}
 
 
-def plan_kv_cache(engine) -> KVPlan:
-    """The pool of `engine` (stg/serve/engine.py) on its device."""
+def plan_kv_cache(engine, draft=None) -> KVPlan:
+    """The pool of `engine` (stg/serve/engine.py) on its device; with a speculative `draft`
+    engine on the same ranks, its weights and its cache per token count too."""
     plan = engine.plan
     memory = int(engine.device.memory_gib * 2**30)
     stages = []
     for stage in range(plan.pp):
         weights, reserve = engine.weight_bytes(stage), engine.activation_reserve(stage)
         per_token = engine.kv_bytes_per_token(stage)
+        if draft is not None:  # pp is 1
+            weights += draft.weight_bytes(0)
+            reserve = max(reserve, draft.activation_reserve(0))
+            per_token += draft.kv_bytes_per_token(0)
         blocks = pool_blocks(memory, plan.gpu_memory_utilization, weights, reserve, plan.block_size, per_token)
         stages.append({"stage": stage, "memory_bytes": memory, "weight_bytes": weights,
                        "activation_reserve_bytes": reserve, "kv_bytes_per_token": per_token, "blocks": blocks})

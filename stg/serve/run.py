@@ -68,8 +68,9 @@ def chain(programs: Sequence[RankProgram], edges: int) -> RankProgram:
 class Clock:
     """Iteration durations under the cost model (module docstring), per step shape."""
 
-    def __init__(self, engine: Engine, comm: CommCost = CommCost(CommModel.ALPHA_BETA)):
+    def __init__(self, engine: Engine, comm: CommCost = CommCost(CommModel.ALPHA_BETA), draft: Engine | None = None):
         self.engine, self.comm = engine, comm
+        self.draft = Clock(draft, comm) if draft is not None else None
         self.sizes = engine.plan.parallel().mesh().sizes
         self.cache: dict[StepShape, float] = {}
 
@@ -100,13 +101,29 @@ class Timed:
     shape: StepShape
     start_s: float
     end_s: float
+    draft: tuple[StepShape, ...] = ()  # speculative decoding: the draft model's steps before the target's
 
     def to_dict(self) -> dict:
-        return {**self.iteration.to_dict(), **self.shape.to_dict(), "start_s": self.start_s, "end_s": self.end_s}
+        extra = {"draft_steps": len(self.draft)} if self.draft else {}
+        return {**self.iteration.to_dict(), **self.shape.to_dict(), **extra, "start_s": self.start_s,
+                "end_s": self.end_s}
+
+
+def draft_steps(slots: tuple[Slot, ...], proposals: int, attention) -> tuple[StepShape, ...]:
+    """The draft model's steps in an iteration: the first runs the prompt chunks (its own cache
+    follows the target's) and each decode's last token; then one step per further proposal,
+    the decodes only, each one token on a context grown by one."""
+    if not proposals:
+        return ()
+    decodes = [s for s in slots if s.decode]
+    first = tuple(Slot(s.request, 1, s.c, True) if s.decode else replace(s, samples=False) for s in slots)
+    later = [tuple(Slot(s.request, 1, s.c + j, True) for s in decodes) for j in range(1, proposals)] if decodes else []
+    return tuple(StepShape.of(step, attention) for step in (first, *later))
 
 
 def scheduler_config(plan: ServePlan, kv: KVPlan) -> SchedulerConfig:
-    return SchedulerConfig(plan.scheduler, plan.max_num_batched_tokens, plan.max_num_seqs, plan.block_size, kv.blocks)
+    return SchedulerConfig(plan.scheduler, plan.max_num_batched_tokens, plan.max_num_seqs, plan.block_size, kv.blocks,
+                           speculative=plan.speculative, acceptance_rate=plan.acceptance_rate)
 
 
 def run_replica(requests: Sequence[Request], config: SchedulerConfig, clock: Clock, attention) -> list[Timed]:
@@ -122,8 +139,9 @@ def run_replica(requests: Sequence[Request], config: SchedulerConfig, clock: Clo
             continue
         iteration = scheduler.step()
         shape = StepShape.of(iteration.slots, attention)
-        end = now + clock.step_us(shape) / 1e6
-        timed.append(Timed(iteration, shape, now, end))
+        draft = draft_steps(iteration.slots, config.speculative, attention)
+        end = now + (clock.step_us(shape) + sum(clock.draft.step_us(d) for d in draft)) / 1e6
+        timed.append(Timed(iteration, shape, now, end, draft))
         now = end
     return timed
 
@@ -182,8 +200,9 @@ def generate_serving(model: Model | str | Path | Mapping, plan: ServePlan | Mapp
         if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
             raise PlanError(f"{name}: must be a positive integer, got {value!r}")
     engine = Engine(model, plan)
-    kv = plan_kv_cache(engine)
-    clock = Clock(engine)
+    draft = Engine(load_model(plan.draft), replace(plan, speculative=0, draft=None)) if plan.speculative else None
+    kv = plan_kv_cache(engine, draft)
+    clock = Clock(engine, draft=draft)
     if mode is Mode.SERVE:
         if requests is None:
             raise PlanError("requests: serve mode needs a request trace (--requests FILE)")
@@ -209,6 +228,8 @@ def generate_serving(model: Model | str | Path | Mapping, plan: ServePlan | Mapp
         if need > kv.blocks:
             raise PlanError(f"batch: {batch} requests of {tokens} tokens need {need} KV blocks; the cache has "
                             f"{kv.blocks} (num_kv_blocks)")
+        if plan.speculative:
+            raise PlanError("speculative: applies to serve mode (a request trace)")
         slot_lists = ([uniform(batch, prompt, 0)] if mode is Mode.PREFILL
                       else [uniform(batch, 1, context + i) for i in range(steps)])
         now, timed = 0.0, []
@@ -219,7 +240,7 @@ def generate_serving(model: Model | str | Path | Mapping, plan: ServePlan | Mapp
             now = end
         replicas = [timed]
     summary = _summary(model, plan, mode, engine, kv, replicas, requests, slo_ttft_ms, slo_tpot_ms)
-    _write(Path(out), model, plan, engine, replicas, summary)
+    _write(Path(out), model, plan, engine, replicas, summary, draft)
     return summary
 
 
@@ -237,7 +258,8 @@ def _workload(model: Model, plan: ServePlan, engine: Engine, shared: bool, repea
     return Workload(model, parallel, parallel.mesh(), engine.sharded, tuple(programs), (), {}, axes, index)
 
 
-def _write(out: Path, model: Model, plan: ServePlan, engine: Engine, replicas: list[list[Timed]], summary: dict):
+def _write(out: Path, model: Model, plan: ServePlan, engine: Engine, replicas: list[list[Timed]], summary: dict,
+           draft: Engine | None = None):
     """Check a two-iteration slice for deadlocks (every iteration has the same structure and
     iterations only follow each other), then stream every class's iterations to its ranks."""
     iterations = max(len(r) for r in replicas)
@@ -250,8 +272,9 @@ def _write(out: Path, model: Model, plan: ServePlan, engine: Engine, replicas: l
     members: dict[int, list[int]] = {}
     for rank in range(world):
         members.setdefault(workload.class_of(rank), []).append(rank)
-    id_width = max(1, (max(len(r) for r in replicas) * max(len(engine.template(s).program.nodes)
-                                                          for s in range(plan.pp))).bit_length() // 7 + 1)
+    per_iteration = max(len(engine.template(s).program.nodes) for s in range(plan.pp)) + (
+        plan.speculative * len(draft.template(0).program.nodes) if draft is not None else 0)
+    id_width = max(1, (max(len(r) for r in replicas) * per_iteration).bit_length() // 7 + 1)
     folder = prepare_output(out)
     try:
         write_groups(folder / "workload.json", workload.group_ids)
@@ -259,13 +282,19 @@ def _write(out: Path, model: Model, plan: ServePlan, engine: Engine, replicas: l
         for cls, program in enumerate(workload.programs):
             stage, replica = divmod(cls, workload.variants)
             template = engine.template(stage)
-            holes = program.holes
+            small = draft.template(0) if draft is not None else None
+            holes = sorted(set(program.holes) | set(small.program.holes if small else ()), key=str)
             widths = {h: len(v) for h, v in workload.hole_values(members[cls][0], holes).items()}
             writer = StageWriter(template, engine.edges, id_width, widths)
+            proposer = StageWriter(small, 0, id_width, widths) if small else None
             stats: dict = {}
 
             def steps():
                 for timed in replicas[replica]:
+                    for shape in timed.draft:
+                        v = small.values(shape, draft.device)
+                        stage_stats(small, v, stats)
+                        yield proposer, v
                     v = template.values(timed.shape, engine.device)
                     stage_stats(template, v, stats)
                     yield writer, v

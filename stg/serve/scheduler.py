@@ -25,6 +25,11 @@ its prefill (possibly in chunks) processes the P_i prompt tokens and the last ch
      empty budget, or at max_num_seqs; an admitted request takes min(prompt, budget) tokens.
   Requests that sampled their last token leave after the iteration and free their blocks.
 
+Speculative decoding (`speculative` K > 0, both policies): a decode verifies K draft tokens,
+q = K + 1 tokens of budget and blocks for cache + K + 1 tokens; it keeps floor((s+1)E) -
+floor(sE) tokens at its s-th verification, E = (1 - a^(K+1)) / (1 - a) the expected tokens per
+verification at acceptance rate a (Leviathan et al. 2023), so its cache grows by that much.
+
 `vllm` (vLLM v1's scheduler with chunked prefill), where it differs from sarathi:
   - running requests are served in admission order whatever their phase (a prefill chunk and
     decodes mixed), each min(tokens left to compute, budget);
@@ -37,6 +42,8 @@ its prefill (possibly in chunks) processes the P_i prompt tokens and the last ch
 from __future__ import annotations
 
 from collections import deque
+from fractions import Fraction
+from math import floor
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Iterable
@@ -68,6 +75,17 @@ class SchedulerConfig:
     block_size: int = 16
     num_blocks: int = 1024
     watermark: float = 0.01  # sarathi only
+    # speculative decoding: each decode verifies `speculative` draft tokens (q = K + 1) and
+    # keeps the expected number of tokens (expected_tokens) per verification
+    speculative: int = 0
+    acceptance_rate: float = 0.0
+
+    @property
+    def expected_tokens(self) -> Fraction:
+        """Tokens a verification step yields on average, (1 - a^(K+1)) / (1 - a) for acceptance
+        rate a of each draft token, independently (Leviathan et al. 2023, eq. 1): K + 1 at a = 1."""
+        k, a = self.speculative, Fraction(str(self.acceptance_rate))
+        return Fraction(k + 1) if a == 1 else (1 - a ** (k + 1)) / (1 - a)
 
     @property
     def watermark_blocks(self) -> int:
@@ -82,6 +100,7 @@ class Slot:
     q: int
     c: int
     samples: bool  # this iteration yields one of its tokens (a decode, or its prompt's last chunk)
+    decode: bool = False  # a decode (under speculative decoding: a verification of q - 1 draft tokens)
 
 
 @dataclass(frozen=True)
@@ -112,6 +131,7 @@ class _Live:
     generated: int = 0
     blocks: int = 0
     decoding: bool = False  # its prefill is done
+    verified: int = 0  # speculative verifications so far
 
     @property
     def prefilling(self) -> bool:
@@ -131,6 +151,12 @@ class Scheduler:
         for name in ("max_num_batched_tokens", "max_num_seqs", "block_size", "num_blocks"):
             if not isinstance(getattr(c, name), int) or getattr(c, name) <= 0:
                 raise PlanError(f"{name}: must be a positive integer, got {getattr(c, name)!r}")
+        if not isinstance(c.speculative, int) or c.speculative < 0 or c.speculative + 1 > c.max_num_batched_tokens:
+            raise PlanError(f"speculative: must be 0 or a number of draft tokens below max_num_batched_tokens, "
+                            f"got {c.speculative!r}")
+        if isinstance(c.acceptance_rate, bool) or not isinstance(c.acceptance_rate, (int, float)) \
+                or not 0 <= c.acceptance_rate <= 1:
+            raise PlanError(f"acceptance_rate: must be in [0, 1], got {c.acceptance_rate!r}")
         self.free = c.num_blocks
 
     def arrive(self, requests: Iterable[Request]) -> None:
@@ -173,6 +199,15 @@ class Scheduler:
         live.blocks += max(0, need)
         return True
 
+    def _accepted(self, live: _Live) -> int:
+        """Tokens this decode yields: 1, or under speculation the s-th verification's share of
+        the expectation, floor((s + 1) E) - floor(s E) (deterministic; averages E)."""
+        if not self.config.speculative:
+            return 1
+        expected, s = self.config.expected_tokens, live.verified
+        live.verified += 1
+        return floor((s + 1) * expected) - floor(s * expected)
+
     def step(self) -> Iteration | None:
         """The next iteration, or None when nothing is waiting or running."""
         iteration = self._step()
@@ -192,7 +227,9 @@ class Scheduler:
         for live in order:
             if live not in self.running or budget == 0 or len(chosen) == c.max_num_seqs:
                 continue
-            q = min(live.target - live.computed, budget) if live.prefilling else 1
+            q = min(live.target - live.computed, budget) if live.prefilling else c.speculative + 1
+            if q > budget:
+                continue
             if (not live.prefilling or not sarathi) and not self._grow(live, live.computed + q, preempted):
                 continue
             chosen.append((live, q))
@@ -200,8 +237,10 @@ class Scheduler:
         if sarathi or not preempted:
             while self.waiting and budget > 0 and len(chosen) < c.max_num_seqs:
                 live = self.waiting[0]
-                q = 1 if live.decoding else min(live.target, budget)
-                need = self._blocks_for(live.computed + 1 if live.decoding else live.target if sarathi else q)
+                q = c.speculative + 1 if live.decoding else min(live.target, budget)
+                if q > budget:
+                    break
+                need = self._blocks_for(live.computed + q if live.decoding else live.target if sarathi else q)
                 if self.free - need < c.watermark_blocks:
                     break
                 self.waiting.popleft()
@@ -217,10 +256,11 @@ class Scheduler:
         finished = []
         for live, q in chosen:
             samples = live.decoding or live.computed + q == live.target
-            slots.append(Slot(live.request.id, q, live.computed, samples))
-            live.computed += q
+            slots.append(Slot(live.request.id, q, live.computed, samples, live.decoding))
+            tokens = self._accepted(live) if live.decoding else int(samples)
+            live.computed += tokens if live.decoding else q  # a verification keeps the accepted tokens' cache
             live.decoding = live.decoding or samples
-            live.generated += samples
+            live.generated += min(tokens, live.request.output - live.generated)
             if live.generated == live.request.output:
                 finished.append(live)
         used = c.num_blocks - self.free

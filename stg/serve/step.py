@@ -9,7 +9,8 @@ requests, request i with q_i new tokens on top of c_i cached ones, binds them:
              (--attention-flops full, what FlopCounterMode counts for HuggingFace's code), or
            = sum q_i c_i + q_i (q_i + 1)/2  with the causal mask's skipped pairs left out (causal)
   Nout     = requests that sample a token (a decode, or the chunk that ends a prompt): the
-             LM head runs on those positions only, as vLLM and HF generate() do
+             LM head runs on those positions only, as vLLM and HF generate() do; a speculative
+             verification of K draft tokens samples all its K + 1 positions
 """
 
 from __future__ import annotations
@@ -32,7 +33,9 @@ class StepShape:
     def of(cls, slots: tuple[Slot, ...], attention: AttentionFlops) -> "StepShape":
         full = attention is AttentionFlops.FULL
         pairs = sum(s.q * (s.c + s.q) if full else s.q * s.c + s.q * (s.q + 1) // 2 for s in slots)
-        return cls(sum(s.q for s in slots), sum(s.c + s.q for s in slots), pairs, sum(s.samples for s in slots))
+        # a speculative verification (a decode of q > 1) needs the logits of all its q positions
+        sampled = sum(s.q if s.decode else int(s.samples) for s in slots)
+        return cls(sum(s.q for s in slots), sum(s.c + s.q for s in slots), pairs, sampled)
 
     def bindings(self) -> dict:
         return {B: 1, S: self.tokens, KV_TOKENS: self.kv_tokens, PAIRS: self.pairs, SAMPLED: self.sampled,
@@ -44,4 +47,4 @@ class StepShape:
 
 def uniform(batch: int, q: int, c: int) -> tuple[Slot, ...]:
     """`batch` requests each running q new tokens on c cached ones, each sampling one token."""
-    return tuple(Slot(i, q, c, True) for i in range(batch))
+    return tuple(Slot(i, q, c, True, decode=q == 1 and c > 0) for i in range(batch))
