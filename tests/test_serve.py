@@ -252,3 +252,17 @@ def test_speculative_decoding_runs_draft_steps_then_a_verification(tmp_path):
     requests = load_requests("examples/requests-azure.csv")
     assert len(summary["replicas"][0]["requests"]) == len(requests)
     assert len(iterations) < sum(r.output for r in requests)
+
+
+@pytest.mark.parametrize("pp", [1, 2])
+def test_clock_agrees_with_a_timed_replay_of_the_written_set(tmp_path, pp):
+    """The scheduler's clock and `stg validate --timed alpha-beta` of the set it wrote see the
+    same iterations take the same time (to the trace's whole-microsecond rounding): the next
+    step waits for the sampled tokens, so stages run one after another in both."""
+    from stg.chakra.validate import timed_replay
+
+    out = tmp_path / "t"
+    summary = generate_serving("llama3-8b", ServePlan(tp=2, pp=pp), out, mode="decode", batch=8, context=512,
+                               steps=3)
+    replay = timed_replay(out, comm="alpha-beta")
+    assert replay.makespan_us == pytest.approx(summary["replicas"][0]["makespan_s"] * 1e6, abs=3)

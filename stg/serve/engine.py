@@ -30,7 +30,7 @@ from stg.graph import DType, Graph, OpKind, Role
 from stg.lower import Evaluator, Pipeline, check_divisibility, lower
 from stg.mesh import axis_symbol
 from stg.plan import AttentionFlops, Plan
-from stg.program import NodeType, RankProgram
+from stg.program import NodeType, RankHole, RankProgram, TraceNode
 from stg.schedule import make_schedule
 from stg.serve.scheduler import Policy
 from stg.serve.step import StepShape
@@ -196,7 +196,8 @@ class Engine:
 
     @property
     def edges(self) -> int:
-        return len(self.pipeline.edges)
+        """Send/recv tags per step: the pipeline's edges, and the sampled tokens' way back."""
+        return len(self.pipeline.edges) + (self.plan.pp > 1)
 
     def evaluator(self, shape: StepShape) -> StepEvaluator:
         return StepEvaluator(self.compiled, self.static, shape)
@@ -219,11 +220,39 @@ class Engine:
         if stage not in self.templates:
             from stg.serve.template import build_template
 
-            lowered = lambda evaluate: lower(self.sharded, evaluate, self.device, pipeline=self.pipeline,
-                                             bucket_bytes=1 << 62, rank=stage)
+            def lowered(evaluate):
+                program = lower(self.sharded, evaluate, self.device, pipeline=self.pipeline, bucket_bytes=1 << 62,
+                                rank=stage)
+                return self._token_feedback(program, stage, evaluate)
+
             self.templates[stage] = build_template(lowered, {**self.static, B: 1, ATTN_FRACTION: 1},
                                                    StepShape(8, 64, 100, 2), (S, KV_TOKENS, PAIRS, SAMPLED))
         return self.templates[stage]
+
+    def _token_feedback(self, program: RankProgram, stage: int, evaluate) -> RankProgram:
+        """Under pp the next step needs this step's sampled tokens (its decodes' inputs) on the
+        first stage: the last stage sends them (int64 ids) once it has sampled, and the first
+        stage ends its step by receiving them, a zero-cost node joining them into its compute
+        chain (vLLM sends them from the last pipeline rank to the first)."""
+        last = self.plan.pp - 1
+        if self.plan.pp == 1 or stage not in (0, last):
+            return program
+        nodes = list(program.nodes)
+        compute = max(i for i, n in enumerate(nodes) if n.type is NodeType.COMP_NODE)
+        comm = [i for i, n in enumerate(nodes) if n.type is not NodeType.COMP_NODE]
+        size = evaluate(SAMPLED * 8)
+        tag = len(self.pipeline.edges)
+        if stage == last:
+            deps = tuple(sorted({compute, *comm[-1:]}))
+            nodes.append(TraceNode(len(nodes), "send sampled tokens", NodeType.COMM_SEND_NODE, deps, comm_bytes=size,
+                                   src=RankHole(), dst=RankHole(0), tag=tag))
+        else:
+            nodes.append(TraceNode(len(nodes), "recv sampled tokens", NodeType.COMM_RECV_NODE, (compute,),
+                                   comm_bytes=size, src=RankHole(last), dst=RankHole(), tag=tag))
+            evaluate(0), evaluate(0)
+            nodes.append(TraceNode(len(nodes), "sampled tokens in", NodeType.COMP_NODE, (compute, len(nodes) - 1),
+                                   op_type="tokens"))
+        return RankProgram(program.key, tuple(nodes), program.stats)
 
     def stage_ops(self, stage: int):
         stages = self.pipeline.stages

@@ -6,8 +6,9 @@
 
 Every rank's trace is its iterations one after another: iteration i + 1's first compute
 follows iteration i's last compute, its first communication the last one of iteration i, and
-send/recv tags are unique per iteration. With pp > 1 a stage may start the next iteration
-while later stages finish this one (iterations are the pipeline's micro-batches).
+send/recv tags are unique per iteration. With pp > 1 the last stage sends the sampled tokens
+back to the first, whose next iteration waits for them (a decode's input is the token its
+previous iteration sampled), so an iteration passes the stages one after another.
 
 Time (serve mode): each replica has a clock; before each iteration the requests that have
 arrived by then join its queue. An iteration lasts what the cost model says: per pipeline
