@@ -5,8 +5,10 @@ RSS over a growing number of decode iterations.
     python benchmarks/bench_serve.py decode --steps 1000 10000
 
 The request trace is synthetic, in the Azure schema, seeded: Poisson arrivals at --rate per
-second, prompt and output lengths log-normal around the Azure 2023 conversation trace's means
-(ContextTokens ~1,155, GeneratedTokens ~211; Patel et al., Splitwise, ISCA 2024). Each run is
+second, prompt and output lengths log-normal around the Azure 2023 traces' means (--profile
+conversation: ContextTokens ~1,155, GeneratedTokens ~211; code: ~2,048 and ~28; Patel et al.,
+Splitwise, ISCA 2024). A set holds every iteration on every rank: its size, and so the time to
+write it, grows with the iterations, which a light load multiplies (one small batch each). Each run is
 a child process (its own peak RSS); the set is written under --scratch and deleted.
 """
 
@@ -24,16 +26,23 @@ from pathlib import Path
 from child import run_stg
 
 
-def azure_like(path: Path, count: int, rate: float, seed: int = 0) -> None:
+PROFILES = {  # mean ContextTokens, GeneratedTokens of the Azure 2023 traces (Splitwise, Table 2)
+    "conversation": (1155, 211),
+    "code": (2048, 28),
+}
+
+
+def azure_like(path: Path, count: int, rate: float, profile: str = "conversation", seed: int = 0) -> None:
     rng = random.Random(seed)
+    mean_prompt, mean_output = PROFILES[profile]
     t = 0.0
     with open(path, "w", newline="") as f:
         out = csv.writer(f)
         out.writerow(["TIMESTAMP", "ContextTokens", "GeneratedTokens"])
         for _ in range(count):
             t += rng.expovariate(rate)
-            prompt = max(1, min(8000, int(rng.lognormvariate(math.log(1155) - 0.5, 1.0))))
-            output = max(1, min(2000, int(rng.lognormvariate(math.log(211) - 0.5, 1.0))))
+            prompt = max(1, min(8000, int(rng.lognormvariate(math.log(mean_prompt) - 0.5, 1.0))))
+            output = max(1, min(2000, int(rng.lognormvariate(math.log(mean_output) - 0.5, 1.0))))
             out.writerow([f"{t:.6f}", prompt, output])
 
 
@@ -44,7 +53,8 @@ def main() -> None:
     parser.add_argument("--tp", type=int, default=8)
     parser.add_argument("--dp", type=int, default=8)
     parser.add_argument("--requests", type=int, default=1000)
-    parser.add_argument("--rate", type=float, default=20.0)
+    parser.add_argument("--rate", type=float, default=20.0, help="arrivals per second (a large rate: a burst)")
+    parser.add_argument("--profile", choices=sorted(PROFILES), default="conversation")
     parser.add_argument("--batch", type=int, default=16, help="decode: requests per step")
     parser.add_argument("--steps", type=int, nargs="+", default=[1000, 10000])
     parser.add_argument("--scratch", type=Path, default=Path(tempfile.gettempdir()))
@@ -53,13 +63,13 @@ def main() -> None:
     try:
         if args.what == "requests":
             trace = scratch / "requests.csv"
-            azure_like(trace, args.requests, args.rate)
+            azure_like(trace, args.requests, args.rate, args.profile)
             wall, rss, _ = run_stg(["serve", args.model, "-o", str(scratch / "set"), "--requests", str(trace),
                                     "--tp", str(args.tp), "--dp", str(args.dp), "-q"])
             summary = json.loads((scratch / "set" / "summary.json").read_text())
             size = sum(p.stat().st_size for p in (scratch / "set").iterdir())
             iterations = sum(len(r["iterations"]) for r in summary["replicas"])
-            print(f"{args.requests} requests, {args.model} tp{args.tp} x {args.dp} replicas: {wall:.1f} s, "
+            print(f"{args.requests} {args.profile} requests at {args.rate:g}/s, {args.model} tp{args.tp} x {args.dp} replicas: {wall:.1f} s, "
                   f"{rss:.0f} MB peak RSS, {iterations} iterations, {size / 1e9:.2f} GB; "
                   f"throughput {summary['totals']['throughput_tokens_per_s']:,.0f} tokens/s")
         else:

@@ -200,6 +200,7 @@ def generate_serving(model: Model | str | Path | Mapping, plan: ServePlan | Mapp
     for name, value in (("batch", batch), ("prompt", prompt), ("context", context), ("steps", steps)):
         if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
             raise PlanError(f"{name}: must be a positive integer, got {value!r}")
+    _check_positions(model, mode, prompt, context + steps, requests)
     engine = Engine(model, plan)
     draft = Engine(load_model(plan.draft), replace(plan, speculative=0, draft=None)) if plan.speculative else None
     kv = plan_kv_cache(engine, draft)
@@ -243,6 +244,24 @@ def generate_serving(model: Model | str | Path | Mapping, plan: ServePlan | Mapp
     summary = _summary(model, plan, mode, engine, kv, replicas, requests, slo_ttft_ms, slo_tpot_ms)
     _write(Path(out), model, plan, engine, replicas, summary, draft)
     return summary
+
+
+def _check_positions(model: Model, mode: Mode, prompt: int, decoded: int, requests) -> None:
+    """A model with learned positions holds at most max_positions tokens per sequence."""
+    limit = getattr(model.config, "max_positions", None)
+    if getattr(model.config, "positions", None) != "learned" or limit is None:
+        return
+    if mode is Mode.SERVE and requests is not None and not isinstance(requests, (list, tuple)):
+        from stg.serve.requests import load_requests
+
+        requests = load_requests(requests)
+    longest = {Mode.PREFILL: ("prompt", prompt), Mode.DECODE: ("context + steps", decoded)}.get(mode)
+    if mode is Mode.SERVE and requests:
+        r = max(requests, key=lambda r: r.prompt + r.output)
+        longest = (f"request {r.id}: prompt + output", r.prompt + r.output)
+    if longest and longest[1] > limit:
+        raise PlanError(f"{longest[0]} = {longest[1]} exceeds model {model.name}'s max_positions={limit} "
+                        "(learned positions)")
 
 
 def _workload(model: Model, plan: ServePlan, engine: Engine, shared: bool, repeat: int = 1):
