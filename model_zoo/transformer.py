@@ -165,10 +165,10 @@ def build_transformer(config: TransformerConfig, flash_attention: bool = True, k
     `flash_attention` the score and probability matrices stay on chip: FLOPs, no memory.
     The attention core's ops carry `attention_core` (what selective recompute re-runs).
 
-    With `kv_cache` (the cache's dtype) it is one inference step instead (stg/serve): the
-    step's S tokens packed as one sequence (B = 1), attention one fused op over each layer's
-    K/V cache of KV_TOKENS tokens, the LM head on the SAMPLED positions only, then sampling
-    (a softmax over the vocabulary); no labels, no loss.
+    With `kv_cache` (the cache's dtype) it is one inference step instead (stg/serve): each of
+    the B sequences is one engine's step, its S tokens packed, attention one fused op over each
+    layer's K/V cache of KV_TOKENS tokens, the LM head on the SAMPLED positions only, then
+    sampling (a softmax over the vocabulary); no labels, no loss.
     """
     if kv_cache is not None and config.attention != "gqa":
         raise ModelSpecError(f"model {config.name!r}: serving supports grouped-query attention; "
@@ -216,8 +216,8 @@ def build_transformer(config: TransformerConfig, flash_attention: bool = True, k
             q = g.pointwise(f"{p}.attn.q_rope", Pointwise.ROPE, q)
             k = g.pointwise(f"{p}.attn.k_rope", Pointwise.ROPE, k)
         if kv_cache is not None:
-            caches = [g.input(f"{p}.attn.{n}_cache", [KV_TOKENS, AKV, DH], ["kv_tokens", "kv_heads", "head_dim"],
-                              kv_cache) for n in "kv"]
+            caches = [g.input(f"{p}.attn.{n}_cache", [B, KV_TOKENS, AKV, DH],
+                              ["batch", "kv_tokens", "kv_heads", "head_dim"], kv_cache) for n in "kv"]
             context = g.attention(f"{p}.attn.core", q, k, v, *caches, pairs=PAIRS)
             return linear(f"{p}.attn.out", "bsngd,ngdh->bsh", context, [AKV, groups, DH, H],
                           ["kv_heads", "q_per_kv", "head_dim", "embed"], [H], ["embed"], residual=True)
@@ -276,8 +276,8 @@ def build_transformer(config: TransformerConfig, flash_attention: bool = True, k
     x = norm_op("final_norm", x)
     head = table if config.tied_embeddings else g.weight("lm_head.weight", [V, H], ["vocab", "embed"])
     if kv_cache is not None:  # the positions that yield a token, then sampling over the vocabulary
-        x = g.gather("sampled", x, [SAMPLED, H], ["sampled", "embed"])
-        g.softmax("sample", g.einsum("logits", "nh,vh->nv", x, head))
+        x = g.gather("sampled", x, [B, SAMPLED, H], ["batch", "sampled", "embed"])
+        g.softmax("sample", g.einsum("logits", "bnh,vh->bnv", x, head))
         return g.build()
     logits = g.einsum("logits", "bsh,vh->bsv", x, head)
     g.cross_entropy("loss", logits, labels)

@@ -92,15 +92,16 @@ class GraphBuilder:
         return attrs
 
     def attention(self, name: str, q: str, k: str, v: str, k_cache: str, v_cache: str, pairs) -> str:
-        """Fused attention of the step's queries q [.., kv_heads, q_per_kv, d] over a KV cache
-        [kv_tokens, kv_heads, d] that already holds the new keys and values k, v; `pairs` is
-        the number of query-key pairs scored (ragged over requests). Output shaped like q."""
+        """Fused attention of the step's queries q [batch, .., kv_heads, q_per_kv, d] over a KV
+        cache [batch, kv_tokens, kv_heads, d] that already holds the new keys and values k, v;
+        `pairs` is the number of query-key pairs scored per batch entry (ragged over the
+        requests packed in it). Output shaped like q."""
         src = self.tensors[q]
         for cache in (k_cache, v_cache):
             t = self.tensors[cache]
-            if t.dims[1:] != ("kv_heads", "head_dim") or sympy.simplify(t.shape[-1] - src.shape[-1]) != 0:
+            if t.dims[-3:] != ("kv_tokens", "kv_heads", "head_dim") or sympy.simplify(t.shape[-1] - src.shape[-1]) != 0:
                 raise GraphError(f"op {name}: cache {t.name} {list(t.shape)} axes {list(t.dims)} is not "
-                                 f"[kv_tokens, kv_heads, head_dim] matching {src.name} {list(src.shape)}")
+                                 f"[.., kv_tokens, kv_heads, head_dim] matching {src.name} {list(src.shape)}")
         out = Tensor(name, src.shape, src.dims, src.dtype, Role.ACTIVATION)
         self.add_op(name, OpKind.ATTENTION, (q, k, v, k_cache, v_cache), (out,), {"pairs": sympy.sympify(pairs)})
         return name

@@ -266,3 +266,26 @@ def test_clock_agrees_with_a_timed_replay_of_the_written_set(tmp_path, pp):
                                steps=3)
     replay = timed_replay(out, comm="alpha-beta")
     assert replay.makespan_us == pytest.approx(summary["replicas"][0]["makespan_s"] * 1e6, abs=3)
+
+
+TINY_MOE = dict(name="tiny-moe", family="mixtral", layers=2, hidden=64, ffn=128, heads=8, kv_heads=4, vocab=1000,
+                experts=4, top_k=2, moe_ffn=96)
+
+
+def test_expert_parallel_engines_dispatch_their_tokens_by_all_to_all(tmp_path):
+    # ep 2 engines, each 2 of the 4 requests; per layer and step a dispatch and a combine of
+    # each rank's 2 tokens x top-2 x hidden 64 x bf16 = 512 bytes (capacity factor 1)
+    out = tmp_path / "ep"
+    summary = generate_serving(TINY_MOE, ServePlan(tp=2, ep=2), out, mode="decode", batch=4, context=50, steps=2)
+    assert validate(out, replay=True) == []
+    stats = summary["rank_classes"][0]
+    assert stats["comm_count"]["ALL_TO_ALL"] == 2 * 2 * 2 and stats["comm_bytes"]["ALL_TO_ALL"] == 8 * 2 * 2 * 64 * 2
+    # serve: each replica's engines schedule their own requests and step together
+    out = tmp_path / "ep-serve"
+    summary = generate_serving(TINY_MOE, ServePlan(ep=2, dp=2), out, mode="serve", requests="examples/requests-azure.csv")
+    assert validate(out, replay=True) == []
+    it = summary["replicas"][0]["iterations"][0]
+    assert len(it["engines"]) == 2
+    assert it["tokens"] == max(e["tokens"] for e in it["engines"])  # each engine runs the widest step
+    with pytest.raises(PlanError, match="has no experts"):
+        generate_serving(TINY, ServePlan(ep=2), tmp_path / "x", mode="prefill", batch=2)

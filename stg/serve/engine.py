@@ -42,7 +42,7 @@ DTYPES = ("bf16", "fp8")
 # vLLM's default for MoE layers: every expert's FFN split over tp like a dense MLP (training
 # keeps experts whole on a tp rank, etp = 1)
 SERVING_RULES = {"expert_mlp": ("tp",)}
-STEP_SYMBOLS = (B, S, KV_TOKENS, PAIRS, SAMPLED, ATTN_FRACTION)
+STEP_SYMBOLS = (S, KV_TOKENS, PAIRS, SAMPLED)
 
 
 @dataclass(frozen=True)
@@ -52,6 +52,9 @@ class ServePlan:
 
     tp: int = 1
     pp: int = 1
+    # expert parallelism: ep engines step together, each with its own scheduler and requests
+    # (attention data-parallel), routed experts split over them, tokens dispatched by all-to-all
+    ep: int = 1
     dp: int = 1  # independent replicas; requests are assigned round-robin in arrival order
     dtype: str = "bf16"  # weights
     kv_cache_dtype: str = "bf16"
@@ -74,7 +77,7 @@ class ServePlan:
     acceptance_rate: float = 0.7  # per draft token (stg/serve/scheduler.py: expected tokens)
 
     def __post_init__(self):
-        for name in ("tp", "pp", "dp", "max_num_batched_tokens", "max_num_seqs", "block_size"):
+        for name in ("tp", "pp", "ep", "dp", "max_num_batched_tokens", "max_num_seqs", "block_size"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise PlanError(f"{name}: must be a positive integer, got {value!r}")
@@ -91,8 +94,10 @@ class ServePlan:
             raise PlanError(f"dp={self.dp}: with prefill and decode instances the instances are the replicas; leave dp 1")
         if isinstance(self.speculative, bool) or not isinstance(self.speculative, int) or self.speculative < 0:
             raise PlanError(f"speculative: must be a whole number of draft tokens, got {self.speculative!r}")
-        if self.speculative and (self.draft is None or self.pp > 1 or self.prefill_instances):
-            raise PlanError("speculative: needs a draft model (draft), pp 1 and no disaggregation")
+        if self.speculative and (self.draft is None or self.pp > 1 or self.prefill_instances or self.ep > 1):
+            raise PlanError("speculative: needs a draft model (draft), pp 1, ep 1 and no disaggregation")
+        if self.ep > 1 and self.prefill_instances:
+            raise PlanError(f"ep={self.ep}: expert parallelism with disaggregated instances is not implemented")
         for name in ("dtype", "kv_cache_dtype"):
             if getattr(self, name) not in DTYPES:
                 raise PlanError(f"{name}: must be one of {list(DTYPES)}, got {getattr(self, name)!r}")
@@ -111,7 +116,7 @@ class ServePlan:
 
     def parallel(self) -> Plan:
         """The layout part as a training Plan (one replica): what the sharding rules read."""
-        return Plan(tp=self.tp, pp=self.pp, sp=False, device=self.device, attention_flops=self.attention_flops,
+        return Plan(tp=self.tp, pp=self.pp, ep=self.ep, sp=False, device=self.device, attention_flops=self.attention_flops,
                     schedule="gpipe", rules=SERVING_RULES if self.tp > 1 else None)
 
     def to_dict(self) -> dict:
@@ -170,6 +175,8 @@ class Engine:
 
     def __init__(self, model: Model, plan: ServePlan, cache_size: int = 64):
         self.model, self.plan = model, plan
+        if plan.ep > 1 and getattr(model.config, "experts", None) is None:
+            raise PlanError(f"ep={plan.ep}: model {model.name} has no experts to split")
         parallel = plan.parallel()
         graph = model.forward_graph(GraphOptions(kv_cache=plan.kv_cache_dtype))
         if plan.dtype != "bf16":
@@ -180,7 +187,7 @@ class Engine:
         self.sharded = shard(graph, sharding_spec(parallel))
         mesh = parallel.mesh()
         self.static = {sympy.sympify(k): sympy.sympify(v) for k, v in {
-            **model.config.sizes(vocab_multiple=plan.tp), CF: 1, LOAD: 1,
+            **model.config.sizes(vocab_multiple=plan.tp), CF: 1, LOAD: 1, B: plan.ep, ATTN_FRACTION: 1,
             **{axis_symbol(axis): size for axis, size in mesh.axes}}.items()}
         check_divisibility(self.sharded, {**self.static, **StepShape(1, 1, 1, 1).bindings()})
         if stages is None:
@@ -225,7 +232,7 @@ class Engine:
                                 rank=stage)
                 return self._token_feedback(program, stage, evaluate)
 
-            self.templates[stage] = build_template(lowered, {**self.static, B: 1, ATTN_FRACTION: 1},
+            self.templates[stage] = build_template(lowered, self.static,
                                                    StepShape(8, 64, 100, 2), (S, KV_TOKENS, PAIRS, SAMPLED))
         return self.templates[stage]
 

@@ -98,16 +98,25 @@ class Clock:
 
 @dataclass(frozen=True)
 class Timed:
-    iteration: Iteration
-    shape: StepShape
+    engines: tuple[Iteration, ...]  # per engine stepping together (expert parallelism: ep of them)
+    shape: StepShape  # what each engine runs (the widest engine's step)
     start_s: float
     end_s: float
     draft: tuple[StepShape, ...] = ()  # speculative decoding: the draft model's steps before the target's
 
+    @property
+    def iteration(self) -> Iteration:
+        return self.engines[0]
+
+    @property
+    def slots(self) -> tuple[Slot, ...]:
+        return tuple(slot for iteration in self.engines for slot in iteration.slots)
+
     def to_dict(self) -> dict:
         extra = {"draft_steps": len(self.draft)} if self.draft else {}
-        return {**self.iteration.to_dict(), **self.shape.to_dict(), **extra, "start_s": self.start_s,
-                "end_s": self.end_s}
+        composition = (self.iteration.to_dict() if len(self.engines) == 1 else
+                       {"iteration": self.iteration.index, "engines": [it.to_dict() for it in self.engines]})
+        return {**composition, **self.shape.to_dict(), **extra, "start_s": self.start_s, "end_s": self.end_s}
 
 
 def draft_steps(slots: tuple[Slot, ...], proposals: int, attention) -> tuple[StepShape, ...]:
@@ -127,22 +136,28 @@ def scheduler_config(plan: ServePlan, kv: KVPlan) -> SchedulerConfig:
                            speculative=plan.speculative, acceptance_rate=plan.acceptance_rate)
 
 
-def run_replica(requests: Sequence[Request], config: SchedulerConfig, clock: Clock, attention) -> list[Timed]:
-    """Schedule one replica's requests in time."""
-    pending, scheduler, now, timed = deque(requests), Scheduler(config), 0.0, []
-    while pending or not scheduler.idle:
-        arrived = []
-        while pending and pending[0].arrival_s <= now:
-            arrived.append(pending.popleft())
-        scheduler.arrive(arrived)
-        if scheduler.idle:
-            now = pending[0].arrival_s
+def run_replica(requests: Sequence[Request], config: SchedulerConfig, clock: Clock, attention,
+                engines: int = 1) -> list[Timed]:
+    """Schedule one replica's requests in time. With `engines` > 1 (expert parallelism) its
+    requests go round-robin to that many schedulers that step together (an idle one runs an
+    empty step), every engine running the widest engine's step."""
+    pending = [deque(requests[e::engines]) for e in range(engines)]
+    schedulers = [Scheduler(config) for _ in range(engines)]
+    now, timed = 0.0, []
+    while any(pending) or not all(s.idle for s in schedulers):
+        for queue, scheduler in zip(pending, schedulers):
+            arrived = []
+            while queue and queue[0].arrival_s <= now:
+                arrived.append(queue.popleft())
+            scheduler.arrive(arrived)
+        if all(s.idle for s in schedulers):
+            now = min(queue[0].arrival_s for queue in pending if queue)
             continue
-        iteration = scheduler.step()
-        shape = StepShape.of(iteration.slots, attention)
-        draft = draft_steps(iteration.slots, config.speculative, attention)
+        iterations = tuple(s.step() or Iteration(s.iterations, (), 0) for s in schedulers)
+        shape = StepShape.widest(StepShape.of(it.slots, attention) for it in iterations)
+        draft = draft_steps(iterations[0].slots, config.speculative, attention)
         end = now + (clock.step_us(shape) + sum(clock.draft.step_us(d) for d in draft)) / 1e6
-        timed.append(Timed(iteration, shape, now, end, draft))
+        timed.append(Timed(iterations, shape, now, end, draft))
         now = end
     return timed
 
@@ -150,7 +165,7 @@ def run_replica(requests: Sequence[Request], config: SchedulerConfig, clock: Clo
 def request_metrics(requests: Sequence[Request], timed: Sequence[Timed]) -> list[dict]:
     first, last, by_id = {}, {}, {r.id: r for r in requests}
     for t in timed:
-        for slot in t.iteration.slots:
+        for slot in t.slots:
             if slot.samples:
                 first.setdefault(slot.request, t.end_s)
                 last[slot.request] = t.end_s
@@ -221,24 +236,28 @@ def generate_serving(model: Model | str | Path | Mapping, plan: ServePlan | Mapp
                                      _s(slo_tpot_ms))
         config = scheduler_config(plan, kv)
         shares = [list(requests[r::plan.dp]) for r in range(plan.dp)]  # round-robin in arrival order
-        replicas = [run_replica(share, config, clock, plan.attention_flops) for share in shares]
+        replicas = [run_replica(share, config, clock, plan.attention_flops, plan.ep) for share in shares]
     else:
         if plan.prefill_instances:
             raise PlanError("prefill_instances: disaggregated serving runs a request trace (mode serve)")
+        if batch % plan.ep:
+            raise PlanError(f"batch: {batch} requests do not split evenly over ep={plan.ep} engines")
         tokens = prompt if mode is Mode.PREFILL else context + steps
-        need = batch * -(-tokens // plan.block_size)
+        per_engine = batch // plan.ep
+        need = per_engine * -(-tokens // plan.block_size)
         if need > kv.blocks:
             raise PlanError(f"batch: {batch} requests of {tokens} tokens need {need} KV blocks; the cache has "
                             f"{kv.blocks} (num_kv_blocks)")
         if plan.speculative:
             raise PlanError("speculative: applies to serve mode (a request trace)")
-        slot_lists = ([uniform(batch, prompt, 0)] if mode is Mode.PREFILL
-                      else [uniform(batch, 1, context + i) for i in range(steps)])
+        steps_of = [(prompt, 0)] if mode is Mode.PREFILL else [(1, context + i) for i in range(steps)]
         now, timed = 0.0, []
-        for index, slots in enumerate(slot_lists):
-            shape = StepShape.of(slots, plan.attention_flops)
+        for index, (q, c) in enumerate(steps_of):
+            engines = tuple(Iteration(index, uniform(per_engine, q, c, first=e * per_engine), need)
+                            for e in range(plan.ep))
+            shape = StepShape.of(engines[0].slots, plan.attention_flops)
             end = now + clock.step_us(shape) / 1e6
-            timed.append(Timed(Iteration(index, slots, need), shape, now, end))
+            timed.append(Timed(engines, shape, now, end))
             now = end
         replicas = [timed]
     summary = _summary(model, plan, mode, engine, kv, replicas, requests, slo_ttft_ms, slo_tpot_ms)
@@ -270,7 +289,7 @@ def _workload(model: Model, plan: ServePlan, engine: Engine, shared: bool, repea
     the same iterations."""
     from stg.api import Workload
 
-    parallel = Plan(tp=plan.tp, pp=plan.pp, dp=plan.dp, sp=False, device=plan.device, schedule="gpipe")
+    parallel = Plan(tp=plan.tp, pp=plan.pp, ep=plan.ep, dp=plan.dp, sp=False, device=plan.device, schedule="gpipe")
     variants = 1 if shared else plan.dp
     programs = [chain([engine.template(stage).program] * repeat, engine.edges)
                 for stage in range(plan.pp) for _ in range(variants)]
@@ -350,8 +369,8 @@ def _header(model, plan, mode, kv) -> dict:
         "model": {**model.describe(), "source": model.source},
         "mode": mode.value,
         "serve_plan": plan.to_dict(),
-        "mesh": dict(plan.parallel().mesh().axes) | {"dp": plan.dp},
-        "world_size": plan.dp * plan.tp * plan.pp,
+        "mesh": dict(plan.parallel().mesh().axes) | {"dp": plan.dp},  # dp: the replicas
+        "world_size": plan.dp * plan.ep * plan.tp * plan.pp,
         "kv_cache": {**kv.to_dict(), "kv_bytes_per_token_per_layer": kv_bytes_per_token_per_layer(
             model.config, plan.kv_cache_dtype)},
         "cost_model": "device roofline per compute node + alpha-beta collectives (5 us, 50 GB/s), stages in sequence",

@@ -1,7 +1,8 @@
 """One inference step's shape: the (q, c) of each request in it, bound to the graph's symbols.
 
-The step graph (model_zoo/transformer.py with a KV cache) is sized by four symbols; a batch of
-requests, request i with q_i new tokens on top of c_i cached ones, binds them:
+The step graph (model_zoo/transformer.py with a KV cache) is sized by four symbols per engine
+(B engines step together: 1, or the expert-parallel ranks); a batch of requests, request i with
+q_i new tokens on top of c_i cached ones, binds them:
 
   S        = sum q_i                      tokens run through every linear layer
   Tkv      = sum (c_i + q_i)              keys and values read from the cache (after the append)
@@ -19,7 +20,7 @@ from dataclasses import dataclass
 
 from stg.plan import AttentionFlops
 from stg.serve.scheduler import Slot
-from stg.symbols import ATTN_FRACTION, KV_TOKENS, PAIRS, SAMPLED, B, S
+from stg.symbols import KV_TOKENS, PAIRS, SAMPLED, S
 
 
 @dataclass(frozen=True)
@@ -38,13 +39,20 @@ class StepShape:
         return cls(sum(s.q for s in slots), sum(s.c + s.q for s in slots), pairs, sampled)
 
     def bindings(self) -> dict:
-        return {B: 1, S: self.tokens, KV_TOKENS: self.kv_tokens, PAIRS: self.pairs, SAMPLED: self.sampled,
-                ATTN_FRACTION: 1}
+        """The step symbols of one engine's step (B, the engines stepping together, is the plan's)."""
+        return {S: self.tokens, KV_TOKENS: self.kv_tokens, PAIRS: self.pairs, SAMPLED: self.sampled}
+
+    @classmethod
+    def widest(cls, shapes) -> "StepShape":
+        """What engines stepping together (expert parallelism) each run: every size padded to the largest."""
+        shapes = list(shapes)
+        return cls(*(max(getattr(s, f) for s in shapes) for f in ("tokens", "kv_tokens", "pairs", "sampled")))
 
     def to_dict(self) -> dict:
         return {"tokens": self.tokens, "kv_tokens": self.kv_tokens, "pairs": self.pairs, "sampled": self.sampled}
 
 
-def uniform(batch: int, q: int, c: int) -> tuple[Slot, ...]:
-    """`batch` requests each running q new tokens on c cached ones, each sampling one token."""
-    return tuple(Slot(i, q, c, True, decode=q == 1 and c > 0) for i in range(batch))
+def uniform(batch: int, q: int, c: int, first: int = 0) -> tuple[Slot, ...]:
+    """`batch` requests (ids from `first`) each running q new tokens on c cached ones, each
+    sampling one token."""
+    return tuple(Slot(first + i, q, c, True, decode=q == 1 and c > 0) for i in range(batch))
