@@ -19,6 +19,7 @@ def serve(
     steps: int = typer.Option(1, help="decode: decode steps."),
     tp: int = typer.Option(1, help="Tensor-parallel degree (heads, KV heads, MLP, vocabulary): an all-reduce after attention and after the MLP of every layer."),
     pp: int = typer.Option(1, help="Pipeline stages: a send/recv of the activations per iteration between stages."),
+    ep: int = typer.Option(1, help="MoE: engines that step together, each with its own requests, routed experts split over them (dispatch/combine all-to-alls)."),
     dp: int = typer.Option(1, help="Independent replicas; requests are assigned round-robin in arrival order."),
     dtype: str = typer.Option("bf16", help="Weights: bf16 or fp8."),
     kv_cache_dtype: str = typer.Option("bf16", "--kv-cache-dtype", help="KV cache: bf16 or fp8."),
@@ -44,7 +45,7 @@ def serve(
     from stg.serve import ServePlan, generate_serving
 
     with _user_errors():
-        plan = ServePlan(tp=tp, pp=pp, dp=dp, dtype=dtype, kv_cache_dtype=kv_cache_dtype, device=device,
+        plan = ServePlan(tp=tp, pp=pp, ep=ep, dp=dp, dtype=dtype, kv_cache_dtype=kv_cache_dtype, device=device,
                          attention_flops=attention_flops, scheduler=scheduler,
                          max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs,
                          block_size=block_size, gpu_memory_utilization=gpu_memory_utilization,
