@@ -170,9 +170,6 @@ def build_transformer(config: TransformerConfig, flash_attention: bool = True, k
     layer's K/V cache of KV_TOKENS tokens, the LM head on the SAMPLED positions only, then
     sampling (a softmax over the vocabulary); no labels, no loss.
     """
-    if kv_cache is not None and config.attention != "gqa":
-        raise ModelSpecError(f"model {config.name!r}: serving supports grouped-query attention; "
-                             f"{config.attention} attention with a KV cache is not implemented yet")
     g = GraphBuilder()
     bias = config.bias
     dropout = config.dropout > 0
@@ -218,7 +215,7 @@ def build_transformer(config: TransformerConfig, flash_attention: bool = True, k
         if kv_cache is not None:
             caches = [g.input(f"{p}.attn.{n}_cache", [B, KV_TOKENS, AKV, DH],
                               ["batch", "kv_tokens", "kv_heads", "head_dim"], kv_cache) for n in "kv"]
-            context = g.attention(f"{p}.attn.core", q, k, v, *caches, pairs=PAIRS)
+            context = g.attention(f"{p}.attn.core", q, (k, v), caches, pairs=PAIRS)
             return linear(f"{p}.attn.out", "bsngd,ngdh->bsh", context, [AKV, groups, DH, H],
                           ["kv_heads", "q_per_kv", "head_dim", "embed"], [H], ["embed"], residual=True)
         scores = g.einsum(f"{p}.attn.scores", "bsngd,btnd->bngst", q, k, density=ATTN_FRACTION,
@@ -267,7 +264,11 @@ def build_transformer(config: TransformerConfig, flash_attention: bool = True, k
         g.layer = i
         p = f"layers.{i - 1}"
         h = norm_op(f"{p}.attn_norm", x)
-        out = moe.mla(g, p, h, H, A, flash_attention) if config.attention == "mla" else gqa_attention(p, h)
+        if config.attention == "mla":
+            out = (moe.mla(g, p, h, H, A, flash_attention) if kv_cache is None
+                   else moe.mla_cached(g, p, h, H, A, kv_cache, PAIRS, KV_TOKENS))
+        else:
+            out = gqa_attention(p, h)
         x = g.pointwise(f"{p}.attn_residual", Pointwise.ADD, x, out)
         x = mlp_block(p, x, moe_layer=config.experts is not None and i > config.first_dense_layers)
 

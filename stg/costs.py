@@ -195,14 +195,14 @@ def op_cost(
         # gradient (a multiply-add per element)
         return 3 * inputs[2].numel, traffic
     if kind is OpKind.ATTENTION:
-        # q [batch, tokens, heads.., d], new k and v, cache k and v [batch, kv_tokens, kv_heads, d] (after the
-        # append): per query-key pair a score and a context multiply-add per head and d (2 x 2)
-        # and a softmax entry per head; the scores stay on chip. Bytes: q, the whole cache and
-        # the output, plus the new keys and values read and written into the cache.
-        q, k, v = inputs[:3]
-        per_pair = sympy.Mul(*q.shape[2:])  # q [batch, tokens, heads.., d]; pairs per batch entry
-        flops = q.shape[0] * attrs["pairs"] * (4 * per_pair + SOFTMAX_FLOPS * per_pair / q.shape[-1])
-        return flops, traffic + k.memory_bytes + v.memory_bytes
+        # q [batch, tokens, heads.., d], the new entries, the cache [batch, kv_tokens, .., d]
+        # (after the append); per query-key pair and head a score (2 d), a softmax entry and a
+        # context multiply-add per output element (2 d_out); the scores stay on chip. Bytes: q,
+        # the whole cache and the output, plus the new entries read and written into the cache.
+        q, out, new = inputs[0], outputs[0], inputs[1:1 + attrs["new"]]
+        heads = sympy.Mul(*q.shape[2:-1])
+        per_pair = 2 * sympy.Mul(*q.shape[2:]) + 2 * sympy.Mul(*out.shape[2:]) + SOFTMAX_FLOPS * heads
+        return q.shape[0] * attrs["pairs"] * per_pair, traffic + _memory(new)
     if kind is OpKind.OPTIMIZER:
         # inputs: gradient and states, all read; output: the new weight. The states are
         # updated in place, so they are written back as well.

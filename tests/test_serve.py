@@ -74,6 +74,8 @@ def test_kv_bytes_per_token():
     # the step graph's cache tensors agree, per rank: 32 layers, KV heads split by tp
     assert Engine(load_model("llama3-8b"), ServePlan()).kv_bytes_per_token(0) == 32 * 4096
     assert Engine(load_model("llama3-8b"), ServePlan(tp=2)).kv_bytes_per_token(0) == 32 * 4096 // 2
+    # MLA: the step graph caches the latent and the rotary key, whole on every tp rank
+    assert Engine(load_model("deepseek-v3"), ServePlan(tp=8, ep=8)).kv_bytes_per_token(0) == 61 * (512 + 64) * 2
 
 
 def test_decode_is_memory_bound_reading_weights_and_the_whole_cache():
@@ -289,3 +291,17 @@ def test_expert_parallel_engines_dispatch_their_tokens_by_all_to_all(tmp_path):
     assert it["tokens"] == max(e["tokens"] for e in it["engines"])  # each engine runs the widest step
     with pytest.raises(PlanError, match="has no experts"):
         generate_serving(TINY, ServePlan(ep=2), tmp_path / "x", mode="prefill", batch=2)
+
+
+def test_mla_serving_attends_over_the_latent_cache(tmp_path):
+    tiny = dict(name="tiny-mla", family="deepseek", layers=2, hidden=64, ffn=128, heads=4, vocab=1000, experts=4,
+                top_k=2, moe_ffn=32, shared_experts=1, first_dense_layers=1, q_lora_rank=32, kv_lora_rank=16,
+                qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=8)
+    out = tmp_path / "mla"
+    generate_serving(tiny, ServePlan(tp=2, ep=2), out, mode="serve", requests="examples/requests-azure.csv")
+    assert validate(out, replay=True) == []
+    engine = Engine(load_model(tiny), ServePlan(tp=2))
+    core = next(op for op in engine.sharded.graph.ops if op.name == "layers.0.attn.core")
+    shape = StepShape.of(uniform(2, 1, 9), AttentionFlops.FULL)  # 2 decodes, 10 pairs each
+    # per pair and local head (4 / tp): scores over latent + rope (16 + 4), context over the latent (16), softmax
+    assert engine.evaluator(shape)(core.flops) == 20 * 2 * (2 * 20 + 2 * 16 + 5)

@@ -268,7 +268,8 @@ class Engine:
     def kv_bytes_per_token(self, stage: int) -> int:
         """KV cache bytes one token takes on a rank of `stage`: its layers' K and V shards."""
         ev = self.evaluator(StepShape(1, 1, 1, 1))
-        caches = {name for op in self.stage_ops(stage) if op.kind is OpKind.ATTENTION for name in op.inputs[3:]}
+        caches = {name for op in self.stage_ops(stage) if op.kind is OpKind.ATTENTION
+                  for name in op.inputs[1 + op.attrs["new"]:]}
         return sum(ev(self.sharded.graph.tensors[name].nbytes) for name in caches)
 
     def weight_bytes(self, stage: int) -> int:
