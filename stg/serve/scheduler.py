@@ -164,7 +164,8 @@ class Scheduler:
             if request.prompt <= 0 or request.output <= 0:
                 raise PlanError(f"request {request.id}: prompt and output tokens must be positive, "
                                 f"got {request.prompt} and {request.output}")
-            need = -(-(request.prompt + request.output - 1) // self.config.block_size)
+            # its longest cache: every token but the last, plus a verification's draft tokens
+            need = -(-(request.prompt + request.output - 1 + self.config.speculative) // self.config.block_size)
             if need > self.config.num_blocks - self.config.watermark_blocks:
                 raise PlanError(f"request {request.id}: needs {need} KV blocks, more than the "
                                 f"{self.config.num_blocks} the cache has (num_kv_blocks)")
@@ -211,9 +212,12 @@ class Scheduler:
     def step(self) -> Iteration | None:
         """The next iteration, or None when nothing is waiting or running."""
         iteration = self._step()
-        while iteration is None and self.running + list(self.waiting):
+        if iteration is None and (self.running or self.waiting):
             # a vllm iteration that preempted every running request and so admitted none
             iteration = self._step()
+            if iteration is None:
+                raise PlanError("scheduler: no waiting request fits an empty iteration (max_num_batched_tokens, "
+                                "max_num_seqs, num_kv_blocks)")
         return iteration
 
     def _step(self) -> Iteration | None:
