@@ -5,10 +5,14 @@
 
 engine     the inference step graph laid out once, lowered per step shape (ServePlan)
 step       a step's (q, c) per request bound to the graph's symbols
-scheduler  continuous batching: sarathi and vllm, pure bookkeeping
+template   a stage's step lowered once, its numbers compiled into polynomials of the step
+scheduler  continuous batching: sarathi and vllm, speculative decoding; pure bookkeeping
 kvcache    KV bytes per token and the cache planner
 requests   Azure and Mooncake request traces
-run        the three modes (prefill, decode, serve), time and metrics, writing the set
+run        the three modes (prefill, decode, serve), time and metrics
+stream     writing: every rank's steps streamed from the templates by byte patching
+disagg     prefill and decode instances, KV caches moved by send/recv
+cli        `stg serve`
 """
 
 from stg.serve.engine import ServePlan
