@@ -56,6 +56,11 @@ def _progress(description: str, quiet: bool):
         yield lambda done, total: bar.update(task, completed=done, total=total)
 
 
+from stg.serve.cli import serve as _serve  # noqa: E402  (it imports this module's helpers lazily)
+
+app.command("serve")(_serve)
+
+
 @app.command()
 def models(as_json: bool = typer.Option(False, "--json", help="Print a JSON list of {name, family, layers, params}.")):
     """List the model zoo with parameter counts."""
@@ -384,8 +389,3 @@ def describe(
     block = sympy.Add(*(op.flops for op in graph.ops if op.layer == 1))
     typer.echo(f"# forward FLOPs of block 1: {block}")
     typer.echo(f"# {loaded.name}: {loaded.layers} blocks, {loaded.params:,} parameters")
-
-
-from stg.serve.cli import serve as _serve  # noqa: E402  (its module imports this one lazily)
-
-app.command("serve")(_serve)

@@ -23,7 +23,7 @@ class DType(Enum):
     BF16 = ("bf16", 2)
     FP16 = ("fp16", 2)
     FP32 = ("fp32", 4)
-    FP8 = ("fp8", 1)  # serving: fp8 weights or KV cache (e4m3)
+    FP8 = ("fp8", 1)  # E4M3/E5M2 (Transformer Engine's linear-layer GEMM operands)
     UINT8 = ("uint8", 1)  # dropout masks
     INT32 = ("int32", 4)
     INT64 = ("int64", 8)
