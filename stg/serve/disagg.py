@@ -33,7 +33,12 @@ from stg.program import ClassStats, NodeType, RankHole, RankProgram, TraceNode
 from stg.serve.run import TAG_LIMIT, Clock, Timed, request_metrics, run_replica, scheduler_config, totals
 from stg.serve.scheduler import Request
 from stg.serve.stream import links
-from stg.slice_check import SliceDeadlockError, replay_ranks
+from stg.errors import StgError
+from stg.slice_check import replay_ranks
+
+class DisaggregationError(StgError):
+    """The prefill and decode instances' programs would not run to the end together."""
+
 
 KV_TAG_BASE = 200_000_000  # above every pipeline tag of the set (checked), below ASTRA-sim's limit
 
@@ -188,7 +193,7 @@ def run_disaggregated(model, plan, engine, kv, requests: list[Request], out: Pat
     ranks = [workload.representative(k) + stage * stride for stage in range(plan.pp) for k in range(prefill + decode)]
     problems = replay_ranks(workload, ranks)
     if problems:
-        raise SliceDeadlockError(f"the disaggregated programs would not run to the end, nothing written: {problems[0].reason}")
+        raise DisaggregationError(f"the disaggregated programs would not run to the end, nothing written: {problems[0].reason}")
     rows = request_metrics(requests, [t for timed in instances for t in timed])
     makespan = max((timed[-1].end_s for timed in instances if timed), default=0.0)
     summary["instances"] = [{"instance": k, "kind": "prefill" if k < prefill else "decode",
