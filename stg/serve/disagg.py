@@ -26,14 +26,13 @@ from pathlib import Path
 
 from stg.api import Workload
 from stg.emit import write_trace_set
-from stg.errors import PlanError
+from stg.errors import PlanError, StgError
 from stg.graph import OpKind
 from stg.plan import Plan
 from stg.program import ClassStats, NodeType, RankHole, RankProgram, TraceNode
 from stg.serve.run import TAG_LIMIT, Clock, Timed, request_metrics, run_replica, scheduler_config, totals
 from stg.serve.scheduler import Request
 from stg.serve.stream import links
-from stg.errors import StgError
 from stg.slice_check import replay_ranks
 
 class DisaggregationError(StgError):
