@@ -9,6 +9,7 @@ covers one position per request per step, as stg's step graph does.
 """
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -21,6 +22,8 @@ from stg.serve.engine import Engine
 from stg.serve.kvcache import kv_bytes_per_token_per_layer, plan_kv_cache, pool_blocks
 from stg.serve.requests import load_requests
 from stg.serve.step import StepShape, uniform
+
+EXAMPLES = str(Path(__file__).resolve().parent.parent / "examples")
 
 # name: (layers, hidden, intermediate, heads, kv_heads, vocab, experts, top_k) from config.json
 HF = {
@@ -126,8 +129,8 @@ def test_planner_refuses_a_model_that_does_not_fit():
 @pytest.mark.parametrize("mode, plan, extra", [
     ("prefill", dict(tp=2, pp=2), dict(batch=2, prompt=64)),
     ("decode", dict(tp=2, dp=2), dict(batch=4, context=100, steps=3)),
-    ("serve", dict(tp=2, pp=2, dp=2, max_num_batched_tokens=64), dict(requests="examples/requests-azure.csv")),
-    ("serve", dict(dp=1, scheduler="vllm", num_kv_blocks=40), dict(requests="examples/requests-azure.csv")),
+    ("serve", dict(tp=2, pp=2, dp=2, max_num_batched_tokens=64), dict(requests=EXAMPLES + "/requests-azure.csv")),
+    ("serve", dict(dp=1, scheduler="vllm", num_kv_blocks=40), dict(requests=EXAMPLES + "/requests-azure.csv")),
 ])
 def test_sets_validate(tmp_path, mode, plan, extra):
     out = tmp_path / "set"
@@ -137,7 +140,7 @@ def test_sets_validate(tmp_path, mode, plan, extra):
     assert data["mode"] == mode and data["world_size"] == plan.get("tp", 1) * plan.get("pp", 1) * plan.get("dp", 1)
     if mode == "serve":
         rows = [r for replica in summary["replicas"] for r in replica["requests"]]
-        assert len(rows) == len(load_requests("examples/requests-azure.csv"))
+        assert len(rows) == len(load_requests(EXAMPLES + "/requests-azure.csv"))
         assert all(r["ttft_s"] > 0 and r["e2e_s"] >= r["ttft_s"] for r in rows)
         # every output token is sampled once
         sampled = sum(len([s for s in it["requests"]]) for rep in summary["replicas"] for it in rep["iterations"])
@@ -156,7 +159,7 @@ def test_tp_all_reduces_per_layer_and_pp_sends_per_iteration(tmp_path):
 
 
 def test_requests_both_schemas(tmp_path):
-    azure = load_requests("examples/requests-azure.csv")
+    azure = load_requests(EXAMPLES + "/requests-azure.csv")
     assert azure[0].arrival_s == 0 and all(a.arrival_s <= b.arrival_s for a, b in zip(azure, azure[1:]))
     mooncake = tmp_path / "m.jsonl"
     mooncake.write_text('{"timestamp": 500, "input_length": 10, "output_length": 3}\n'
@@ -218,9 +221,9 @@ def test_disaggregated_prefill_decode_moves_each_kv_cache_once(tmp_path):
 
     out = tmp_path / "d"
     plan = ServePlan(tp=2, pp=2, prefill_instances=1, decode_instances=2, max_num_batched_tokens=64)
-    summary = generate_serving(TINY, plan, out, mode="serve", requests="examples/requests-azure.csv")
+    summary = generate_serving(TINY, plan, out, mode="serve", requests=EXAMPLES + "/requests-azure.csv")
     assert validate(out, replay=True) == []
-    requests = load_requests("examples/requests-azure.csv")
+    requests = load_requests(EXAMPLES + "/requests-azure.csv")
     moved = [r for r in requests if r.output > 1]
     assert sorted(t["request"] for t in summary["kv_transfers"]) == [r.id for r in moved]
     # instances on dp: rank = stage * 6 + instance * 2 + tp; decode instance k gets ids with id % 2 == k - 1
@@ -242,7 +245,7 @@ def test_speculative_decoding_runs_draft_steps_then_a_verification(tmp_path):
     draft = dict(name="tiny-draft", family="llama", layers=1, hidden=32, ffn=64, heads=4, kv_heads=2, vocab=1000)
     out = tmp_path / "spec"
     plan = ServePlan(tp=2, speculative=3, draft=draft, acceptance_rate=0.5)
-    summary = generate_serving(TINY, plan, out, mode="serve", requests="examples/requests-azure.csv")
+    summary = generate_serving(TINY, plan, out, mode="serve", requests=EXAMPLES + "/requests-azure.csv")
     assert validate(out, replay=True) == []
     iterations = summary["replicas"][0]["iterations"]
     verifying = [it for it in iterations if it["draft_steps"] == 3]
@@ -251,7 +254,7 @@ def test_speculative_decoding_runs_draft_steps_then_a_verification(tmp_path):
     decode_only = next(it for it in verifying if all(q == 4 for _, q, _ in it["requests"]))
     assert decode_only["sampled"] == decode_only["tokens"] == 4 * len(decode_only["requests"])
     # every request gets all its tokens: 15/8 per verification, so fewer iterations than tokens
-    requests = load_requests("examples/requests-azure.csv")
+    requests = load_requests(EXAMPLES + "/requests-azure.csv")
     assert len(summary["replicas"][0]["requests"]) == len(requests)
     assert len(iterations) < sum(r.output for r in requests)
 
@@ -284,7 +287,7 @@ def test_expert_parallel_engines_dispatch_their_tokens_by_all_to_all(tmp_path):
     assert stats["comm_count"]["ALL_TO_ALL"] == 2 * 2 * 2 and stats["comm_bytes"]["ALL_TO_ALL"] == 8 * 2 * 2 * 64 * 2
     # serve: each replica's engines schedule their own requests and step together
     out = tmp_path / "ep-serve"
-    summary = generate_serving(TINY_MOE, ServePlan(ep=2, dp=2), out, mode="serve", requests="examples/requests-azure.csv")
+    summary = generate_serving(TINY_MOE, ServePlan(ep=2, dp=2), out, mode="serve", requests=EXAMPLES + "/requests-azure.csv")
     assert validate(out, replay=True) == []
     it = summary["replicas"][0]["iterations"][0]
     assert len(it["engines"]) == 2
@@ -298,7 +301,7 @@ def test_mla_serving_attends_over_the_latent_cache(tmp_path):
                 top_k=2, moe_ffn=32, shared_experts=1, first_dense_layers=1, q_lora_rank=32, kv_lora_rank=16,
                 qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=8)
     out = tmp_path / "mla"
-    generate_serving(tiny, ServePlan(tp=2, ep=2), out, mode="serve", requests="examples/requests-azure.csv")
+    generate_serving(tiny, ServePlan(tp=2, ep=2), out, mode="serve", requests=EXAMPLES + "/requests-azure.csv")
     assert validate(out, replay=True) == []
     engine = Engine(load_model(tiny), ServePlan(tp=2))
     core = next(op for op in engine.sharded.graph.ops if op.name == "layers.0.attn.core")

@@ -1,6 +1,7 @@
 """`stg serve` as the README's Serving section runs it (smaller sizes), and its bad input."""
 
 import json
+from pathlib import Path
 
 import pytest
 from typer.testing import CliRunner
@@ -8,14 +9,16 @@ from typer.testing import CliRunner
 from stg.chakra.validate import validate
 from stg.cli import app
 
+EXAMPLES = str(Path(__file__).resolve().parent.parent / "examples")
+
 
 @pytest.mark.parametrize("args", [
     ["llama3-8b", "--mode", "prefill", "--batch", "2", "--prompt", "256", "--tp", "2"],
     ["llama3-8b", "--mode", "decode", "--batch", "4", "--context", "256", "--steps", "3", "--tp", "2", "--pp", "2"],
-    ["examples/tiny-gpt.yaml", "--requests", "examples/requests-azure.csv", "--tp", "2", "--dp", "2"],
-    ["llama3-8b", "--requests", "examples/requests-mooncake.jsonl", "--scheduler", "vllm",
+    [EXAMPLES + "/tiny-gpt.yaml", "--requests", EXAMPLES + "/requests-azure.csv", "--tp", "2", "--dp", "2"],
+    ["llama3-8b", "--requests", EXAMPLES + "/requests-mooncake.jsonl", "--scheduler", "vllm",
      "--max-num-batched-tokens", "1024"],
-    ["examples/tiny-gpt.yaml", "--requests", "examples/requests-azure.csv", "--prefill-instances", "1",
+    [EXAMPLES + "/tiny-gpt.yaml", "--requests", EXAMPLES + "/requests-azure.csv", "--prefill-instances", "1",
      "--decode-instances", "2", "--tp", "2"],
 ])
 def test_readme_commands(tmp_path, args):
@@ -43,6 +46,6 @@ def test_bad_input_exits_2_with_one_line(tmp_path, args, message):
 
 
 def test_learned_positions_bound_the_sequence(tmp_path):
-    result = CliRunner().invoke(app, ["serve", "examples/tiny-gpt.yaml", "--requests", "examples/requests-mooncake.jsonl",
+    result = CliRunner().invoke(app, ["serve", EXAMPLES + "/tiny-gpt.yaml", "--requests", EXAMPLES + "/requests-mooncake.jsonl",
                                       "-o", str(tmp_path / "o")])
     assert result.exit_code == 2 and "exceeds model tiny-gpt's max_positions=1024" in result.output
