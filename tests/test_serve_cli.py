@@ -49,3 +49,15 @@ def test_learned_positions_bound_the_sequence(tmp_path):
     result = CliRunner().invoke(app, ["serve", EXAMPLES + "/tiny-gpt.yaml", "--requests", EXAMPLES + "/requests-mooncake.jsonl",
                                       "-o", str(tmp_path / "o")])
     assert result.exit_code == 2 and "exceeds model tiny-gpt's max_positions=1024" in result.output
+
+
+def test_a_replica_without_requests_is_refused(tmp_path):
+    two = tmp_path / "two.jsonl"
+    two.write_text('{"timestamp": 0, "input_length": 10, "output_length": 3}\n'
+                   '{"timestamp": 5, "input_length": 7, "output_length": 2}\n')
+    for flags, field in ((["--dp", "4"], "dp: 4 leaves 2"), (["--prefill-instances", "1", "--decode-instances", "3"],
+                                                            "decode_instances: 3 leaves 1")):
+        result = CliRunner().invoke(app, ["serve", EXAMPLES + "/tiny-gpt.yaml", "--requests", str(two), *flags,
+                                          "-o", str(tmp_path / "o")])
+        assert result.exit_code == 2 and field in result.output, result.output
+        assert not (tmp_path / "o").exists()

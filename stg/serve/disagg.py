@@ -30,7 +30,8 @@ from stg.errors import PlanError, StgError
 from stg.graph import OpKind
 from stg.plan import Plan
 from stg.program import ClassStats, NodeType, RankHole, RankProgram, TraceNode
-from stg.serve.run import TAG_LIMIT, Clock, Timed, request_metrics, run_replica, scheduler_config, totals
+from stg.serve.run import (TAG_LIMIT, Clock, Timed, idle_replicas, request_metrics, run_replica, scheduler_config,
+                           totals)
 from stg.serve.scheduler import Request
 from stg.serve.stream import links
 from stg.slice_check import replay_ranks
@@ -179,6 +180,8 @@ def run_disaggregated(model, plan, engine, kv, requests: list[Request], out: Pat
                     first.setdefault(index, []).append(transfer[slot.request])
         decode_timed.append(timed)
         recvs.append(first)
+    idle_replicas(prefill_timed, "prefill_instances", prefill)
+    idle_replicas(decode_timed, "decode_instances", decode)
     instances = prefill_timed + decode_timed
     if max(len(t) for t in instances) * max(engine.edges, 1) >= KV_TAG_BASE or \
             KV_TAG_BASE + len(requests) * max(engine.model.layers, 1) >= TAG_LIMIT:

@@ -162,6 +162,14 @@ def run_replica(requests: Sequence[Request], config: SchedulerConfig, clock: Clo
     return timed
 
 
+def idle_replicas(runs: list[list[Timed]], field: str, count: int) -> None:
+    """A replica without a single iteration would be an empty trace file (ASTRA-sim aborts on one)."""
+    idle = [index for index, timed in enumerate(runs) if not timed]
+    if idle:
+        raise PlanError(f"{field}: {count} leaves {len(idle)} of them without a request to run (e.g. number "
+                        f"{idle[0]}); use fewer")
+
+
 def request_metrics(requests: Sequence[Request], timed: Sequence[Timed]) -> list[dict]:
     first, last, by_id = {}, {}, {r.id: r for r in requests}
     for t in timed:
@@ -237,6 +245,7 @@ def generate_serving(model: Model | str | Path | Mapping, plan: ServePlan | Mapp
         config = scheduler_config(plan, kv)
         shares = [list(requests[r::plan.dp]) for r in range(plan.dp)]  # round-robin in arrival order
         replicas = [run_replica(share, config, clock, plan.attention_flops, plan.ep) for share in shares]
+        idle_replicas(replicas, "dp", plan.dp)
     else:
         if plan.prefill_instances:
             raise PlanError("prefill_instances: disaggregated serving runs a request trace (mode serve)")
