@@ -249,6 +249,8 @@ def generate_serving(model: Model | str | Path | Mapping, plan: ServePlan | Mapp
     else:
         if plan.prefill_instances:
             raise PlanError("prefill_instances: disaggregated serving runs a request trace (mode serve)")
+        if requests is not None:
+            raise PlanError(f"requests: a request trace runs in mode serve, not {mode.value}")
         if batch % plan.ep:
             raise PlanError(f"batch: {batch} requests do not split evenly over ep={plan.ep} engines")
         tokens = prompt if mode is Mode.PREFILL else context + steps
