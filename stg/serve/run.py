@@ -171,7 +171,7 @@ def idle_replicas(runs: list[list[Timed]], field: str, count: int) -> None:
 
 
 def request_metrics(requests: Sequence[Request], timed: Sequence[Timed]) -> list[dict]:
-    first, last, by_id = {}, {}, {r.id: r for r in requests}
+    first, last = {}, {}
     for t in timed:
         for slot in t.slots:
             if slot.samples:
