@@ -308,3 +308,22 @@ def test_mla_serving_attends_over_the_latent_cache(tmp_path):
     shape = StepShape.of(uniform(2, 1, 9), AttentionFlops.FULL)  # 2 decodes, 10 pairs each
     # per pair and local head (4 / tp): scores over latent + rope (16 + 4), context over the latent (16), softmax
     assert engine.evaluator(shape)(core.flops) == 20 * 2 * (2 * 20 + 2 * 16 + 5)
+
+
+def test_pipeline_keeps_pp_steps_in_flight_in_serve_mode(tmp_path):
+    """Two virtual engines under pp 2 (vLLM's): steps alternate between them, a step enters the
+    first stage once the step two before has its tokens back, and the timed replay of the
+    written set takes as long as the scheduler's clock (a closed batch: no idle time)."""
+    from stg.chakra.validate import timed_replay
+
+    closed = tmp_path / "closed.jsonl"
+    closed.write_text("".join(json.dumps({"timestamp": 0, "input_length": p, "output_length": o}) + "\n"
+                              for p, o in [(300, 12), (80, 30), (500, 5), (120, 20), (60, 9), (250, 16)]))
+    out = tmp_path / "pp"
+    summary = generate_serving("llama3-8b", ServePlan(tp=2, pp=2), out, mode="serve", requests=closed)
+    assert validate(out, replay=True) == []
+    iterations = summary["replicas"][0]["iterations"]
+    assert [it["virtual_engine"] for it in iterations[:4]] == [0, 1, 0, 1]
+    assert iterations[1]["start_s"] < iterations[0]["end_s"]  # in flight together
+    replay = timed_replay(out, comm="alpha-beta")
+    assert replay.makespan_us == pytest.approx(summary["replicas"][0]["makespan_s"] * 1e6, abs=len(iterations))

@@ -30,7 +30,7 @@ from stg.graph import DType, Graph, OpKind, Role
 from stg.lower import Evaluator, Pipeline, check_divisibility, lower
 from stg.mesh import axis_symbol
 from stg.plan import AttentionFlops, Plan
-from stg.program import NodeType, RankHole, RankProgram, TraceNode
+from stg.program import ClassStats, NodeType, RankHole, RankProgram, TraceNode
 from stg.schedule import make_schedule
 from stg.serve.scheduler import Policy
 from stg.serve.step import StepShape
@@ -173,8 +173,9 @@ def _polynomial(expr: sympy.Expr):
 class Engine:
     """One replica's programs: per pipeline stage, the lowered program of a step shape."""
 
-    def __init__(self, model: Model, plan: ServePlan, cache_size: int = 64):
+    def __init__(self, model: Model, plan: ServePlan, cache_size: int = 64, lag: int = 1):
         self.model, self.plan = model, plan
+        self.lag = lag  # steps in flight through the pipeline (the first stage's tokens arrive lag - 1 steps late)
         if plan.ep > 1 and getattr(model.config, "experts", None) is None:
             raise PlanError(f"ep={plan.ep}: model {model.name} has no experts to split")
         parallel = plan.parallel()
@@ -222,44 +223,79 @@ class Engine:
             self.cache.popitem(last=False)
         return program
 
-    def template(self, stage: int):
-        """Stage `stage`'s iteration as a StageTemplate (stg/serve/template.py), built once."""
-        if stage not in self.templates:
+    def template(self, stage: int, variant: str = "steady"):
+        """Stage `stage`'s iteration as a StageTemplate (stg/serve/template.py), built once.
+        Variants of the first stage under pp with iterations in flight (`lag` > 1): "warmup",
+        its first lag - 1 iterations (no tokens to receive yet), and "tail", the tokens of the
+        last lag - 1 iterations received after them."""
+        key = (stage, variant)  # variant: "steady", "warmup" or ("tail", receipts)
+        if key not in self.templates:
             from stg.serve.template import build_template
 
             def lowered(evaluate):
+                if isinstance(variant, tuple):
+                    return self._tail(evaluate, variant[1])
                 program = lower(self.sharded, evaluate, self.device, pipeline=self.pipeline, bucket_bytes=1 << 62,
                                 rank=stage)
-                return self._token_feedback(program, stage, evaluate)
+                return program if variant == "warmup" else self._token_feedback(program, stage, evaluate)
 
-            self.templates[stage] = build_template(lowered, self.static,
-                                                   StepShape(8, 64, 100, 2), (S, KV_TOKENS, PAIRS, SAMPLED))
-        return self.templates[stage]
+            self.templates[key] = build_template(lowered, self.static, StepShape(8, 64, 100, 2),
+                                                 (S, KV_TOKENS, PAIRS, SAMPLED))
+        return self.templates[key]
+
+    def _tokens_bytes(self, evaluate) -> int:
+        """The sampled token ids a step sends back: int64, padded to max_num_seqs (x K + 1 under
+        speculation), one size for every step, as a receive may be posted before its step is known."""
+        return evaluate(sympy.Integer(self.plan.max_num_seqs * (self.plan.speculative + 1) * 8))
 
     def _token_feedback(self, program: RankProgram, stage: int, evaluate) -> RankProgram:
-        """Under pp the next step needs this step's sampled tokens (its decodes' inputs) on the
-        first stage: the last stage sends them (int64 ids) once it has sampled, and the first
-        stage ends its step by receiving them, a zero-cost node joining them into its compute
-        chain (vLLM sends them from the last pipeline rank to the first)."""
+        """Under pp the next step of an engine needs its sampled tokens (its decodes' inputs) on
+        the first stage: the last stage sends them once it has sampled, and the first stage ends
+        each step by receiving those of the step `lag` - 1 before it, a zero-cost node joining
+        them into its compute chain (vLLM sends them from the last pipeline rank to the first;
+        with lag = pp, pp virtual engines' steps are in flight at once)."""
         last = self.plan.pp - 1
         if self.plan.pp == 1 or stage not in (0, last):
             return program
         nodes = list(program.nodes)
         compute = max(i for i, n in enumerate(nodes) if n.type is NodeType.COMP_NODE)
         comm = [i for i, n in enumerate(nodes) if n.type is not NodeType.COMP_NODE]
-        size = evaluate(SAMPLED * 8)
         tag = len(self.pipeline.edges)
         if stage == last:
+            size = self._tokens_bytes(evaluate)
             deps = tuple(sorted({compute, *comm[-1:]}))
             nodes.append(TraceNode(len(nodes), "send sampled tokens", NodeType.COMM_SEND_NODE, deps, comm_bytes=size,
                                    src=RankHole(), dst=RankHole(0), tag=tag))
-        else:
-            nodes.append(TraceNode(len(nodes), "recv sampled tokens", NodeType.COMM_RECV_NODE, (compute,),
-                                   comm_bytes=size, src=RankHole(last), dst=RankHole(), tag=tag))
-            evaluate(0), evaluate(0)
-            nodes.append(TraceNode(len(nodes), "sampled tokens in", NodeType.COMP_NODE, (compute, len(nodes) - 1),
-                                   op_type="tokens"))
-        return RankProgram(program.key, tuple(nodes), program.stats)
+            return RankProgram(program.key, tuple(nodes), program.stats)
+        return self._receive(nodes, [tag - (self.lag - 1) * self.edges], (compute,), evaluate, program)
+
+    def _receive(self, nodes, tags, deps, evaluate, program) -> RankProgram:
+        """Receipts of sampled tokens (one evaluated size each, as the template records them)
+        and the node that joins them into the compute chain."""
+        first = len(nodes)
+        for tag in tags:
+            nodes.append(TraceNode(len(nodes), "recv sampled tokens", NodeType.COMM_RECV_NODE, deps,
+                                   comm_bytes=self._tokens_bytes(evaluate), src=RankHole(self.plan.pp - 1),
+                                   dst=RankHole(), tag=tag))
+        evaluate(0), evaluate(0)
+        nodes.append(TraceNode(len(nodes), "sampled tokens in", NodeType.COMP_NODE,
+                               (*deps, *range(first, len(nodes))), op_type="tokens"))
+        return RankProgram(program.key if program else (0,), tuple(nodes), program.stats if program else ClassStats())
+
+    def _tail(self, evaluate, receipts: int) -> RankProgram:
+        """The first stage's receipt of the last `receipts` steps' tokens (min(N, lag - 1)),
+        written as step N (the number of steps): receipt i's tag names step N - receipts + i."""
+        tags = [len(self.pipeline.edges) + (i - receipts) * self.edges for i in range(receipts)]
+        return self._receive([], tags, (), evaluate, None)
+
+    def sequence(self, stage: int, steps: int) -> list:
+        """The templates of `steps` steps of `stage` in order (the first stage's warm-up and tail
+        under a lag), each paired with whether it is one of the steps (the tail is not)."""
+        if stage or self.lag == 1 or self.plan.pp == 1:
+            return [(self.template(stage), True)] * steps
+        warm = min(steps, self.lag - 1)
+        return ([(self.template(0, "warmup"), True)] * warm + [(self.template(0), True)] * (steps - warm)
+                + ([(self.template(0, ("tail", warm)), False)] if steps else []))
 
     def stage_ops(self, stage: int):
         stages = self.pipeline.stages

@@ -7,15 +7,17 @@
 Every rank's trace is its iterations one after another: iteration i + 1's first compute
 follows iteration i's last compute, its first communication the last one of iteration i, and
 send/recv tags are unique per iteration. With pp > 1 the last stage sends the sampled tokens
-back to the first, whose next iteration waits for them (a decode's input is the token its
-previous iteration sampled), so an iteration passes the stages one after another.
+back to the first (a decode's input is the token its previous iteration sampled); in serve
+mode pp virtual engines keep pp steps in flight, step k waiting on the first stage for step
+k - pp's tokens (stg/serve/engine.py's lag), otherwise each step waits for the previous one's.
 
 Time (serve mode): each replica has a clock; before each iteration the requests that have
-arrived by then join its queue. An iteration lasts what the cost model says: per pipeline
-stage, the sum of its compute nodes' durations (the device roofline, max(FLOPs / peak,
+arrived by then join its queue. An iteration takes on each pipeline stage what the cost
+model says: the sum of its compute nodes' durations (the device roofline, max(FLOPs / peak,
 bytes / bandwidth), the durations written in the trace) plus its collectives and sends under
-the alpha-beta network of `stg validate --timed alpha-beta` (ring factors, 5 us, 50 GB/s),
-stages one after another. A request's token is out when its iteration ends.
+the alpha-beta network of `stg validate --timed alpha-beta` (ring factors, 5 us, 50 GB/s);
+a stage takes it once the stage before has passed it on and the stage is free (run_replica).
+A request's token is out when its iteration leaves the last stage.
 """
 
 from __future__ import annotations
@@ -53,16 +55,23 @@ class Mode(Enum):
 
 
 def chain(programs: Sequence[RankProgram], edges: int) -> RankProgram:
-    """Iterations of one stage in order as one program, linked as the written set links them
-    (stg/serve/stream.py); for the slice check."""
-    nodes = []
+    """Steps of one stage in order as one program, linked as the written set links them
+    (stg/serve/stream.py: to the previous step's last compute and last message); for the slice check."""
+    nodes, last = [], {"compute": None, "comm": None}
     for index, program in enumerate(programs):
-        base, previous = len(nodes), links(program.nodes)
+        base, previous, n = len(nodes), links(program.nodes), len(program.nodes)
+        own_last = max((i for i, x in enumerate(program.nodes) if x.type is NodeType.COMP_NODE), default=None)
         for i, node in enumerate(program.nodes):
-            deps = {d + base for d in node.deps} | ({base + d for d in previous[i]} if index else set())
+            deps = {d + base for d in node.deps}
+            for offset in previous[i] if index else ():
+                target = last["compute"] if offset + n == own_last else (last["comm"] if last["comm"] is not None
+                                                                          else last["compute"])
+                deps.add(target)
             message = node.type in (NodeType.COMM_SEND_NODE, NodeType.COMM_RECV_NODE)
             nodes.append(replace(node, id=len(nodes), deps=tuple(sorted(deps)),
                                  tag=node.tag + index * edges if message else 0))
+        for node in nodes[base:]:
+            last["compute" if node.type is NodeType.COMP_NODE else "comm"] = node.id
     return RankProgram(programs[0].key, tuple(nodes), programs[0].stats)
 
 
@@ -74,8 +83,17 @@ class Clock:
         self.draft = Clock(draft, comm) if draft is not None else None
         self.sizes = engine.plan.parallel().mesh().sizes
         self.cache: dict[StepShape, float] = {}
+        self.stages: dict[tuple[int, StepShape], float] = {}
 
     def stage_us(self, stage: int, shape: StepShape) -> float:
+        key = (stage, shape)
+        if key not in self.stages:
+            if len(self.stages) > 100_000:
+                self.stages.clear()
+            self.stages[key] = self._stage_us(stage, shape)
+        return self.stages[key]
+
+    def _stage_us(self, stage: int, shape: StepShape) -> float:
         template = self.engine.template(stage)
         values = template.values(shape, self.engine.device)
         total = float(values["exact_us"].sum())  # unrounded: the trace's durations are whole microseconds
@@ -103,6 +121,7 @@ class Timed:
     start_s: float
     end_s: float
     draft: tuple[StepShape, ...] = ()  # speculative decoding: the draft model's steps before the target's
+    group: int | None = None  # pp virtual engine (when several steps are in flight)
 
     @property
     def iteration(self) -> Iteration:
@@ -114,6 +133,8 @@ class Timed:
 
     def to_dict(self) -> dict:
         extra = {"draft_steps": len(self.draft)} if self.draft else {}
+        if self.group is not None:
+            extra["virtual_engine"] = self.group
         composition = (self.iteration.to_dict() if len(self.engines) == 1 else
                        {"iteration": self.iteration.index, "engines": [it.to_dict() for it in self.engines]})
         return {**composition, **self.shape.to_dict(), **extra, "start_s": self.start_s, "end_s": self.end_s}
@@ -137,28 +158,41 @@ def scheduler_config(plan: ServePlan, kv: KVPlan) -> SchedulerConfig:
 
 
 def run_replica(requests: Sequence[Request], config: SchedulerConfig, clock: Clock, attention,
-                engines: int = 1) -> list[Timed]:
-    """Schedule one replica's requests in time. With `engines` > 1 (expert parallelism) its
-    requests go round-robin to that many schedulers that step together (an idle one runs an
-    empty step), every engine running the widest engine's step."""
-    pending = [deque(requests[e::engines]) for e in range(engines)]
-    schedulers = [Scheduler(config) for _ in range(engines)]
-    now, timed = 0.0, []
-    while any(pending) or not all(s.idle for s in schedulers):
-        for queue, scheduler in zip(pending, schedulers):
-            arrived = []
-            while queue and queue[0].arrival_s <= now:
-                arrived.append(queue.popleft())
-            scheduler.arrive(arrived)
-        if all(s.idle for s in schedulers):
-            now = min(queue[0].arrival_s for queue in pending if queue)
+                engines: int = 1, lag: int = 1) -> list[Timed]:
+    """Schedule one replica's requests in time.
+
+    With `engines` > 1 (expert parallelism) a step's requests come from that many schedulers
+    that step together (an idle one runs an empty step), every engine running the widest
+    engine's step. With `lag` > 1 (pp virtual engines, vLLM's) the replica has `lag` such
+    groups, requests dealt to them round-robin, and step k belongs to group k mod lag: it enters
+    the first stage once that stage is free and step k - lag's tokens are back (an idle group's
+    turn is an empty step), and each stage takes it once the stage before has passed it on.
+    With lag 1 an iteration thus passes the stages one after another."""
+    groups = [[deque(requests[v::lag][e::engines]) for e in range(engines)] for v in range(lag)]
+    schedulers = [[Scheduler(config) for _ in range(engines)] for _ in range(lag)]
+    stages = clock.engine.plan.pp
+    free, back, timed, floor = [0.0] * stages, [], [], 0.0  # back[k]: when step k's tokens are on stage 0
+    while any(q for group in groups for q in group) or not all(s.idle for g in schedulers for s in g):
+        k = len(timed)
+        start = max(free[0], back[k - lag] if k >= lag else 0.0, floor)
+        for group, scheds in zip(groups, schedulers):
+            for queue, scheduler in zip(group, scheds):
+                arrived = []
+                while queue and queue[0].arrival_s <= start:
+                    arrived.append(queue.popleft())
+                scheduler.arrive(arrived)
+        if all(s.idle for g in schedulers for s in g):
+            floor = min(q[0].arrival_s for group in groups for q in group if q)
             continue
-        iterations = tuple(s.step() or Iteration(s.iterations, (), 0) for s in schedulers)
+        iterations = tuple(s.step() or Iteration(s.iterations, (), 0) for s in schedulers[k % lag])
         shape = StepShape.widest(StepShape.of(it.slots, attention) for it in iterations)
         draft = draft_steps(iterations[0].slots, config.speculative, attention)
-        end = now + (clock.step_us(shape) + sum(clock.draft.step_us(d) for d in draft)) / 1e6
-        timed.append(Timed(iterations, shape, now, end, draft))
-        now = end
+        at = start + sum(clock.draft.stage_us(0, d) for d in draft) / 1e6 if draft else start
+        for stage in range(stages):
+            at = max(at, free[stage]) + clock.stage_us(stage, shape) / 1e6
+            free[stage] = at
+        back.append(at)
+        timed.append(Timed(iterations, shape, start, at, draft, k % lag if lag > 1 else None))
     return timed
 
 
@@ -224,7 +258,8 @@ def generate_serving(model: Model | str | Path | Mapping, plan: ServePlan | Mapp
         if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
             raise PlanError(f"{name}: must be a positive integer, got {value!r}")
     _check_positions(model, mode, prompt, context + steps, requests)
-    engine = Engine(model, plan)
+    # pp virtual engines keep pp steps in flight in serve mode (decode and prefill modes run one batch)
+    engine = Engine(model, plan, lag=plan.pp if mode is Mode.SERVE and not plan.prefill_instances else 1)
     draft = Engine(load_model(plan.draft), replace(plan, speculative=0, draft=None)) if plan.speculative else None
     kv = plan_kv_cache(engine, draft)
     clock = Clock(engine, draft=draft)
@@ -244,7 +279,7 @@ def generate_serving(model: Model | str | Path | Mapping, plan: ServePlan | Mapp
                                      _s(slo_tpot_ms))
         config = scheduler_config(plan, kv)
         shares = [list(requests[r::plan.dp]) for r in range(plan.dp)]  # round-robin in arrival order
-        replicas = [run_replica(share, config, clock, plan.attention_flops, plan.ep) for share in shares]
+        replicas = [run_replica(share, config, clock, plan.attention_flops, plan.ep, engine.lag) for share in shares]
         idle_replicas(replicas, "dp", plan.dp)
     else:
         if plan.prefill_instances:
@@ -302,7 +337,7 @@ def _workload(model: Model, plan: ServePlan, engine: Engine, shared: bool, repea
 
     parallel = Plan(tp=plan.tp, pp=plan.pp, ep=plan.ep, dp=plan.dp, sp=False, device=plan.device, schedule="gpipe")
     variants = 1 if shared else plan.dp
-    programs = [chain([engine.template(stage).program] * repeat, engine.edges)
+    programs = [chain([t.program for t, _ in engine.sequence(stage, repeat)], engine.edges)
                 for stage in range(plan.pp) for _ in range(variants)]
     axes, index = ((), ()) if shared else (("dp",), tuple(range(plan.dp)))
     return Workload(model, parallel, parallel.mesh(), engine.sharded, tuple(programs), (), {}, axes, index)
@@ -316,7 +351,7 @@ def _write(out: Path, model: Model, plan: ServePlan, engine: Engine, replicas: l
     if iterations * max(engine.edges, 1) >= TAG_LIMIT:
         raise PlanError(f"iterations: {iterations} are too many for unique send/recv tags below {TAG_LIMIT:,}")
     shared = len(replicas) == 1
-    check_slice(_workload(model, plan, engine, shared, repeat=2))
+    check_slice(_workload(model, plan, engine, shared, repeat=2 * engine.lag))
     workload = _workload(model, plan, engine, shared)
     world = workload.mesh.size
     members: dict[int, list[int]] = {}
@@ -324,30 +359,37 @@ def _write(out: Path, model: Model, plan: ServePlan, engine: Engine, replicas: l
         members.setdefault(workload.class_of(rank), []).append(rank)
     per_iteration = max(len(engine.template(s).program.nodes) for s in range(plan.pp)) + (
         plan.speculative * len(draft.template(0).program.nodes) if draft is not None else 0)
-    id_width = max(1, (max(len(r) for r in replicas) * per_iteration).bit_length() // 7 + 1)
+    id_width = max(1, ((max(len(r) for r in replicas) + 1) * per_iteration + engine.lag).bit_length() // 7 + 1)
     folder = prepare_output(out)
     try:
         write_groups(folder / "workload.json", workload.group_ids)
         classes = []
         for cls, program in enumerate(workload.programs):
             stage, replica = divmod(cls, workload.variants)
-            template = engine.template(stage)
+            sequence = engine.sequence(stage, len(replicas[replica]))
             small = draft.template(0) if draft is not None else None
-            holes = sorted(set(program.holes) | set(small.program.holes if small else ()), key=str)
+            kinds = {id(t): t for t, _ in sequence}
+            holes = sorted({h for t in kinds.values() for h in t.program.holes}
+                           | set(small.program.holes if small else ()), key=str)
             widths = {h: len(v) for h, v in workload.hole_values(members[cls][0], holes).items()}
-            writer = StageWriter(template, engine.edges, id_width, widths)
+            writers = {key: StageWriter(t, engine.edges, id_width, widths) for key, t in kinds.items()}
             proposer = StageWriter(small, 0, id_width, widths) if small else None
             stats: dict = {}
 
             def steps():
-                for timed in replicas[replica]:
-                    for shape in timed.draft:
-                        v = small.values(shape, draft.device)
-                        stage_stats(small, v, stats)
-                        yield proposer, v
-                    v = template.values(timed.shape, engine.device)
+                timed = iter(replicas[replica])
+                for template, is_step in sequence:
+                    shape = StepShape(0, 0, 0, 0)
+                    if is_step:
+                        t = next(timed)
+                        for draft_shape in t.draft:
+                            v = small.values(draft_shape, draft.device)
+                            stage_stats(small, v, stats)
+                            yield proposer, v
+                        shape = t.shape
+                    v = template.values(shape, engine.device)
                     stage_stats(template, v, stats)
-                    yield writer, v
+                    yield writers[id(template)], v
 
             write_class(folder, steps(), members[cls], lambda r: workload.hole_values(r, holes))
             classes.append({"class": cls, "stage": stage, "replica": None if shared else replica,

@@ -150,8 +150,8 @@ class StageWriter:
         put(body, slots["nbytes"], np.maximum(values["nbytes"], 1), WIDTH["nbytes"])
         put(body, slots["duration"], values["duration_us"], WIDTH["duration"])
         put(body, slots["comm"], values["comm_bytes"], WIDTH["comm"])
-        put(body, slots["tag"], self.tags + cursor.messages.get(id(self), 0) * self.edges, WIDTH["tag"])
-        cursor.messages[id(self)] = cursor.messages.get(id(self), 0) + 1
+        put(body, slots["tag"], self.tags + cursor.steps * self.edges, WIDTH["tag"])
+        cursor.steps += 1
         if self.last_compute is not None:
             cursor.last_compute = base + self.last_compute
         if self.last_comm is not None:
@@ -163,15 +163,12 @@ class StageWriter:
 @dataclass
 class Cursor:
     """Where a rank's stream stands: the next node id, the last compute and message so far, and
-    per template the steps written (its send/recv tags are tag + steps x edges)."""
+    the steps written (a step's send/recv tags are tag + steps x edges)."""
 
     next_id: int = 0
     last_compute: int | None = None
     last_comm: int | None = None
-    messages: dict = None
-
-    def __post_init__(self):
-        self.messages = {}
+    steps: int = 0
 
 
 def stage_stats(template: StageTemplate, values: dict, stats: dict) -> None:
