@@ -82,7 +82,7 @@ class Model:
             return self.__dict__["graph"]
         if options.kv_cache and FAMILIES[self.family][1] is not _transformer:
             raise ModelSpecError(f"model {self.name!r}: serving needs a transformer family "
-                                 f"(gpt, llama, mixtral), not {self.family}")
+                                 f"(gpt, llama, mixtral, deepseek), not {self.family}")
         graph = FAMILIES[self.family][1](self.config, options)
         graph.verify()
         return graph

@@ -9,7 +9,7 @@ import typer
 
 
 def serve(
-    model: str = typer.Argument(..., help="A zoo name (see `stg models`), a model YAML or a HuggingFace config.json (gpt, llama, mixtral families)."),
+    model: str = typer.Argument(..., help="A zoo name (see `stg models`), a model YAML or a HuggingFace config.json (gpt, llama, mixtral, deepseek families)."),
     out: Path = typer.Option(..., "--out", "-o", help="Output directory (replaced atomically if it holds an earlier trace set)."),
     mode: str = typer.Option("serve", help="prefill (one step of --batch prompts of --prompt tokens), decode (--steps decode steps of --batch requests from --context cached tokens, growing by one a step) or serve (a --requests trace through the scheduler)."),
     requests: Optional[Path] = typer.Option(None, help="Request trace, .jsonl or .csv: Azure (TIMESTAMP, ContextTokens, GeneratedTokens) or Mooncake (timestamp in ms, input_length, output_length)."),
