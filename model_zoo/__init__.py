@@ -20,7 +20,7 @@ from model_zoo.described import DescribedConfig, build_described
 from model_zoo.dlrm import DLRMConfig, TableGroup, build_dlrm
 from model_zoo.transformer import TransformerConfig, build_transformer
 from stg.errors import ModelSpecError
-from stg.graph import Graph
+from stg.graph import DType, Graph
 
 
 @dataclass(frozen=True)
@@ -31,10 +31,12 @@ class GraphOptions:
     table_groups: tuple[TableGroup, ...] | None = None  # embedding tables as the plan groups them
     fp8: bool = False  # linear layers' GEMMs in fp8 (Transformer Engine's recipe)
     fp8_params: bool = False  # and their weights stored in fp8 (no 16-bit copy)
+    kv_cache: str | None = None  # an inference step over a KV cache of this dtype (stg/serve)
 
 
 def _transformer(config, options: GraphOptions) -> Graph:
-    return build_transformer(config, options.flash_attention, options.fp8, options.fp8_params)
+    kv_cache = DType.parse(options.kv_cache) if options.kv_cache else None
+    return build_transformer(config, options.flash_attention, options.fp8, options.fp8_params, kv_cache)
 
 
 # family -> (config parser, graph builder)
@@ -81,6 +83,9 @@ class Model:
         and probabilities are materialised (and saved for the backward)."""
         if options == GraphOptions() and "graph" in self.__dict__:
             return self.__dict__["graph"]
+        if options.kv_cache and FAMILIES[self.family][1] is not _transformer:
+            raise ModelSpecError(f"model {self.name!r}: serving needs a transformer family "
+                                 f"(gpt, llama, mixtral, deepseek), not {self.family}")
         try:
             return _forward_graph(self.config, options)
         except TypeError:  # an unhashable config (lists inside): build without the cache

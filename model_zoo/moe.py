@@ -87,3 +87,37 @@ def mla(g: GraphBuilder, p: str, h: str, hidden, heads, flash: bool, rope: bool 
     context = g.einsum(f"{p}.attn.context", "bast,btav->bsav", probs, v, density=ATTN_FRACTION, **core)
     out = proj("out.matmul", "bsav,avh->bsh", context, [heads, DV, hidden], ["heads", "v_dim", "embed"])
     return g.constrain(f"{p}.attn.out", out, "residual")
+
+
+def mla_cached(g: GraphBuilder, p: str, h: str, hidden, heads, cache_dtype, pairs, kv_tokens) -> str:
+    """Multi-head latent attention of one inference step over a cache of latents (vLLM's MLA
+    backend, weights absorbed): each token caches its kv_lora latent and shared rotary key
+    ([Kl + Dr] per layer, every tp rank the whole cache); queries are taken into the latent
+    space by the keys' up-projection (q_nope x kv_b_k), attend to the cached [latent | rope]
+    like multi-query attention over Kl + Dr, and the context, a latent per head, leaves through
+    the values' up-projection (kv_b_v)."""
+    from stg.symbols import B, S
+
+    def proj(name: str, spec: str, x: str, shape: list, dims: list[str]) -> str:
+        return g.einsum(f"{p}.attn.{name}", spec, x, g.weight(f"{p}.attn.{name}.weight", shape, dims))
+
+    def rms(name: str, x: str, size, dim: str) -> str:
+        return g.norm(f"{p}.attn.{name}", NormKind.RMS_NORM, x, g.weight(f"{p}.attn.{name}.weight", [size], [dim]))
+
+    cq = rms("q_a_norm", proj("q_a", "bsh,hq->bsq", h, [hidden, QL], ["embed", "q_lora"]), QL, "q_lora")
+    q_nope = proj("q_b_nope", "bsq,qad->bsad", cq, [QL, heads, DN], ["q_lora", "heads", "nope_dim"])
+    q_rope = g.pointwise(f"{p}.attn.q_rope_rotary", Pointwise.ROPE,
+                         proj("q_b_rope", "bsq,qar->bsar", cq, [QL, heads, DR], ["q_lora", "heads", "rope_dim"]))
+    ckv = rms("kv_a_norm", proj("kv_a", "bsh,hc->bsc", h, [hidden, KL], ["embed", "kv_lora"]), KL, "kv_lora")
+    k_rope = g.pointwise(f"{p}.attn.k_rope_rotary", Pointwise.ROPE,
+                         proj("kv_a_rope", "bsh,hr->bsr", h, [hidden, DR], ["embed", "rope_dim"]))
+    entry = g.concat(f"{p}.attn.cache_entry", [ckv, k_rope], [B, S, KL + DR], ["batch", "seq", "latent"], 2)
+    q_latent = proj("kv_b_k", "bsad,cad->bsac", q_nope, [KL, heads, DN], ["kv_lora", "heads", "nope_dim"])
+    query = g.concat(f"{p}.attn.query", [q_latent, q_rope], [B, S, 1, heads, KL + DR],
+                     ["batch", "seq", "latent_heads", "heads", "latent"], 4)
+    cache = g.input(f"{p}.attn.latent_cache", [B, kv_tokens, 1, KL + DR], ["batch", "kv_tokens", "latent_heads", "latent"],
+                    cache_dtype)
+    context = g.attention(f"{p}.attn.core", query, (entry,), (cache,), pairs, out_dim=KL, out_axis="kv_lora")
+    v = proj("kv_b_v", "bsnac,cav->bsav", context, [KL, heads, DV], ["kv_lora", "heads", "v_dim"])
+    out = proj("out.matmul", "bsav,avh->bsh", v, [heads, DV, hidden], ["heads", "v_dim", "embed"])
+    return g.constrain(f"{p}.attn.out", out, "residual")

@@ -22,7 +22,7 @@ from stg.builder import GraphBuilder
 from stg.costs import NormKind, Pointwise
 from stg.errors import ModelSpecError
 from stg.graph import DType, Graph
-from stg.symbols import ATTN_FRACTION, B, S
+from stg.symbols import ATTN_FRACTION, B, KV_TOKENS, PAIRS, S, SAMPLED
 
 MODEL_DTYPES = ("bf16", "fp16", "fp32")
 H, F, A, AKV, DH, V, P = sympy.symbols("H F A Akv Dh V P", positive=True, integer=True)
@@ -162,7 +162,7 @@ class TransformerConfig:
 
 
 def build_transformer(config: TransformerConfig, flash_attention: bool = True, fp8: bool = False,
-                      fp8_params: bool = False) -> Graph:
+                      fp8_params: bool = False, kv_cache: DType | None = None) -> Graph:
     """Forward graph of one micro-batch of B sequences of S tokens, loss included.
 
     Tensors that re-enter the residual stream are anchored with the tag "residual", so that a
@@ -176,6 +176,11 @@ def build_transformer(config: TransformerConfig, flash_attention: bool = True, f
     the per-step fp8 cast). Experts, MLA projections and the output layer stay 16-bit.
     With `fp8_params` (Megatron's --fp8-param-gather) those weights are stored in fp8 only:
     gathered in fp8, updated from the fp32 master copy straight into fp8.
+
+    With `kv_cache` (the cache's dtype) it is one inference step instead (stg/serve): each of
+    the B sequences is one engine's step, its S tokens packed, attention one fused op over each
+    layer's K/V cache of KV_TOKENS tokens, the LM head on the SAMPLED positions only, then
+    sampling (a softmax over the vocabulary); no labels, no loss.
     """
     g = GraphBuilder(weight_dtype=DType.parse(config.dtype))
     bias = config.bias
@@ -228,6 +233,12 @@ def build_transformer(config: TransformerConfig, flash_attention: bool = True, f
         if config.positions == "rope":
             q = g.pointwise(f"{p}.attn.q_rope", Pointwise.ROPE, q)
             k = g.pointwise(f"{p}.attn.k_rope", Pointwise.ROPE, k)
+        if kv_cache is not None:
+            caches = [g.input(f"{p}.attn.{n}_cache", [B, KV_TOKENS, AKV, DH],
+                              ["batch", "kv_tokens", "kv_heads", "head_dim"], kv_cache) for n in "kv"]
+            context = g.attention(f"{p}.attn.core", q, (k, v), caches, pairs=PAIRS)
+            return linear(f"{p}.attn.out", "bsngd,ngdh->bsh", context, [AKV, groups, DH, H],
+                          ["kv_heads", "q_per_kv", "head_dim", "embed"], [H], ["embed"], residual=True)
         scores = g.einsum(f"{p}.attn.scores", "bsngd,btnd->bngst", q, k, density=ATTN_FRACTION,
                           transient=flash_attention, **core)
         probs = g.softmax(f"{p}.attn.probs", scores, **core)
@@ -259,7 +270,7 @@ def build_transformer(config: TransformerConfig, flash_attention: bool = True, f
     # -- layer 0: embeddings -------------------------------------------------------------------
     g.layer = 0
     ids = g.input("tokens", [B, S], ["batch", "seq"])
-    labels = g.input("labels", [B, S], ["batch", "seq"])
+    labels = g.input("labels", [B, S], ["batch", "seq"]) if kv_cache is None else None
     table = g.weight("embed.weight", [V, H], ["vocab", "embed"])
     x = g.constrain("embed.out", g.embedding("embed", table, ids), "residual")
     if config.positions == "learned":
@@ -274,7 +285,11 @@ def build_transformer(config: TransformerConfig, flash_attention: bool = True, f
         g.layer = i
         p = f"layers.{i - 1}"
         h = norm_op(f"{p}.attn_norm", x)
-        out = moe.mla(g, p, h, H, A, flash_attention) if config.attention == "mla" else gqa_attention(p, h)
+        if config.attention == "mla":
+            out = (moe.mla(g, p, h, H, A, flash_attention) if kv_cache is None
+                   else moe.mla_cached(g, p, h, H, A, kv_cache, PAIRS, KV_TOKENS))
+        else:
+            out = gqa_attention(p, h)
         x = g.pointwise(f"{p}.attn_residual", Pointwise.ADD, x, out)
         x = mlp_block(p, x, moe_layer=config.experts is not None and i > config.first_dense_layers)
 
@@ -282,6 +297,10 @@ def build_transformer(config: TransformerConfig, flash_attention: bool = True, f
     g.layer = config.layers + 1
     x = norm_op("final_norm", x)
     head = table if config.tied_embeddings else g.weight("lm_head.weight", [V, H], ["vocab", "embed"])
+    if kv_cache is not None:  # the positions that yield a token, then sampling over the vocabulary
+        x = g.gather("sampled", x, [B, SAMPLED, H], ["batch", "sampled", "embed"])
+        g.softmax("sample", g.einsum("logits", "bnh,vh->bnv", x, head))
+        return g.build()
     logits = g.einsum("logits", "bsh,vh->bsv", x, head)
     g.cross_entropy("loss", logits, labels)
     return g.build()

@@ -100,6 +100,27 @@ class GraphBuilder:
             return {**attrs, "density": producer.attrs["density"]}
         return attrs
 
+    def attention(self, name: str, q: str, new: Sequence[str], caches: Sequence[str], pairs, out_dim=None,
+                  out_axis: str | None = None) -> str:
+        """Fused attention of the step's queries q [batch, tokens, .., heads, d] over a KV cache
+        `caches` [batch, kv_tokens, .., d] (keys and values, or one latent both read) that
+        already holds the step's `new` entries; `pairs` is the number of query-key pairs scored
+        per batch entry (ragged over the requests packed in it). The output is q's shape, or
+        with `out_dim` its last dimension that size (logical axis `out_axis`)."""
+        src = self.tensors[q]
+        for cache in caches:
+            t = self.tensors[cache]
+            if t.dims[1] != "kv_tokens" or sympy.simplify(t.shape[-1] - src.shape[-1]) != 0:
+                raise GraphError(f"op {name}: cache {t.name} {list(t.shape)} axes {list(t.dims)} is not "
+                                 f"[batch, kv_tokens, .., d] matching {src.name} {list(src.shape)}")
+        shape, dims = src.shape, src.dims
+        if out_dim is not None:
+            shape, dims = shape[:-1] + (sympy.sympify(out_dim),), dims[:-1] + (out_axis,)
+        out = Tensor(name, shape, dims, src.dtype, Role.ACTIVATION)
+        self.add_op(name, OpKind.ATTENTION, (q, *new, *caches), (out,),
+                    {"pairs": sympy.sympify(pairs), "new": len(new)})
+        return name
+
     def softmax(self, name: str, x: str, **attrs) -> str:
         attrs = self._masked(x, attrs)
         src = self.tensors[x]

@@ -74,6 +74,11 @@ def _progress(description: str, quiet: bool):
         yield lambda done, total: bar.update(task, completed=done, total=total)
 
 
+from stg.serve.cli import serve as _serve  # noqa: E402  (it imports this module's helpers lazily)
+
+app.command("serve")(_serve)
+
+
 @app.command()
 def models(as_json: bool = typer.Option(False, "--json", help="Print a JSON list of {name, family, layers, params}.")):
     """List the model zoo with parameter counts."""

@@ -110,7 +110,7 @@ def einsum_sizes(spec: str, inputs: Sequence[Tensor]) -> dict[str, sympy.Expr]:
 
 # The attributes op_cost reads; a cost is a function of these, the op kind and the tensors'
 # shapes, dtypes and roles (stg/builder.py memoises it on exactly that).
-COST_ATTRS = ("density", "fn", "norm", "spec")
+COST_ATTRS = ("density", "fn", "new", "norm", "pairs", "spec")
 
 
 def op_cost(
@@ -202,6 +202,15 @@ def op_cost(
         # the gradient scattered back to the buffers (a multiply per element) and the gates'
         # gradient (a multiply-add per element)
         return 3 * inputs[2].numel, traffic
+    if kind is OpKind.ATTENTION:
+        # q [batch, tokens, heads.., d], the new entries, the cache [batch, kv_tokens, .., d]
+        # (after the append); per query-key pair and head a score (2 d), a softmax entry and a
+        # context multiply-add per output element (2 d_out); the scores stay on chip. Bytes: q,
+        # the whole cache and the output, plus the new entries read and written into the cache.
+        q, out, new = inputs[0], outputs[0], inputs[1:1 + attrs["new"]]
+        heads = sympy.Mul(*q.shape[2:-1])
+        per_pair = 2 * sympy.Mul(*q.shape[2:]) + 2 * sympy.Mul(*out.shape[2:]) + SOFTMAX_FLOPS * heads
+        return q.shape[0] * attrs["pairs"] * per_pair, traffic + _memory(new)
     if kind is OpKind.OPTIMIZER:
         # inputs: gradient and states, all read; output: the new weight. The states are
         # updated in place, so they are written back as well.

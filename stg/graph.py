@@ -81,6 +81,11 @@ class OpKind(Enum):
     COMBINE = "combine"  # expert buffers back to tokens, weighted by the gates
     COMBINE_GRAD = "combine_grad"
     OPTIMIZER = "optimizer"
+    # Inference: one fused kernel (FlashAttention / vLLM's paged attention) over a KV cache:
+    # the step's queries attend to their request's cached keys and values plus their own.
+    # The score pairs are ragged (each request its own q x (c + q)), so their count is a
+    # symbol in attrs["pairs"]; the cache inputs hold the keys and values after the append.
+    ATTENTION = "attention"
     COLLECTIVE = "collective"
     SLICE = "slice"  # a replicated tensor viewed as one rank's shard: no traffic, no node
     # A layout anchor (JAX's with_sharding_constraint): the tensor must have the layout its

@@ -363,6 +363,7 @@ RULES: dict[OpKind, Callable] = {
     OpKind.COMBINE: _dispatch,
     OpKind.COMBINE_GRAD: _dispatch,
     OpKind.OPTIMIZER: _optimizer,
+    OpKind.ATTENTION: _elementwise,  # per head: the cache follows the queries' head split
     OpKind.COLLECTIVE: _passthrough,
     OpKind.SLICE: _passthrough,
 }

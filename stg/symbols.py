@@ -12,3 +12,12 @@ S = sympy.Symbol("S", positive=True, integer=True)  # sequence length
 # Fraction of each attention score matrix that is computed: 1/2 for causal (masked blocks
 # skipped, as FlashAttention does and Megatron-LM's FLOP counter assumes), 1 for full squares.
 ATTN_FRACTION = sympy.Symbol("rho", positive=True)
+
+# Serving (stg/serve): one inference step is a batch of requests, request i bringing q_i new
+# tokens on top of c_i cached ones. The step's tokens S = sum q_i run as one packed sequence
+# (B = 1); attention reads KV_TOKENS = sum (c_i + q_i) cached keys and values and scores
+# PAIRS = sum q_i (c_i + q_i) query-key pairs (causal counting: sum q_i c_i + q_i (q_i + 1) / 2);
+# SAMPLED of the step's positions (each request's last, when it yields a token) reach the LM head.
+KV_TOKENS = sympy.Symbol("Tkv", positive=True, integer=True)
+PAIRS = sympy.Symbol("Pqk", positive=True, integer=True)
+SAMPLED = sympy.Symbol("Nout", positive=True, integer=True)

@@ -91,3 +91,16 @@ def test_optimizer_constants():
     assert count(lambda p, g, m: (reduce(g * g), p - m * g)) == Optimizer.ROWWISE_ADAGRAD.flops
     assert count(lambda total, d, s, lr, eps: (s2 := s + total / d, lr / (fn(s2) + eps))) == \
         Optimizer.ROWWISE_ADAGRAD.row_flops
+
+
+def test_the_cost_memo_keys_on_every_attribute_op_cost_reads():
+    """stg/builder.py memoises op_cost on COST_ATTRS: an attribute read but not listed would
+    give two different ops one cached cost."""
+    import re
+    from pathlib import Path
+
+    import stg.costs
+
+    source = Path(stg.costs.__file__).read_text()
+    read = set(re.findall(r"attrs\[\"(\w+)\"\]", source)) | set(re.findall(r"attrs\.get\(\"(\w+)\"", source))
+    assert read <= set(stg.costs.COST_ATTRS), read - set(stg.costs.COST_ATTRS)

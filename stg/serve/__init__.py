@@ -1,0 +1,22 @@
+"""Inference and serving workloads (DESIGN.md's stg/serve room).
+
+    from stg.serve import ServePlan, generate_serving
+    generate_serving("llama3-8b", ServePlan(tp=2), "out/", mode="decode", batch=8, context=1024, steps=16)
+
+engine     the inference step graph laid out once, lowered per step shape (ServePlan)
+step       a step's (q, c) per request bound to the graph's symbols
+template   a stage's step lowered once, its numbers compiled into polynomials of the step
+scheduler  continuous batching: sarathi and vllm, speculative decoding; pure bookkeeping
+kvcache    KV bytes per token and the cache planner
+requests   Azure and Mooncake request traces
+run        the three modes (prefill, decode, serve), time and metrics
+stream     writing: every rank's steps streamed from the templates by byte patching
+disagg     prefill and decode instances, KV caches moved by send/recv
+cli        `stg serve`
+"""
+
+from stg.serve.engine import ServePlan
+from stg.serve.run import Mode, generate_serving
+from stg.serve.scheduler import Policy, Request, Scheduler, SchedulerConfig
+
+__all__ = ["Mode", "Policy", "Request", "Scheduler", "SchedulerConfig", "ServePlan", "generate_serving"]
