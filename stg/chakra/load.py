@@ -215,8 +215,8 @@ class _AttrChecker:
             if attrs["tensor_size"] == 0:
                 bad.append("tensor_size is 0 (roofline mode skips the node and hangs its children)")
             return None
-        if attrs["comm_size"] < 0:
-            bad.append(f"comm_size is negative ({attrs['comm_size']})")
+        if attrs["comm_size"] <= 0:  # measured: ASTRA-sim hangs on a 0-byte collective, aborts on a 0-byte send
+            bad.append(f"comm_size is {attrs['comm_size']} (ASTRA-sim needs at least one byte)")
         if t == COLL:
             return self._coll_key(attrs, bad)
         return self._p2p_key(t, attrs, bad)

@@ -111,7 +111,8 @@ def _node_segments(node: TraceNode, width: Mapping[Hole, int]) -> list[Segment]:
         head += _NOT_CPU + _attr("num_ops", _INT64, max(node.flops, 1))
         head += _attr("tensor_size", _UINT64, max(node.nbytes, 1)) + _attr("op_type", _STRING, node.op_type)
         return [head]
-    head += _NOT_CPU + _attr("comm_size", _INT64, node.comm_bytes)
+    # ASTRA-sim hangs on a 0-byte collective and aborts on a 0-byte send (measured)
+    head += _NOT_CPU + _attr("comm_size", _INT64, max(node.comm_bytes, 1))
     if node.type is NodeType.COMM_COLL_NODE:
         head += _attr("comm_type", _INT64, node.collective.value)
         return [head, *_hole_attr("pg_name", _STRING, node.group, width[node.group])]

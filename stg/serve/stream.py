@@ -149,7 +149,9 @@ class StageWriter:
         put(body, slots["flops"], np.maximum(values["flops"], 1), WIDTH["flops"])
         put(body, slots["nbytes"], np.maximum(values["nbytes"], 1), WIDTH["nbytes"])
         put(body, slots["duration"], values["duration_us"], WIDTH["duration"])
-        put(body, slots["comm"], values["comm_bytes"], WIDTH["comm"])
+        # a step may move nothing (no sampled position to gather, no token to send back); ASTRA-sim
+        # hangs on a 0-byte collective and aborts on a 0-byte send: one byte stands for it
+        put(body, slots["comm"], np.maximum(values["comm_bytes"], 1), WIDTH["comm"])
         put(body, slots["tag"], self.tags + cursor.steps * self.edges, WIDTH["tag"])
         cursor.steps += 1
         if self.last_compute is not None:
