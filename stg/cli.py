@@ -333,6 +333,7 @@ def validate(
     replay: bool = typer.Option(True, help="Also replay all ranks together to prove the set runs to completion."),
     timed: Optional[str] = typer.Option(None, help="Then replay with time: compute nodes take their duration_micros, communication is 'free' or 'alpha-beta'; prints each rank's busy and idle time and the makespan (the pipeline bubble is the idle time under free communication)."),
     as_json: bool = typer.Option(False, "--json", help="With --timed: print the timing as JSON."),
+    network: Optional[str] = typer.Option(None, help="With --timed alpha-beta: a network (name in stg/data/networks or a YAML path) whose tiers and NCCL algorithms cost the communication, as `stg explore` does."),
 ):
     """Check a trace set: per-rank structure and attribute types, identical collective sequences within every group, every send matched by a receive, and (replay) no deadlock; --timed also measures busy and idle time per rank."""
     from stg.chakra.validate import validate as check
@@ -358,7 +359,10 @@ def validate(
             err.print(f"[red]error:[/red] timed: must be free or alpha-beta, got {timed!r}", highlight=False)
             raise typer.Exit(2)
         with _user_errors():
-            timing = timed_replay(out, comm=timed)
+            from stg.explore.network import load_network
+
+            links = load_network(network) if network is not None else None
+            timing = timed_replay(out, comm=timed, network=links)
         typer.echo(json.dumps(timing.to_dict()) if as_json else str(timing))
 
 
