@@ -20,6 +20,7 @@ _EXPORTS = {
     "build": "stg.api",
     "generate": "stg.api",
     "count": "stg.api",
+    "explore": "stg.explore",  # stg.explore(model, Cluster(...), Job(...), Space(...))
 }
 __all__ = [*_EXPORTS, "__version__"]
 

@@ -111,11 +111,10 @@ def write_top(model: Model | str, result: Result, top: int, out: Path) -> list[P
     written = []
     for i, row in enumerate(result.rows[:top], 1):
         folder = out / f"{i:02d}-{label(row.plan)}"
+        generate(model, row.plan, folder)
         try:
-            folder.mkdir(parents=True, exist_ok=True)
             (folder / "plan.yaml").write_text(yaml.safe_dump(row.plan.to_dict(), sort_keys=False))
         except OSError as error:
             raise OutputError(f"write: cannot write {folder}: {error.strerror}") from None
-        generate(model, row.plan, folder)
         written.append(folder)
     return written
