@@ -350,6 +350,9 @@ def validate(
             err.print(f"... and {len(problems) - 50} more", highlight=False)
         err.print(f"[red]invalid:[/red] {len(problems)} problem(s) in {escape(str(out))}", highlight=False)
         raise typer.Exit(1)
+    if network is not None and timed != "alpha-beta":
+        err.print("[red]error:[/red] network: costs communication only with --timed alpha-beta", highlight=False)
+        raise typer.Exit(2)
     ranks = len(list(out.glob("workload.*.et")))
     typer.echo(f"ok: {ranks} ranks in {out} are consistent" + (" and replay to completion" if replay else ""))
     if timed is not None:

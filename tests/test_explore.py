@@ -177,6 +177,8 @@ def test_cli_explore_json_and_validate_with_the_same_network(tmp_path):
     timed = runner.invoke(app, ["validate", str(folder), "--timed", "alpha-beta", "--network",
                                 "dgx-h100-superpod", "--json"])
     assert timed.exit_code == 0, timed.output
+    free = runner.invoke(app, ["validate", str(folder), "--timed", "free", "--network", "dgx-h100-superpod"])
+    assert free.exit_code == 2 and "error: network" in free.output
     makespan = json.loads(timed.stdout.splitlines()[-1])["makespan_us"]
     assert makespan == pytest.approx(rows[0]["step_ms"] * 1e3, rel=0.02)
     # MFU's model FLOPs against PaLM's count (Chowdhery et al. 2022, App. B): 6 x the matmul

@@ -83,7 +83,7 @@ def explore(model: Model | str, cluster: Cluster, job: Job, space: Space = Space
     capacity = device.memory_gib * GIB * (1 - headroom)
     resolved = resolve(space, cluster, model.layers, getattr(model.config, "experts", None))
     dropped: Counter = Counter()
-    candidates = list(plans(resolved, cluster, job, dropped))
+    candidates = list(plans(resolved, cluster, job, dropped, model.layers))
     rows = []
     for done, plan in enumerate(candidates, 1):
         try:

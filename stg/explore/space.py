@@ -95,8 +95,10 @@ def resolve(space: Space, cluster: Cluster, layers: int, experts: int | None) ->
                  micro_batch=space.micro_batch, schedule=space.schedule, vpp=space.vpp, max_tp=max_tp)
 
 
-def plans(space: Space, cluster: Cluster, job: Job, dropped: Counter) -> Iterator[Plan]:
-    """Every plan of a resolved space, in a fixed order; refusals counted in `dropped` by reason."""
+def plans(space: Space, cluster: Cluster, job: Job, dropped: Counter, layers: int) -> Iterator[Plan]:
+    """Every plan of a resolved space, in a fixed order; refusals counted in `dropped` by reason.
+    Stages split the blocks evenly where pp*vpp divides them, else balanced by compute (`auto`,
+    as Llama 3 405B's 126 layers on 16 stages need)."""
     for tp, cp, pp in itertools.product(space.tp, space.cp, space.pp):
         if cluster.gpus % (tp * cp * pp):
             dropped["gpus: tp*cp*pp does not divide them"] += 1
@@ -107,10 +109,11 @@ def plans(space: Space, cluster: Cluster, job: Job, dropped: Counter) -> Iterato
         for ep, sp, (schedule, vpp), zero, recompute, mb in itertools.product(
                 space.ep, space.sp if tp > 1 else (False,), pipelines, space.zero, space.recompute,
                 space.micro_batch):
+            split = None if layers % (pp * vpp) == 0 else "auto"
             try:
                 yield Plan(dp=dp, tp=tp, pp=pp, cp=cp, ep=ep, sp=sp, vpp=vpp, schedule=schedule, zero=zero,
                            recompute=recompute, micro_batch=mb, global_batch=job.global_batch, seq=job.seq,
-                           device=cluster.device)
+                           device=cluster.device, layers_per_stage=split)
             except StgError as error:
                 dropped[reason(error)] += 1
 
