@@ -516,6 +516,7 @@ def explore(
     write: Optional[Path] = typer.Option(None, help="Write the trace sets of the --top fastest plans under this folder, each with its plan.yaml."),
     as_json: bool = typer.Option(False, "--json", help="Print every valid plan as JSON."),
     as_csv: bool = typer.Option(False, "--csv", help="Print every valid plan as CSV."),
+    plot: Optional[Path] = typer.Option(None, help="Draw peak memory against step time with the Pareto front, FILE.png or FILE.svg (needs matplotlib: pip install 'stg[plot]')."),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress bar."),
 ):
     """Search parallelism plans: build each plan's rank programs, drop those that do not divide or do not fit in memory, time the rest by replaying one pipeline slice on the device and network models, and rank them by step time."""
@@ -543,6 +544,10 @@ def explore(
         else:
             _stdout().print(table(result, top, f"{model} on {gpus} x {device}, {network}: fastest plans"))
             typer.echo(footer(result))
+        if plot is not None:
+            from stg.explore.plot import save_pareto
+
+            save_pareto(result, plot, f"{model} on {gpus} x {device}, {network}")
         if write is not None:
             for folder in write_top(model, result, top, write):
                 err.print(f"wrote {folder}", highlight=False)

@@ -164,15 +164,29 @@ def test_written_winners_carry_their_plan_and_the_same_memory(tmp_path):
         assert max(c["memory"]["peak"] for c in summary["rank_classes"]) == row.estimate.peak_memory
 
 
+def test_pareto_front_keeps_the_plans_nothing_beats_on_both(tmp_path):
+    from stg.explore.cost import Estimate
+    from stg.explore.plot import pareto
+    from stg.explore.search import Row
+
+    def row(step, mem):
+        return Row(Plan(dp=step), Estimate(step, step, 0, 0, 1, mem, {}, 1, 1, 1.0))
+
+    rows = [row(3, 10), row(1, 50), row(2, 60), row(4, 10), row(5, 5), row(2, 40)]
+    # (2, 60) is beaten by (1, 50); (4, 10) by (3, 10)
+    assert [(r.estimate.step_us, r.estimate.peak_memory) for r in pareto(rows)] == [(1, 50), (2, 40), (3, 10), (5, 5)]
+
+
 def test_cli_explore_json_and_validate_with_the_same_network(tmp_path):
     runner = CliRunner()
     args = ["explore", "llama3-8b", "--gpus", "8", "--global-batch", "8", "--seq", "1024", "--tp", "8",
             "--pp", "1", "--recompute", "full", "--micro-batch", "1", "--json", "-q", "--top", "1",
-            "--write", str(tmp_path)]
+            "--write", str(tmp_path), "--plot", str(tmp_path / "front.svg")]
     done = runner.invoke(app, args)
     assert done.exit_code == 0, done.output
     rows = json.loads(done.stdout)["rows"]
     assert len(rows) == 1 and rows[0]["tp"] == 8 and rows[0]["dp"] == 1
+    assert (tmp_path / "front.svg").read_bytes().startswith(b"<?xml")
     (folder,) = [p for p in tmp_path.iterdir() if p.is_dir()]
     timed = runner.invoke(app, ["validate", str(folder), "--timed", "alpha-beta", "--network",
                                 "dgx-h100-superpod", "--json"])
