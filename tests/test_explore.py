@@ -95,20 +95,27 @@ def test_bad_network_files_name_the_field(bad, field):
 
 # --- the estimate is the timed replay of the written set ------------------------------------
 
-@pytest.mark.parametrize("plan", [
-    Plan(dp=2, tp=2, pp=2, zero=1, micro_batch=1, global_batch=8, seq=512),
-    Plan(dp=2, tp=2, pp=2, schedule="interleaved", vpp=2, global_batch=8, seq=512, recompute="full"),
-    Plan(dp=4, cp=2, zero=3, global_batch=8, seq=512),
-    Plan(dp=2, tp=2, pp=2, schedule="zb-h1", global_batch=8, seq=512),
-], ids=["tp-pp-zero1", "interleaved-recompute", "cp-zero3", "zb-h1"])
-def test_estimate_equals_the_timed_replay_of_the_written_set(plan, tmp_path):
+MOE = dict(name="mid-moe", family="mixtral", layers=4, hidden=1024, ffn=2048, heads=16, kv_heads=4, vocab=4096,
+           experts=8, top_k=2, moe_ffn=1024)
+
+
+@pytest.mark.parametrize("model, plan", [
+    (MID, Plan(dp=2, tp=2, pp=2, zero=1, micro_batch=1, global_batch=8, seq=512)),
+    (MID, Plan(dp=2, tp=2, pp=2, schedule="interleaved", vpp=2, global_batch=8, seq=512, recompute="full")),
+    (MID, Plan(dp=4, cp=2, zero=3, global_batch=8, seq=512)),
+    (MID, Plan(dp=2, tp=2, pp=2, schedule="zb-h1", global_batch=8, seq=512)),
+    (MOE, Plan(dp=4, ep=4, tp=2, global_batch=8, seq=512)),
+    (MOE, Plan(dp=4, ep=2, pp=2, global_batch=8, seq=512, expert_skew=1.0)),  # variants: skewed expert loads
+    ("dlrm-kaggle", Plan(dp=8, global_batch=8 * 2048, micro_batch=2048, embedding_sharding="table_wise")),
+], ids=["tp-pp-zero1", "interleaved-recompute", "cp-zero3", "zb-h1", "moe-ep-tp", "moe-skew-pp", "dlrm"])
+def test_estimate_equals_the_timed_replay_of_the_written_set(model, plan, tmp_path):
     network = load_network("dgx-h100-superpod")
     # 4 GPUs per node here, so the dp and pp groups cross the slow tier
     small_nodes = network_from_dict({"tiers": [
         {"size": 4, "bandwidth_gbps": 450, "latency_us": 3.4, "efficiency": 0.8},
         {"size": None, "bandwidth_gbps": 50, "latency_us": 5, "efficiency": 0.9}]})
-    workload = build(MID, plan)
-    generate(MID, plan, tmp_path)
+    workload = build(model, plan)
+    generate(model, plan, tmp_path)
     for net in (network, small_nodes):
         ours = estimate(workload, net).step_us
         replayed = timed_replay(tmp_path, comm="alpha-beta", network=net).makespan_us
