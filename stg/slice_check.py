@@ -33,13 +33,15 @@ class SliceCheckError(StgError):
 
 def _graph(index: int, rank: int, program: RankProgram, index_of: dict[int, int], workload) -> RankGraph:
     """Rank `rank`'s program as the replay's compact graph, ranks renumbered by `index_of`."""
+    # a hole's value once per rank, not per node (a big program has tens of thousands of nodes)
+    value = {hole: workload.group_ids.id(rank, hole) if isinstance(hole, GroupHole)
+             else index_of.get(workload.peer(rank, hole)) for hole in program.holes}
     comm = {}
     for node in program.nodes:
         if node.type is NodeType.COMM_COLL_NODE:
-            comm[node.id] = (workload.group_ids.id(rank, node.group), node.collective.value, node.comm_bytes)
+            comm[node.id] = (value[node.group], node.collective.value, node.comm_bytes)
         elif node.type in (NodeType.COMM_SEND_NODE, NodeType.COMM_RECV_NODE):
-            src, dst = (index_of[workload.peer(rank, hole)] for hole in (node.src, node.dst))
-            comm[node.id] = (src, dst, node.tag, node.comm_bytes)
+            comm[node.id] = (value[node.src], value[node.dst], node.tag, node.comm_bytes)
     problems: list[Problem] = []
     graph, _ = build_graph(index, [n.id for n in program.nodes], [int(n.type) for n in program.nodes],
                            [len(n.deps) for n in program.nodes], [d for n in program.nodes for d in n.deps],

@@ -60,23 +60,25 @@ def real_groups(workload, ranks: list[int]) -> dict[int, list[int]]:
     return groups
 
 
-def slice_timing(workload, network: Network | None, variant: int = 0):
-    """The Timing of one pipeline slice; network None: free communication."""
+def slice_timings(workload, network: Network, variant: int = 0):
+    """The Timings of one pipeline slice under free communication and on `network`."""
     ranks = slice_ranks(workload, variant)
-    graphs, members = rank_graphs(workload, ranks)
+    graphs, members = rank_graphs(workload, ranks)  # read-only to the replay: built once, run twice
     durations = []
     for rank, graph in zip(ranks, graphs):
         by_id = {n.id: n.duration_us for n in workload.programs[workload.class_of(rank)].nodes}
         durations.append(array("d", (by_id[i] for i in graph.ids)))
-    cost = CommCost() if network is None else network.bind(real_groups(workload, ranks), ranks)
-    return TimedReplay(graphs, members, durations, cost).run()
+    free = TimedReplay(graphs, members, durations, CommCost()).run()
+    costed = TimedReplay(graphs, members, durations, network.bind(real_groups(workload, ranks), ranks)).run()
+    return free, costed
 
 
 def estimate(workload, network: Network) -> Estimate:
     """The step time, bubble, exposed communication, MFU and memory of a built plan."""
     plan = workload.plan
-    timed = max((slice_timing(workload, network, v) for v in range(workload.variants)), key=lambda t: t.makespan_us)
-    free = max((slice_timing(workload, None, v) for v in range(workload.variants)), key=lambda t: t.makespan_us)
+    runs = [slice_timings(workload, network, v) for v in range(workload.variants)]
+    free = max((f for f, _ in runs), key=lambda t: t.makespan_us)
+    timed = max((t for _, t in runs), key=lambda t: t.makespan_us)
     bubble = sum(free.idle_us) / (len(free.idle_us) * free.makespan_us) if free.makespan_us else 0.0
     model_flops = 0
     for cls, program in enumerate(workload.programs):
