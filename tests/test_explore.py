@@ -160,6 +160,17 @@ def test_memory_over_the_device_is_dropped(tmp_path):
     assert result.rows == () and result.dropped == {"memory (over the device)": 2}
 
 
+def test_build_refuses_over_its_memory_limit_with_the_summary_peak():
+    from stg.api import MemoryLimitError
+
+    plan = Plan(dp=2, global_batch=2, seq=512)
+    peak = max(c["memory"]["peak"] for c in build(MID, plan).summary()["rank_classes"])
+    build(MID, plan, memory_limit=peak)  # exactly at the limit fits
+    with pytest.raises(MemoryLimitError, match="memory: peak") as refused:
+        build(MID, plan, memory_limit=peak - 1)
+    assert refused.value.peak == peak
+
+
 def test_written_winners_carry_their_plan_and_the_same_memory(tmp_path):
     result = explore(MID, Cluster(gpus=4), Job(global_batch=4, seq=512),
                      Space(tp=(2, 4), pp=(1,), recompute=("none",), micro_batch=(1,)))

@@ -19,7 +19,7 @@ from pathlib import Path
 import yaml
 
 from model_zoo import Model, load_model
-from stg.api import build, generate
+from stg.api import MemoryLimitError, build, generate
 from stg.device import register_device
 from stg.errors import OutputError, PlanError, StgError
 from stg.explore.cost import Estimate, estimate
@@ -57,17 +57,10 @@ class Result:
                 "seconds": self.seconds, "rows": [r.to_dict() for r in self.rows]}
 
 
-def evaluate(model: Model, plan: Plan, network: Network, capacity: float) -> Estimate:
-    """A plan's estimate; StgError when it does not build or does not fit `capacity` bytes."""
-    workload = build(model, plan)
-    peak = max(m.peak for m in workload.memory)
-    if peak > capacity:
-        raise MemoryOver(f"memory: peak {peak / GIB:.1f} GiB per rank over the {capacity / GIB:.1f} GiB usable")
-    return estimate(workload, network)
-
-
-class MemoryOver(PlanError):
-    """A plan whose peak memory per rank exceeds the device's."""
+def evaluate(model: Model, plan: Plan, network: Network, capacity: int) -> Estimate:
+    """A plan's estimate; StgError when it does not build, MemoryLimitError (before lowering)
+    when it does not fit `capacity` bytes per rank."""
+    return estimate(build(model, plan, memory_limit=capacity), network)
 
 
 def explore(model: Model | str, cluster: Cluster, job: Job, space: Space = Space(), *,
@@ -80,7 +73,7 @@ def explore(model: Model | str, cluster: Cluster, job: Job, space: Space = Space
     device = register_device(cluster.device)
     cluster = Cluster(cluster.gpus, device.name, cluster.network, cluster.gpus_per_node)
     network = load_network(cluster.network)
-    capacity = device.memory_gib * GIB * (1 - headroom)
+    capacity = int(device.memory_gib * GIB * (1 - headroom))
     resolved = resolve(space, cluster, model.layers, getattr(model.config, "experts", None))
     dropped: Counter = Counter()
     candidates = list(plans(resolved, cluster, job, dropped, model.layers))
@@ -89,7 +82,7 @@ def explore(model: Model | str, cluster: Cluster, job: Job, space: Space = Space
         try:
             rows.append(Row(plan, evaluate(model, plan, network, capacity)))
         except StgError as error:
-            dropped["memory (over the device)" if isinstance(error, MemoryOver) else reason(error)] += 1
+            dropped["memory (over the device)" if isinstance(error, MemoryLimitError) else reason(error)] += 1
         if progress:
             progress(done, len(candidates))
     rows.sort(key=lambda r: (r.estimate.step_us, r.estimate.peak_memory, [str(r.plan.to_dict()[k]) for k in PLAN_KEYS]))
