@@ -3,7 +3,8 @@
     python benchmarks/bench_explore.py [--skip-405b] [--agreement]
 
 1. Plans per second (CPU time of this process) for llama3-8b on 64 H100s and llama3-70b on
-   256 H100s, over small spaces (every plan built by stg.api.build, timed by the slice replay).
+   256 and on 64 H100s (every plan built by stg.api.build, timed by the slice replay; a plan over
+   the device's memory is refused before its programs are lowered).
 2. Llama 3 405B on 16,384 H100s, seq 8192, 16M tokens per step (2,048 sequences): the plan
    Meta published (tp 8, cp 1, pp 16, dp 128; Llama 3 paper, Dubey et al. 2024, Table 4),
    with 1F1B and interleaved schedules: peak memory per rank against 80 GiB, step time and MFU
@@ -78,6 +79,10 @@ def main() -> None:
          Space(tp=(1, 2, 4, 8), pp=(1, 2, 4), recompute=("none", "full"), micro_batch=(1,), schedule=("1f1b",)))
     rate("llama3-70b on 256 x h100", "llama3-70b", Cluster(gpus=256), Job(global_batch=512, seq=4096),
          Space(tp=(4, 8), pp=(4, 8), recompute=("none", "full"), micro_batch=(1,), schedule=("1f1b",)))
+    # most of this space does not fit 80 GiB: refused before lowering, so it is cheap to drop
+    rate("llama3-70b on 64 x h100, a wide space", "llama3-70b", Cluster(gpus=64), Job(global_batch=128, seq=4096),
+         Space(tp=(1, 2, 4, 8), pp=(1, 2, 4, 8), zero=(0, 1), recompute=("none", "full"), micro_batch=(1,),
+               schedule=("1f1b",)))
     if not args.skip_405b:
         meta_405b()
     if args.agreement:

@@ -157,7 +157,7 @@ def test_memory_over_the_device_is_dropped(tmp_path):
     result = explore(MID, Cluster(gpus=4, device=str(small)), Job(global_batch=4, seq=512),
                      Space(tp=(1, 4), pp=(1,), recompute=("none",), micro_batch=(1,)))
     # dp=4 replicates ~44M params in bf16 + fp32 Adam states (~0.5 GiB); tp=4 a quarter: both over 50 MiB
-    assert result.rows == () and result.dropped == {"memory (over the device)": 2}
+    assert result.rows == () and result.dropped == {"memory (over the device)": 2} and result.considered == 2
 
 
 def test_build_refuses_over_its_memory_limit_with_the_summary_peak():

@@ -77,6 +77,7 @@ def explore(model: Model | str, cluster: Cluster, job: Job, space: Space = Space
     resolved = resolve(space, cluster, model.layers, getattr(model.config, "experts", None))
     dropped: Counter = Counter()
     candidates = list(plans(resolved, cluster, job, dropped, model.layers))
+    considered = len(candidates) + sum(dropped.values())  # and those Plan refused
     rows = []
     for done, plan in enumerate(candidates, 1):
         try:
@@ -86,7 +87,7 @@ def explore(model: Model | str, cluster: Cluster, job: Job, space: Space = Space
         if progress:
             progress(done, len(candidates))
     rows.sort(key=lambda r: (r.estimate.step_us, r.estimate.peak_memory, [str(r.plan.to_dict()[k]) for k in PLAN_KEYS]))
-    return Result(tuple(rows), dict(sorted(dropped.items())), len(candidates) + sum(dropped.values()),
+    return Result(tuple(rows), dict(sorted(dropped.items())), considered,
                   time.perf_counter() - started)
 
 
