@@ -532,6 +532,8 @@ def explore(
             global_batch = global_batch_tokens // seq
         if as_json and as_csv:
             raise PlanError("json: --json and --csv exclude each other")
+        if top < 1:
+            raise PlanError(f"top: must be at least 1, got {top}")
         space = Space(tp=_list("tp", tp), pp=_list("pp", pp), cp=_list("cp", cp), ep=_list("ep", ep),
                       sp=_list("sp", sp, _flag), zero=_list("zero", zero), recompute=_list("recompute", recompute, str),
                       micro_batch=_list("micro_batch", micro_batch), schedule=_list("schedule", schedule, str),

@@ -202,6 +202,8 @@ def test_cli_explore_json_and_validate_with_the_same_network(tmp_path):
             "--write", str(tmp_path), "--plot", str(tmp_path / "front.svg")]
     done = runner.invoke(app, args)
     assert done.exit_code == 0, done.output
+    again = runner.invoke(app, args[:-4])  # the same search, not written: the same JSON
+    assert again.stdout == done.stdout
     rows = json.loads(done.stdout)["rows"]
     assert len(rows) == 1 and rows[0]["tp"] == 8 and rows[0]["dp"] == 1
     assert (tmp_path / "front.svg").read_bytes().startswith(b"<?xml")
@@ -228,6 +230,8 @@ def test_cli_explore_json_and_validate_with_the_same_network(tmp_path):
     (["--device", "tpu9"], "device"),
     (["--recompute", "most"], "recompute"),
     (["--global-batch-tokens", "1000"], "global_batch"),
+    (["--top", "0"], "top"),
+    (["--headroom", "1.5"], "headroom"),
 ])
 def test_cli_explore_bad_input_is_one_line_exit_2(args, field):
     base = ["explore", "llama3-8b", "--gpus", "8", "--global-batch", "8", "--seq", "1024", "-q"]
