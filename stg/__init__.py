@@ -21,6 +21,7 @@ _EXPORTS = {
     "generate": "stg.api",
     "count": "stg.api",
     "evaluate": "stg.evaluation",  # stg/evaluate.py in DESIGN.md: a module named like the function would shadow it
+    "explore": "stg.explore",  # stg.explore(model, Cluster(...), Job(...), Space(...))
 }
 __all__ = [*_EXPORTS, "__version__"]
 

@@ -202,8 +202,17 @@ def _in_dtype(model: Model, plan: Plan) -> Model:
     return Model(replace(model.config, dtype=plan.dtype), model.source)
 
 
-def build(model: Model | str | Path | Mapping, plan: Plan | Mapping) -> Workload:
-    """Every pass from the model description to the rank-class programs."""
+class MemoryLimitError(PlanError):
+    """A plan whose peak memory per rank exceeds the limit `build` was given."""
+
+    def __init__(self, message: str, peak: int) -> None:
+        super().__init__(message)
+        self.peak = peak
+
+
+def build(model: Model | str | Path | Mapping, plan: Plan | Mapping, *, memory_limit: int | None = None) -> Workload:
+    """Every pass from the model description to the rank-class programs; with `memory_limit`
+    (bytes per rank), MemoryLimitError before lowering when a rank class's peak exceeds it."""
     model = model if isinstance(model, Model) else load_model(model)
     plan = plan if isinstance(plan, Plan) else Plan.from_dict(plan)
     model = _in_dtype(model, plan)
@@ -241,18 +250,23 @@ def build(model: Model | str | Path | Mapping, plan: Plan | Mapping) -> Workload
     variants, variant_axes, variant_map = _variants(plan, bindings, embeddings)
     # a variant whose symbols size no tensor (an expert slot's load) shares its stage's memory
     in_shapes = _shape_symbols(sharded)
-    programs, memories = [], []
+    evaluators = [Evaluator({**bindings, **variant}) if variant else shared for variant in variants]
+    memories = []
     for rank in range(plan.pp):  # one rank class per pipeline stage and variant
         stage_memory = None
-        for variant in variants:
-            evaluate = Evaluator({**bindings, **variant}) if variant else shared
+        for variant, evaluate in zip(variants, evaluators):
             if in_shapes & set(variant):
                 memories.append(memory(sharded, evaluate, pipeline.stages, pipeline.schedule[rank], rank))
             else:
                 stage_memory = stage_memory or memory(sharded, shared, pipeline.stages, pipeline.schedule[rank], rank)
                 memories.append(stage_memory)
-            programs.append(lower(sharded, evaluate, device_spec(plan.device), pipeline=pipeline,
-                                  bucket_bytes=int(plan.bucket_mb * 2**20), rank=rank, comm_evaluate=shared))
+    peak = max(m.peak for m in memories)
+    if memory_limit is not None and peak > memory_limit:  # refused before the costly lowering
+        raise MemoryLimitError(f"memory: peak {peak / 2**30:.1f} GiB per rank over the {memory_limit / 2**30:.1f} "
+                               "GiB usable", peak)
+    programs = [lower(sharded, evaluate, device_spec(plan.device), pipeline=pipeline,
+                      bucket_bytes=int(plan.bucket_mb * 2**20), rank=rank, comm_evaluate=shared)
+                for rank in range(plan.pp) for evaluate in evaluators]
     return Workload(model, plan, mesh, sharded, tuple(programs), tuple(memories), bindings, variant_axes,
                     variant_map, embeddings, stages)
 

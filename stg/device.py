@@ -5,7 +5,8 @@ applies in its `roofline-enabled` mode, so replay and roofline runs agree. Peaks
 vendors' dense tensor-core figures (no sparsity) per operand dtype: bf16 and fp16 share one,
 fp32 GEMMs run as TF32 on tensor cores (PyTorch's `allow_tf32` / matmul precision "high";
 strict IEEE fp32 is 8-16x slower), fp8 is twice bf16 where the chip has it (H100 onwards,
-MI300X). Bandwidths are HBM peaks.
+MI300X). Bandwidths are HBM peaks. The numbers live in stg/data/devices/*.yaml with
+their datasheet sources.
 """
 
 from __future__ import annotations
@@ -37,17 +38,41 @@ class DeviceSpec:
         return max(flops / (self.peak(dtype) * 1e12), nbytes / (self.memory_tbps * 1e12)) * 1e6
 
 
-DEVICES = {
-    d.name: d
-    for d in (
-        DeviceSpec("h100", 989.4, 3.35, 80, 494.7, 1978.9),  # H100 SXM5 datasheet
-        DeviceSpec("h200", 989.4, 4.8, 141, 494.7, 1978.9),  # H200 SXM datasheet
-        DeviceSpec("a100", 312.0, 2.039, 80, 156.0),  # A100 SXM4 80GB datasheet (no fp8)
-        DeviceSpec("b200", 2250.0, 8.0, 180, 1100.0, 4500.0),  # B200 (HGX) datasheet, dense
-        DeviceSpec("mi300x", 1307.4, 5.3, 192, 653.7, 2614.9),  # AMD Instinct MI300X datasheet, dense
-    )
-}
+def from_dict(data: dict, where: str = "device") -> DeviceSpec:
+    """A DeviceSpec from a device file's mapping (stg/data/devices/*.yaml); PlanError naming the field."""
+    try:
+        peaks = data["peak_tflops"]
+        spec = DeviceSpec(str(data["name"]), float(peaks["bf16"]), float(data["memory_tbps"]),
+                          float(data["memory_gib"]), float(peaks["tf32"]),
+                          float(peaks["fp8"]) if peaks.get("fp8") is not None else None)
+    except KeyError as missing:
+        raise PlanError(f"{where}: missing field {missing.args[0]}") from None
+    except (TypeError, ValueError, AttributeError) as error:
+        raise PlanError(f"{where}: malformed device description ({error})") from None
+    if min(spec.peak_tflops, spec.memory_tbps, spec.memory_gib, spec.tf32_tflops) <= 0:
+        raise PlanError(f"{where}: peak_tflops, memory_tbps and memory_gib must be positive")
+    return spec
+
+
+def load_device(name_or_path: str) -> DeviceSpec:
+    """A packaged device by name, or a device file by path."""
+    from stg.data import load
+
+    return from_dict(load("devices", name_or_path), f"device {name_or_path}")
+
+
+# the packaged devices; a plan names one of these (a device file is registered under its name)
+DEVICES = {d.name: d for d in map(load_device, ("h100", "h200", "a100", "b200", "mi300x"))}
 DEFAULT_DEVICE = "h100"
+
+
+def register_device(name_or_path: str) -> DeviceSpec:
+    """Load a device (name or file) and make plans able to name it."""
+    spec = DEVICES.get(name_or_path) or load_device(name_or_path)
+    DEVICES.setdefault(spec.name, spec)
+    if DEVICES[spec.name] != spec:
+        raise PlanError(f"device: {name_or_path} redefines device {spec.name!r} with other numbers")
+    return spec
 
 
 def device_spec(name: str) -> DeviceSpec:

@@ -117,9 +117,16 @@ class GroupIds:
     def table(self) -> Iterator[tuple[int, list[int]]]:
         """(id, members) of every group: the content of workload.json."""
         for kind in self.kinds:
-            axis = kind.axes[0]
-            stride, size = self.mesh.stride(axis), self.mesh.sizes[axis]
             for index, members in enumerate(self.mesh.groups(kind.axes)):
-                if kind.members is not None:
-                    members = [r for r in members if (r // stride) % size in kind.members]
-                yield self.id_of(kind, index), members
+                yield self.id_of(kind, index), self._keep(kind, members)
+
+    def members(self, rank: int, kind) -> list[int]:
+        """The members of `rank`'s group of `kind`, as workload.json lists them."""
+        kind = _kind(kind)
+        return self._keep(kind, self.mesh.group(rank, kind.axes))
+
+    def _keep(self, kind: Kind, members: list[int]) -> list[int]:
+        if kind.members is None:
+            return members
+        stride, size = self.mesh.stride(kind.axes[0]), self.mesh.sizes[kind.axes[0]]
+        return [r for r in members if (r // stride) % size in kind.members]

@@ -33,13 +33,15 @@ class SliceCheckError(StgError):
 
 def _graph(index: int, rank: int, program: RankProgram, index_of: dict[int, int], workload) -> RankGraph:
     """Rank `rank`'s program as the replay's compact graph, ranks renumbered by `index_of`."""
+    # a hole's value once per rank, not per node (a big program has tens of thousands of nodes)
+    value = {hole: workload.group_ids.id(rank, hole) if isinstance(hole, GroupHole)
+             else index_of.get(workload.peer(rank, hole)) for hole in program.holes}
     comm = {}
     for node in program.nodes:
         if node.type is NodeType.COMM_COLL_NODE:
-            comm[node.id] = (workload.group_ids.id(rank, node.group), node.collective.value, node.comm_bytes)
+            comm[node.id] = (value[node.group], node.collective.value, node.comm_bytes)
         elif node.type in (NodeType.COMM_SEND_NODE, NodeType.COMM_RECV_NODE):
-            src, dst = (index_of[workload.peer(rank, hole)] for hole in (node.src, node.dst))
-            comm[node.id] = (src, dst, node.tag, node.comm_bytes)
+            comm[node.id] = (value[node.src], value[node.dst], node.tag, node.comm_bytes)
     problems: list[Problem] = []
     graph, _ = build_graph(index, [n.id for n in program.nodes], [int(n.type) for n in program.nodes],
                            [len(n.deps) for n in program.nodes], [d for n in program.nodes for d in n.deps],
@@ -48,8 +50,8 @@ def _graph(index: int, rank: int, program: RankProgram, index_of: dict[int, int]
     return graph
 
 
-def replay_ranks(workload, ranks: list[int]) -> list[Problem]:
-    """Replay the programs of `ranks` together (problems name them by their index in `ranks`).
+def rank_graphs(workload, ranks: list[int]) -> tuple[list[RankGraph], dict[int, tuple[int, ...]]]:
+    """The replay graphs of `ranks` (renumbered 0..len-1) and each group's members among them.
     A collective's members are those of `ranks` in its group; its other members are taken to
     join when this one does (true when they are copies of these ranks, as a slice's are)."""
     index_of = {rank: i for i, rank in enumerate(ranks)}
@@ -60,15 +62,25 @@ def replay_ranks(workload, ranks: list[int]) -> list[Problem]:
         for hole in program.holes:
             if isinstance(hole, GroupHole):
                 members.setdefault(workload.group_ids.id(rank, hole), set()).add(i)
-    return unread_problems(graphs) or Replay(graphs, {g: tuple(m) for g, m in members.items()}).run()
+    return graphs, {g: tuple(sorted(m)) for g, m in members.items()}
+
+
+def slice_ranks(workload, variant: int = 0) -> list[int]:
+    """One rank per pipeline stage, all with the coordinates of the variant's first rank."""
+    base, stride = workload.representative(variant), workload.mesh.stride("pp")
+    return [base + stage * stride for stage in range(workload.plan.pp)]
+
+
+def replay_ranks(workload, ranks: list[int]) -> list[Problem]:
+    """Replay the programs of `ranks` together (problems name them by their index in `ranks`)."""
+    graphs, members = rank_graphs(workload, ranks)
+    return unread_problems(graphs) or Replay(graphs, members).run()
 
 
 def slice_problems(workload) -> list[str]:
     """Problems of each pipeline slice (one per variant), as lines naming stage, rank and node."""
-    stride, pp = workload.mesh.stride("pp"), workload.plan.pp
     for variant in range(workload.variants):
-        base = workload.representative(variant)
-        ranks = [base + stage * stride for stage in range(pp)]
+        ranks = slice_ranks(workload, variant)
         problems = replay_ranks(workload, ranks)
         if problems:
             programs = [workload.programs[workload.class_of(rank)] for rank in ranks]

@@ -10,9 +10,10 @@ from __future__ import annotations
 import heapq
 from array import array
 from collections import Counter, defaultdict, deque
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
+from typing import Protocol
 
 from stg.chakra import et_def_pb2 as pb
 from stg.chakra.rank_graph import COLL, COMP, RECV, CommKey, Problem, RankGraph, coll_name, group_label, p2p_text, type_name
@@ -241,6 +242,37 @@ class CommCost:
             return 0.0
         return self.alpha_us + size / (self.bandwidth_gbps * 1e3)
 
+    def bind(self, groups: Mapping[int, Sequence[int]]) -> "BoundCost":
+        return _SizedCost(self, {g: len(m) for g, m in groups.items()})
+
+
+class BoundCost(Protocol):
+    """Communication times for one replay: a collective's by its group id, a send's by its
+    (src, dst) ranks as the replay numbers them. A network model (stg/explore/network.py)
+    needs the group's members to know which tiers it spans, so costs are bound to the groups."""
+
+    def collective_us(self, ctype: int, size: int, group: int) -> float: ...
+
+    def send_us(self, src: int, dst: int, size: int) -> float: ...
+
+
+class CostModel(Protocol):
+    def bind(self, groups: Mapping[int, Sequence[int]]) -> BoundCost: ...
+
+
+@dataclass(frozen=True)
+class _SizedCost:
+    """A CommCost that knows each group's size."""
+
+    cost: CommCost
+    sizes: Mapping[int, int]
+
+    def collective_us(self, ctype: int, size: int, group: int) -> float:
+        return self.cost.collective_us(ctype, size, self.sizes[group])
+
+    def send_us(self, src: int, dst: int, size: int) -> float:
+        return self.cost.send_us(size)
+
 
 @dataclass(frozen=True)
 class NodeTimes:
@@ -302,11 +334,12 @@ class TimedReplay(_DeadlockReport):
     """
 
     def __init__(self, graphs: list[RankGraph], groups: dict[int, tuple[int, ...]],
-                 durations: list[array], cost: CommCost, record: Collection[int] = ()) -> None:
+                 durations: list[array], cost: CostModel, record: Collection[int] = ()) -> None:
         assert [g.rank for g in graphs] == list(range(len(graphs))), "graphs must be ranks 0..N-1"
         assert all(set(g.types) <= {COMP, COLL, pb.COMM_SEND_NODE, RECV} for g in graphs), "validate first"
-        self.graphs, self.durations, self.cost = graphs, durations, cost
+        self.graphs, self.durations = graphs, durations
         self.members = {g: set(m) for g, m in groups.items()}
+        self.cost = cost.bind(groups)
         self.pending = [g.n_parents.tolist() for g in graphs]  # lists: faster than arrays in the loop
         # ready nodes by the resource they need; each a heap of indices (lowest id first)
         self.comp_ready: list[list[int]] = [[] for _ in graphs]
@@ -382,7 +415,7 @@ class TimedReplay(_DeadlockReport):
                 del joined[(group, k)]
                 us = coll_us.get(key)
                 if us is None:
-                    us = coll_us[key] = collective_us(key[1], key[2], size[group])
+                    us = coll_us[key] = collective_us(key[1], key[2], group)
                 push(events, (now + us, _COLL_DONE, instance, 0))
 
         now = 0.0
@@ -410,7 +443,8 @@ class TimedReplay(_DeadlockReport):
                     if types[i] == COLL:
                         join(r, i, now)
                     else:
-                        push(events, (now + send_us(comms[r][i][3]), _SEND_DONE, r, i))
+                        src, dst, _, nbytes = comms[r][i]
+                        push(events, (now + send_us(src, dst, nbytes), _SEND_DONE, r, i))
                 while recv_q:
                     i = pop(recv_q)
                     key = comms[r][i]

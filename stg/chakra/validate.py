@@ -161,7 +161,7 @@ def validate(out_dir: str | Path, *, replay: bool = True, progress: Progress | N
 
 def timed_replay(out_dir: str | Path, *, comm: CommModel | str = CommModel.FREE, alpha_us: float = 5.0,
                  bandwidth_gbps: float = 50.0, progress: Progress | None = None,
-                 record: Collection[int] = ()) -> Timing:
+                 record: Collection[int] = (), network=None) -> Timing:
     """Makespan and per-rank busy/idle time of ``out_dir`` replayed with time (see TimedReplay).
 
     COMP nodes take their ``duration_micros``. ``comm="free"``: collectives end when their last
@@ -174,6 +174,8 @@ def timed_replay(out_dir: str | Path, *, comm: CommModel | str = CommModel.FREE,
     depends on time, so this can find a deadlock that validate's zero-time replay misses (a
     collective that takes the comm slot while a lower-id SEND still waits on a COMP).
     ``record``: ranks whose per-node start and end times come back in ``Timing.nodes``.
+    ``network`` (a stg.explore.network.Network): with alpha-beta, communication costs come from
+    its tiers and NCCL's algorithms instead of the flat constants, as `stg explore` charges them.
     """
     if isinstance(comm, str):
         try:
@@ -181,6 +183,8 @@ def timed_replay(out_dir: str | Path, *, comm: CommModel | str = CommModel.FREE,
         except ValueError:
             raise ValueError(f"comm must be one of {[m.value for m in CommModel]}, got {comm!r}") from None
     cost = CommCost(comm, alpha_us, bandwidth_gbps)
+    if network is not None and comm is CommModel.ALPHA_BETA:
+        cost = network  # bound to the set's groups by the replay
     loaded = _load_and_check(Path(out_dir), progress, durations=True)
     if loaded.problems:
         n = len(loaded.problems)

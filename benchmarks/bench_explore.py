@@ -1,0 +1,93 @@
+"""Plan search speed and a public plan (issue 13).
+
+    python benchmarks/bench_explore.py [--skip-405b] [--agreement]
+
+1. Plans per second (CPU time of this process) for llama3-8b on 64 H100s and llama3-70b on
+   256 and on 64 H100s (every plan built by stg.api.build, timed by the slice replay; a plan over
+   the device's memory is refused before its programs are lowered).
+2. Llama 3 405B on 16,384 H100s, seq 8192, 16M tokens per step (2,048 sequences): the plan
+   Meta published (tp 8, cp 1, pp 16, dp 128; Llama 3 paper, Dubey et al. 2024, Table 4),
+   with 1F1B and interleaved schedules: peak memory per rank against 80 GiB, step time and MFU
+   (Meta reports 38-43 % BF16 MFU for its 8K-sequence pretraining on 8K-16K GPUs).
+3. --agreement: for a few plans, the estimate against `stg validate --timed alpha-beta
+   --network` of the written set (relative difference).
+"""
+
+from __future__ import annotations
+
+import argparse
+import tempfile
+import time
+
+from stg.api import build, generate
+from stg.chakra.validate import timed_replay
+from stg.explore import Cluster, Job, Space, explore, load_network
+from stg.explore.cost import estimate
+from stg.plan import Plan
+
+NETWORK = "dgx-h100-superpod"
+
+
+def rate(name: str, model: str, cluster: Cluster, job: Job, space: Space) -> None:
+    cpu = time.process_time()
+    result = explore(model, cluster, job, space)
+    cpu = time.process_time() - cpu
+    best = result.rows[0].to_dict() if result.rows else {}
+    print(f"{name}: {result.considered} plans ({len(result.rows)} valid, dropped {result.dropped}) in "
+          f"{cpu:.1f} CPU-s: {result.considered / cpu:.2f} plans/CPU-s, {len(result.rows) / cpu:.2f} evaluated/CPU-s; "
+          f"best: {({k: best[k] for k in ('dp', 'tp', 'pp', 'schedule', 'recompute', 'micro_batch')} if best else None)} "
+          f"step {best.get('step_ms', 0):.0f} ms MFU {best.get('mfu', 0):.1%}")
+
+
+def meta_405b() -> None:
+    network = load_network(NETWORK)
+    for schedule, vpp in (("1f1b", 1), ("interleaved", 2)):
+        plan = Plan(dp=128, tp=8, pp=16, cp=1, zero=1, micro_batch=1, global_batch=2048, seq=8192,
+                    schedule=schedule, vpp=vpp, layers_per_stage="auto")
+        started = time.process_time()
+        workload = build("llama3-405b", plan)
+        e = estimate(workload, network)
+        print(f"llama3-405b tp8 cp1 pp16 dp128 {schedule} vpp{vpp}, 16,384 x h100, {NETWORK}: peak "
+              f"{e.peak_memory / 2**30:.1f} GiB per rank ({'fits' if e.peak_memory <= 80 * 2**30 else 'OVER'} 80 GiB), "
+              f"step {e.step_us / 1e6:.2f} s, {e.tokens_per_s / 1e6:.2f} M tokens/s, MFU {e.mfu:.1%}, bubble "
+              f"{e.bubble:.1%}, exposed comm {e.exposed_comm_us / 1e6:.2f} s "
+              f"[{time.process_time() - started:.1f} CPU-s]")
+
+
+def agreement() -> None:
+    network = load_network(NETWORK)
+    plans = [Plan(dp=2, tp=4, pp=2, zero=1, global_batch=16, seq=2048),
+             Plan(dp=4, tp=2, pp=2, schedule="interleaved", vpp=2, global_batch=16, seq=2048, recompute="full"),
+             Plan(dp=2, tp=2, cp=2, pp=2, schedule="zb-h1", zero=1, global_batch=8, seq=2048),
+             Plan(dp=8, tp=2, zero=3, global_batch=16, seq=2048)]
+    for plan in plans:
+        with tempfile.TemporaryDirectory() as out:
+            ours = estimate(build("llama3-8b", plan), network).step_us
+            generate("llama3-8b", plan, out)
+            theirs = timed_replay(out, comm="alpha-beta", network=network).makespan_us
+        print(f"dp{plan.dp} tp{plan.tp} cp{plan.cp} pp{plan.pp} {plan.schedule} zero{plan.zero} "
+              f"{plan.recompute.value}: explore {ours / 1e3:.2f} ms, timed replay {theirs / 1e3:.2f} ms, "
+              f"difference {abs(ours - theirs) / theirs:.3%}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--skip-405b", action="store_true")
+    parser.add_argument("--agreement", action="store_true")
+    args = parser.parse_args()
+    rate("llama3-8b on 64 x h100", "llama3-8b", Cluster(gpus=64), Job(global_batch=256, seq=8192),
+         Space(tp=(1, 2, 4, 8), pp=(1, 2, 4), recompute=("none", "full"), micro_batch=(1,), schedule=("1f1b",)))
+    rate("llama3-70b on 256 x h100", "llama3-70b", Cluster(gpus=256), Job(global_batch=512, seq=4096),
+         Space(tp=(4, 8), pp=(4, 8), recompute=("none", "full"), micro_batch=(1,), schedule=("1f1b",)))
+    # most of this space does not fit 80 GiB: refused before lowering, so it is cheap to drop
+    rate("llama3-70b on 64 x h100, a wide space", "llama3-70b", Cluster(gpus=64), Job(global_batch=128, seq=4096),
+         Space(tp=(1, 2, 4, 8), pp=(1, 2, 4, 8), zero=(0, 1), recompute=("none", "full"), micro_batch=(1,),
+               schedule=("1f1b",)))
+    if not args.skip_405b:
+        meta_405b()
+    if args.agreement:
+        agreement()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,157 @@
+"""The network model: tiers of bandwidth, and the time of each collective on them.
+
+A network file (stg/data/networks/*.yaml) lists tiers from the innermost out: a tier of size s
+joins blocks of s consecutive ranks (ranks r and q share a tier-i domain when r // s == q // s;
+the last tier's size may be null, the whole cluster). Each tier has a bandwidth per GPU
+(GB/s each way, GB = 1e9 B), a latency per algorithm step and an efficiency (the fraction of the
+link that NCCL's bus bandwidth reaches). A group pays the slowest tier it spans: the
+outermost tier whose domain its members need, with n = the group's size.
+
+Collective times (S = the collective's full per-rank buffer; Chakra's ALL_GATHER comm_size is
+the per-rank shard s, S = n·s; B = bandwidth x efficiency; L = latency), NCCL's ring and tree:
+
+    ring ALL_REDUCE      2(n-1)·L + 2(n-1)/n · S / B     (nccl-tests busbw factor 2(n-1)/n)
+    ring REDUCE_SCATTER   (n-1)·L +  (n-1)/n · S / B     (busbw factor (n-1)/n)
+    ring ALL_GATHER       (n-1)·L +  (n-1)   · s / B     (the same, in the shard)
+    ALL_TO_ALL            (n-1)·L +  (n-1)/n · S / B     (direct: n-1 pairwise exchanges)
+    tree ALL_REDUCE  2⌈log2 n⌉·L + 2 · S / B             (double binary tree: reduce up,
+                                                          broadcast down, each rank sending
+                                                          and receiving S once per phase)
+    SEND / RECV               L + S / B
+
+A one-rank group costs nothing. This is what `stg validate --timed alpha-beta --network`
+charges on a written set and what `stg explore` charges on a pipeline slice.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from enum import Enum
+from pathlib import Path
+
+from stg.chakra import et_def_pb2 as pb
+from stg.chakra.replay import RING_FACTOR
+from stg.data import load
+from stg.errors import PlanError
+
+
+class Algorithm(Enum):
+    """The all-reduce algorithm (the other collectives always use the ring)."""
+
+    RING = "ring"
+    TREE = "tree"
+
+
+@dataclass(frozen=True)
+class Tier:
+    name: str
+    size: int | None  # ranks per domain; None: the whole cluster
+    bandwidth_gbps: float  # per GPU, each way, GB = 1e9 B
+    latency_us: float  # per algorithm step
+    efficiency: float  # achieved / link bandwidth
+
+    @property
+    def bytes_per_us(self) -> float:
+        return self.bandwidth_gbps * self.efficiency * 1e3
+
+
+@dataclass(frozen=True)
+class Network:
+    name: str
+    tiers: tuple[Tier, ...]
+    all_reduce: Algorithm = Algorithm.RING
+
+    def __post_init__(self) -> None:
+        if not self.tiers:
+            raise PlanError(f"network {self.name}: tiers: at least one tier")
+        sizes = [t.size for t in self.tiers]
+        if any(s is None for s in sizes[:-1]):
+            raise PlanError(f"network {self.name}: tiers: only the last tier may have size null (the whole cluster)")
+        for inner, outer in zip(sizes, sizes[1:]):
+            if outer is not None and outer % inner:
+                raise PlanError(f"network {self.name}: tiers: size {outer} is not a multiple of the inner tier's {inner}")
+
+    def tier(self, low: int, high: int) -> Tier:
+        """The innermost tier whose one domain holds ranks low..high (blocks are contiguous, so the
+        lowest and highest member decide); beyond the last tier's size, the last tier."""
+        for tier in self.tiers:
+            if tier.size is None or low // tier.size == high // tier.size:
+                return tier
+        return self.tiers[-1]
+
+    def collective_us(self, ctype: int, size: int, n: int, tier: Tier) -> float:
+        """Time of one collective of `n` ranks with Chakra comm_size `size` on `tier`."""
+        if n <= 1:
+            return 0.0
+        if ctype == pb.ALL_REDUCE and self.all_reduce is Algorithm.TREE:
+            return 2 * math.ceil(math.log2(n)) * tier.latency_us + 2 * size / tier.bytes_per_us
+        steps = 2 * (n - 1) if ctype == pb.ALL_REDUCE else n - 1
+        return steps * tier.latency_us + RING_FACTOR[ctype](n) * size / tier.bytes_per_us
+
+    def send_us(self, size: int, tier: Tier) -> float:
+        return tier.latency_us + size / tier.bytes_per_us
+
+    def bind(self, groups: Mapping[int, Sequence[int]], ranks: Sequence[int] | None = None) -> "NetworkCost":
+        """Costs for a replay whose group `g` has the real ranks `groups[g]` and whose replay rank
+        i is real rank `ranks[i]` (default: the identity, a whole written set)."""
+        spans = {g: (len(m), self.tier(min(m), max(m))) for g, m in groups.items() if m}
+        return NetworkCost(self, spans, tuple(ranks) if ranks is not None else None)
+
+
+@dataclass(frozen=True)
+class NetworkCost:
+    """A Network bound to one replay's groups (a BoundCost, see stg/chakra/replay.py)."""
+
+    network: Network
+    spans: Mapping[int, tuple[int, Tier]]  # group -> (members, the tier it pays)
+    ranks: tuple[int, ...] | None
+
+    def bind(self, groups) -> "NetworkCost":  # already bound to the real groups
+        return self
+
+    def collective_us(self, ctype: int, size: int, group: int) -> float:
+        n, tier = self.spans[group]
+        return self.network.collective_us(ctype, size, n, tier)
+
+    def send_us(self, src: int, dst: int, size: int) -> float:
+        if self.ranks is not None:
+            src, dst = self.ranks[src], self.ranks[dst]
+        return self.network.send_us(size, self.network.tier(min(src, dst), max(src, dst)))
+
+
+def _number(data: Mapping, key: str, where: str, *, positive: bool = True, most: float | None = None) -> float:
+    value = data.get(key)
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0 or (positive and value == 0) \
+            or (most is not None and value > most):
+        bound = f" and at most {most}" if most is not None else ""
+        raise PlanError(f"{where}.{key}: must be a {'positive' if positive else 'non-negative'} number{bound}, got {value!r}")
+    return float(value)
+
+
+def network_from_dict(data: Mapping, where: str = "network") -> Network:
+    tiers = data.get("tiers")
+    if not isinstance(tiers, list) or not tiers:
+        raise PlanError(f"{where}.tiers: must be a non-empty list of tiers")
+    parsed = []
+    for i, tier in enumerate(tiers):
+        at = f"{where}.tiers[{i}]"
+        if not isinstance(tier, Mapping):
+            raise PlanError(f"{at}: must be a mapping")
+        size = tier.get("size")
+        if size is not None and (isinstance(size, bool) or not isinstance(size, int) or size < 1):
+            raise PlanError(f"{at}.size: must be a positive integer or null, got {size!r}")
+        parsed.append(Tier(str(tier.get("name", f"tier{i}")), size, _number(tier, "bandwidth_gbps", at),
+                           _number(tier, "latency_us", at, positive=False), _number(tier, "efficiency", at, most=1.0)))
+    try:
+        algorithm = Algorithm(data.get("all_reduce", "ring"))
+    except ValueError:
+        raise PlanError(f"{where}.all_reduce: must be one of {[a.value for a in Algorithm]}, "
+                        f"got {data.get('all_reduce')!r}") from None
+    return Network(str(data.get("name", where)), tuple(parsed), algorithm)
+
+
+def load_network(name_or_path: str | Path) -> Network:
+    """A packaged network by name (stg/data/networks), or a network file by path."""
+    return network_from_dict(load("networks", name_or_path), f"network {name_or_path}")

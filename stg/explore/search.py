@@ -1,0 +1,115 @@
+"""Search: enumerate the space, build each plan, drop what does not fit, estimate the rest.
+
+    from stg.explore import explore, Cluster, Job, Space
+    result = explore("llama3-8b", Cluster(gpus=64), Job(global_batch=256, seq=8192), Space(zero=(1, 3)))
+    result.rows[0].plan, result.rows[0].estimate.step_us, result.dropped
+
+Each plan is built by stg.api.build (the same programs `stg generate` writes) and timed by
+stg/explore/cost.py; a faster build drops in there unchanged.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+import yaml
+
+from model_zoo import Model, load_model
+from stg.api import MemoryLimitError, build, generate
+from stg.device import register_device
+from stg.errors import OutputError, PlanError, StgError
+from stg.explore.cost import Estimate, estimate
+from stg.explore.network import Network, load_network
+from stg.explore.space import Cluster, Job, Space, plans, reason, resolve
+from stg.plan import Plan
+
+GIB = 2**30
+PLAN_KEYS = ("dp", "tp", "pp", "cp", "ep", "sp", "schedule", "vpp", "zero", "recompute", "micro_batch")
+
+
+@dataclass(frozen=True)
+class Row:
+    plan: Plan
+    estimate: Estimate
+
+    def to_dict(self) -> dict:
+        plan, e = self.plan.to_dict(), self.estimate
+        return {**{k: plan[k] for k in PLAN_KEYS},
+                "step_ms": e.step_us / 1e3, "tokens_per_s": e.tokens_per_s, "mfu": e.mfu,
+                "peak_memory_gib": e.peak_memory / GIB, "bubble": e.bubble,
+                "exposed_comm_ms": e.exposed_comm_us / 1e3, "compute_ms": e.compute_us / 1e3,
+                **{f"memory_{k}_gib": v / GIB for k, v in e.memory.items() if k != "peak"}}
+
+
+@dataclass(frozen=True)
+class Result:
+    rows: tuple[Row, ...]  # fastest first
+    dropped: Mapping[str, int]  # reason -> plans
+    considered: int
+    seconds: float
+
+    def to_dict(self) -> dict:
+        # no wall time: the same search prints the same JSON
+        return {"considered": self.considered, "valid": len(self.rows), "dropped": dict(self.dropped),
+                "rows": [r.to_dict() for r in self.rows]}
+
+
+def evaluate(model: Model, plan: Plan, network: Network, capacity: int) -> Estimate:
+    """A plan's estimate; StgError when it does not build, MemoryLimitError (before lowering)
+    when it does not fit `capacity` bytes per rank."""
+    return estimate(build(model, plan, memory_limit=capacity), network)
+
+
+def explore(model: Model | str, cluster: Cluster, job: Job, space: Space = Space(), *,
+            headroom: float = 0.0, progress: Callable[[int, int], None] | None = None) -> Result:
+    """Every valid plan of `space`, fastest first; `headroom`: the fraction of device memory kept free."""
+    if not 0 <= headroom < 1:
+        raise PlanError(f"headroom: must be a fraction in [0, 1), got {headroom!r}")
+    started = time.perf_counter()
+    model = model if isinstance(model, Model) else load_model(model)
+    device = register_device(cluster.device)
+    cluster = Cluster(cluster.gpus, device.name, cluster.network, cluster.gpus_per_node)
+    network = load_network(cluster.network)
+    capacity = int(device.memory_gib * GIB * (1 - headroom))
+    resolved = resolve(space, cluster, model.layers, getattr(model.config, "experts", None))
+    dropped: Counter = Counter()
+    candidates = list(plans(resolved, cluster, job, dropped, model.layers))
+    considered = len(candidates) + sum(dropped.values())  # and those Plan refused
+    rows = []
+    for done, plan in enumerate(candidates, 1):
+        try:
+            rows.append(Row(plan, evaluate(model, plan, network, capacity)))
+        except StgError as error:
+            dropped["memory (over the device)" if isinstance(error, MemoryLimitError) else reason(error)] += 1
+        if progress:
+            progress(done, len(candidates))
+    rows.sort(key=lambda r: (r.estimate.step_us, r.estimate.peak_memory, [str(r.plan.to_dict()[k]) for k in PLAN_KEYS]))
+    return Result(tuple(rows), dict(sorted(dropped.items())), considered,
+                  time.perf_counter() - started)
+
+
+def label(plan: Plan) -> str:
+    """A folder name that says the plan: dp8-tp4-pp2-1f1b-z1-rnone-mb1."""
+    parts = [f"dp{plan.dp}", f"tp{plan.tp}" + ("sp" if plan.sp else ""), f"pp{plan.pp}"]
+    parts += [f"cp{plan.cp}"] * (plan.cp > 1) + [f"ep{plan.ep}"] * (plan.ep > 1)
+    parts += [plan.schedule + (f"{plan.vpp}" if plan.vpp > 1 else ""), f"z{plan.zero}",
+              f"r{plan.recompute.value}", f"mb{plan.micro_batch}"]
+    return "-".join(parts)
+
+
+def write_top(model: Model | str, result: Result, top: int, out: Path) -> list[Path]:
+    """The trace sets of the `top` fastest plans, each in OUT/<rank>-<label>/ with its plan.yaml."""
+    written = []
+    for i, row in enumerate(result.rows[:top], 1):
+        folder = out / f"{i:02d}-{label(row.plan)}"
+        generate(model, row.plan, folder)
+        try:
+            (folder / "plan.yaml").write_text(yaml.safe_dump(row.plan.to_dict(), sort_keys=False))
+        except OSError as error:
+            raise OutputError(f"write: cannot write {folder}: {error.strerror}") from None
+        written.append(folder)
+    return written

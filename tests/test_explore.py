@@ -1,0 +1,240 @@
+"""Plan search: the network's collective times against NCCL's formulas by hand, the slice
+estimate against the timed replay of the written set, the search's pruning and outputs."""
+
+import json
+import math
+
+import pytest
+import yaml
+from typer.testing import CliRunner
+
+from stg.api import build, generate
+from stg.chakra import et_def_pb2 as pb
+from stg.chakra.validate import timed_replay
+from stg.cli import app
+from stg.device import DEVICES
+from stg.errors import PlanError
+from stg.explore import Cluster, Job, Space, explore, load_network, write_top
+from stg.explore.cost import estimate
+from stg.explore.network import network_from_dict
+from stg.plan import Plan
+
+# big enough that compute nodes last several µs, small enough to build in well under a second
+MID = dict(name="mid-llama", family="llama", layers=4, hidden=1024, ffn=2816, heads=16, kv_heads=4, vocab=4096)
+GIB = 2**30
+
+
+# --- devices: the datasheets' numbers (dense = half the "with sparsity" figure) -------------------
+
+def test_device_files_hold_the_datasheet_numbers():
+    h100 = DEVICES["h100"]
+    assert h100.peak_tflops == pytest.approx(1979 / 2, rel=1e-3)  # H100 SXM bf16 1,979 TF with sparsity
+    assert h100.fp8_tflops == pytest.approx(3958 / 2, rel=1e-3)
+    assert (h100.memory_gib, h100.memory_tbps) == (80, 3.35)
+    assert DEVICES["a100"].peak_tflops == 312 and DEVICES["a100"].fp8_tflops is None
+    assert (DEVICES["h200"].memory_gib, DEVICES["h200"].memory_tbps) == (141, 4.8)
+    assert DEVICES["mi300x"].peak_tflops == 1307.4 and DEVICES["b200"].peak_tflops == 2250
+
+
+# --- the network: NCCL's ring and tree formulas, by hand ---------------------------------------
+
+NET = network_from_dict({"name": "two-tier", "tiers": [
+    {"name": "nvlink", "size": 8, "bandwidth_gbps": 400, "latency_us": 2, "efficiency": 0.5},
+    {"name": "ib", "size": None, "bandwidth_gbps": 50, "latency_us": 10, "efficiency": 1.0}]})
+
+
+def _us(ctype, size, members, net=NET):
+    cost = net.bind({7: tuple(members)})
+    return cost.collective_us(ctype, size, 7)
+
+
+def test_ring_collectives_inside_one_nvlink_domain():
+    S = 8 * 10**8  # bytes; nvlink: 400 GB/s x 0.5 = 2e5 B/us
+    # all-reduce, 8 ranks: 2(n-1) steps of latency + 2(n-1)/n S / B (nccl-tests busbw factor)
+    assert _us(pb.ALL_REDUCE, S, range(8)) == pytest.approx(14 * 2 + 2 * 7 / 8 * S / 2e5)
+    assert _us(pb.REDUCE_SCATTER, S, range(8)) == pytest.approx(7 * 2 + 7 / 8 * S / 2e5)
+    # Chakra's all-gather size is the shard: (n-1) shards cross each link
+    assert _us(pb.ALL_GATHER, S // 8, range(8)) == pytest.approx(7 * 2 + 7 * (S // 8) / 2e5)
+    assert _us(pb.ALL_TO_ALL, S, range(0, 8, 2)) == pytest.approx(3 * 2 + 3 / 4 * S / 2e5)
+    assert _us(pb.ALL_REDUCE, S, [5]) == 0
+
+
+def test_a_group_spanning_nodes_pays_the_slowest_tier():
+    S = 10**9
+    # ranks 4..11 straddle two 8-GPU nodes: the whole ring runs at the IB tier's 5e4 B/us
+    assert _us(pb.ALL_REDUCE, S, range(4, 12)) == pytest.approx(14 * 10 + 2 * 7 / 8 * S / 5e4)
+    assert _us(pb.ALL_REDUCE, S, range(8, 16)) == pytest.approx(14 * 2 + 2 * 7 / 8 * S / 2e5)
+    send = NET.bind({}, ranks=[3, 11])
+    assert send.send_us(0, 1, S) == pytest.approx(10 + S / 5e4)
+    assert NET.bind({}, ranks=[3, 4]).send_us(0, 1, S) == pytest.approx(2 + S / 2e5)
+
+
+def test_tree_all_reduce_trades_bandwidth_for_log_latency():
+    tree = network_from_dict({"all_reduce": "tree", "tiers": [
+        {"size": None, "bandwidth_gbps": 50, "latency_us": 10, "efficiency": 1.0}]})
+    # double binary tree: 2 ceil(log2 n) latency steps, each rank sends S up and down
+    assert _us(pb.ALL_REDUCE, 10**6, range(64), tree) == pytest.approx(2 * 6 * 10 + 2 * 10**6 / 5e4)
+    ring = _us(pb.ALL_REDUCE, 10**6, range(64), network_from_dict({"tiers": [
+        {"size": None, "bandwidth_gbps": 50, "latency_us": 10, "efficiency": 1.0}]}))
+    assert ring == pytest.approx(2 * 63 * 10 + 2 * 63 / 64 * 10**6 / 5e4)
+    assert _us(pb.ALL_REDUCE, 10**6, range(64), tree) < ring  # small message: latency wins
+
+
+@pytest.mark.parametrize("bad, field", [
+    ({"tiers": []}, "tiers"),
+    ({"tiers": [{"size": 8, "bandwidth_gbps": -1, "latency_us": 1, "efficiency": 1}]}, "bandwidth_gbps"),
+    ({"tiers": [{"size": 8, "bandwidth_gbps": 1, "latency_us": 1, "efficiency": 1.5}]}, "efficiency"),
+    ({"tiers": [{"size": None, "bandwidth_gbps": 1, "latency_us": 1, "efficiency": 1},
+                {"size": 8, "bandwidth_gbps": 1, "latency_us": 1, "efficiency": 1}]}, "size null"),
+    ({"all_reduce": "mesh", "tiers": [{"size": 8, "bandwidth_gbps": 1, "latency_us": 1, "efficiency": 1}]}, "all_reduce"),
+])
+def test_bad_network_files_name_the_field(bad, field):
+    with pytest.raises(PlanError, match=field):
+        network_from_dict(bad)
+
+
+# --- the estimate is the timed replay of the written set ------------------------------------
+
+MOE = dict(name="mid-moe", family="mixtral", layers=4, hidden=1024, ffn=2048, heads=16, kv_heads=4, vocab=4096,
+           experts=8, top_k=2, moe_ffn=1024)
+
+
+@pytest.mark.parametrize("model, plan", [
+    (MID, Plan(dp=2, tp=2, pp=2, zero=1, micro_batch=1, global_batch=8, seq=512)),
+    (MID, Plan(dp=2, tp=2, pp=2, schedule="interleaved", vpp=2, global_batch=8, seq=512, recompute="full")),
+    (MID, Plan(dp=4, cp=2, zero=3, global_batch=8, seq=512)),
+    (MID, Plan(dp=2, tp=2, pp=2, schedule="zb-h1", global_batch=8, seq=512)),
+    (MOE, Plan(dp=4, ep=4, tp=2, global_batch=8, seq=512)),
+    (MOE, Plan(dp=4, ep=2, pp=2, global_batch=8, seq=512, expert_skew=1.0)),  # variants: skewed expert loads
+    ("dlrm-kaggle", Plan(dp=8, global_batch=8 * 2048, micro_batch=2048, embedding_sharding="table_wise")),
+], ids=["tp-pp-zero1", "interleaved-recompute", "cp-zero3", "zb-h1", "moe-ep-tp", "moe-skew-pp", "dlrm"])
+def test_estimate_equals_the_timed_replay_of_the_written_set(model, plan, tmp_path):
+    network = load_network("dgx-h100-superpod")
+    # 4 GPUs per node here, so the dp and pp groups cross the slow tier
+    small_nodes = network_from_dict({"tiers": [
+        {"size": 4, "bandwidth_gbps": 450, "latency_us": 3.4, "efficiency": 0.8},
+        {"size": None, "bandwidth_gbps": 50, "latency_us": 5, "efficiency": 0.9}]})
+    workload = build(model, plan)
+    generate(model, plan, tmp_path)
+    for net in (network, small_nodes):
+        ours = estimate(workload, net).step_us
+        replayed = timed_replay(tmp_path, comm="alpha-beta", network=net).makespan_us
+        assert ours == pytest.approx(replayed, rel=0.02)
+    free = timed_replay(tmp_path, comm="free").makespan_us
+    assert estimate(workload, small_nodes).exposed_comm_us == pytest.approx(
+        timed_replay(tmp_path, comm="alpha-beta", network=small_nodes).makespan_us - free, rel=0.02, abs=1)
+
+
+# --- the search ----------------------------------------------------------------------------
+
+def test_search_drops_by_reason_and_ranks_by_step_time():
+    result = explore(MID, Cluster(gpus=8), Job(global_batch=8, seq=512),
+                     Space(tp=(1, 2, 3), pp=(1, 2), recompute=("none",), micro_batch=(1, 3), schedule=("1f1b",)))
+    # tp=3 never divides 8 GPUs (2 pp values); micro_batch 3 never divides the batch of 8
+    assert result.dropped["gpus: tp*cp*pp does not divide them"] == 2
+    assert result.dropped["global_batch (PlanError)"] == 4
+    assert len(result.rows) == 4 and result.considered == 10
+    steps = [r.estimate.step_us for r in result.rows]
+    assert steps == sorted(steps)
+    for row in result.rows:
+        e = row.estimate
+        assert e.tokens == 8 * 512 and e.tokens_per_s == pytest.approx(8 * 512 / (e.step_us / 1e6))
+        assert e.compute_us <= e.step_us and 0 <= e.bubble < 1
+
+
+def test_python_api_is_stg_explore():
+    import stg
+
+    result = stg.explore(MID, Cluster(gpus=2), Job(global_batch=2, seq=512),
+                         Space(tp=(2,), pp=(1,), recompute=("none",), micro_batch=(1,)))
+    assert [(r.plan.tp, r.plan.dp) for r in result.rows] == [(2, 1)]
+
+
+def test_memory_over_the_device_is_dropped(tmp_path):
+    small = tmp_path / "small.yaml"
+    small.write_text(yaml.safe_dump({"name": "tiny-gpu", "peak_tflops": {"bf16": 100, "tf32": 50},
+                                     "memory_gib": 0.05, "memory_tbps": 1}))
+    result = explore(MID, Cluster(gpus=4, device=str(small)), Job(global_batch=4, seq=512),
+                     Space(tp=(1, 4), pp=(1,), recompute=("none",), micro_batch=(1,)))
+    # dp=4 replicates ~44M params in bf16 + fp32 Adam states (~0.5 GiB); tp=4 a quarter: both over 50 MiB
+    assert result.rows == () and result.dropped == {"memory (over the device)": 2} and result.considered == 2
+
+
+def test_build_refuses_over_its_memory_limit_with_the_summary_peak():
+    from stg.api import MemoryLimitError
+
+    plan = Plan(dp=2, global_batch=2, seq=512)
+    peak = max(c["memory"]["peak"] for c in build(MID, plan).summary()["rank_classes"])
+    build(MID, plan, memory_limit=peak)  # exactly at the limit fits
+    with pytest.raises(MemoryLimitError, match="memory: peak") as refused:
+        build(MID, plan, memory_limit=peak - 1)
+    assert refused.value.peak == peak
+
+
+def test_written_winners_carry_their_plan_and_the_same_memory(tmp_path):
+    result = explore(MID, Cluster(gpus=4), Job(global_batch=4, seq=512),
+                     Space(tp=(2, 4), pp=(1,), recompute=("none",), micro_batch=(1,)))
+    folders = write_top(MID, result, 2, tmp_path)
+    assert len(folders) == 2
+    for row, folder in zip(result.rows, folders):
+        assert Plan.from_yaml(folder / "plan.yaml") == row.plan
+        summary = json.loads((folder / "summary.json").read_text())
+        assert max(c["memory"]["peak"] for c in summary["rank_classes"]) == row.estimate.peak_memory
+
+
+def test_pareto_front_keeps_the_plans_nothing_beats_on_both(tmp_path):
+    from stg.explore.cost import Estimate
+    from stg.explore.plot import pareto
+    from stg.explore.search import Row
+
+    def row(step, mem):
+        return Row(Plan(dp=step), Estimate(step, step, 0, 0, 1, mem, {}, 1, 1, 1.0))
+
+    rows = [row(3, 10), row(1, 50), row(2, 60), row(4, 10), row(5, 5), row(2, 40)]
+    # (2, 60) is beaten by (1, 50); (4, 10) by (3, 10)
+    assert [(r.estimate.step_us, r.estimate.peak_memory) for r in pareto(rows)] == [(1, 50), (2, 40), (3, 10), (5, 5)]
+
+
+def test_cli_explore_json_and_validate_with_the_same_network(tmp_path):
+    runner = CliRunner()
+    args = ["explore", "llama3-8b", "--gpus", "8", "--global-batch", "8", "--seq", "1024", "--tp", "8",
+            "--pp", "1", "--recompute", "full", "--micro-batch", "1", "--json", "-q", "--top", "1",
+            "--write", str(tmp_path), "--plot", str(tmp_path / "front.svg")]
+    done = runner.invoke(app, args)
+    assert done.exit_code == 0, done.output
+    again = runner.invoke(app, args[:-4])  # the same search, not written: the same JSON
+    assert again.stdout == done.stdout
+    rows = json.loads(done.stdout)["rows"]
+    assert len(rows) == 1 and rows[0]["tp"] == 8 and rows[0]["dp"] == 1
+    assert (tmp_path / "front.svg").read_bytes().startswith(b"<?xml")
+    (folder,) = [p for p in tmp_path.iterdir() if p.is_dir()]
+    timed = runner.invoke(app, ["validate", str(folder), "--timed", "alpha-beta", "--network",
+                                "dgx-h100-superpod", "--json"])
+    assert timed.exit_code == 0, timed.output
+    free = runner.invoke(app, ["validate", str(folder), "--timed", "free", "--network", "dgx-h100-superpod"])
+    assert free.exit_code == 2 and "error: network" in free.output
+    makespan = json.loads(timed.stdout.splitlines()[-1])["makespan_us"]
+    assert makespan == pytest.approx(rows[0]["step_ms"] * 1e3, rel=0.02)
+    # MFU's model FLOPs against PaLM's count (Chowdhery et al. 2022, App. B): 6 x the matmul
+    # parameters (8.03e9 for Llama 3 8B less the 128256 x 4096 input embedding, a lookup) per
+    # token, plus attention 12 L h s per token, halved for the causal mask; peak: H100 bf16 dense
+    tokens, L, h, s = 8 * 1024, 32, 4096, 1024
+    palm = 6 * (8.03e9 - 128256 * 4096) * tokens + 12 * L * h * s * tokens / 2
+    flops = rows[0]["mfu"] * rows[0]["step_ms"] / 1e3 * 8 * 1979e12 / 2
+    assert flops == pytest.approx(palm, rel=0.03)
+
+
+@pytest.mark.parametrize("args, field", [
+    (["--tp", "4,x"], "tp"),
+    (["--network", "nowhere"], "network"),
+    (["--device", "tpu9"], "device"),
+    (["--recompute", "most"], "recompute"),
+    (["--global-batch-tokens", "1000"], "global_batch"),
+    (["--top", "0"], "top"),
+    (["--headroom", "1.5"], "headroom"),
+])
+def test_cli_explore_bad_input_is_one_line_exit_2(args, field):
+    base = ["explore", "llama3-8b", "--gpus", "8", "--global-batch", "8", "--seq", "1024", "-q"]
+    done = CliRunner().invoke(app, base + args)
+    assert done.exit_code == 2
+    assert f"error: {field}" in done.output and "Traceback" not in done.output
