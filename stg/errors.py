@@ -27,3 +27,7 @@ class GraphError(StgError):
 
 class OutputError(StgError):
     """The output location cannot be written."""
+
+
+class RangeError(StgError):
+    """A number is not finite, not positive, or too large for the field it must fit."""
