@@ -26,7 +26,8 @@ from stg.device import device_spec
 from stg.emit import Progress, count_trace_set, write_trace_set
 from stg.errors import PlanError
 from stg.groups import GroupIds
-from stg.graph import DType, Phase
+from stg.graph import DType, OpKind, Phase
+from stg.limits import MAX_NODES
 from parallelism.pipeline import cut, stage_plan, tie_gradients, untie
 from stg.chakra.writer import fixed_varint, rank_width
 from stg.lower import Evaluator, Pipeline, check_divisibility, lower
@@ -188,6 +189,7 @@ def build(model: Model | str | Path | Mapping, plan: Plan | Mapping) -> Workload
         **{axis_symbol(axis): size for axis, size in mesh.axes},
     }
     check_divisibility(sharded, bindings)
+    _check_size(model, plan, sharded)
     # what every rank of a stage shares sizes the collectives (slots padded to the widest);
     # each variant's own values size its compute and memory
     shared = Evaluator(bindings)
@@ -209,6 +211,20 @@ def build(model: Model | str | Path | Mapping, plan: Plan | Mapping) -> Workload
                                   bucket_bytes=int(plan.bucket_mb * 2**20), rank=rank, comm_evaluate=shared))
     return Workload(model, plan, mesh, sharded, tuple(programs), tuple(memories), bindings, variant_axes,
                     variant_map, embeddings)
+
+
+def _check_size(model: Model, plan: Plan, sharded: ShardedGraph) -> None:
+    """Refuse, before lowering, a program too large to hold in memory (every micro-batch is
+    its own nodes): about the per-micro-batch ops of a stage times the micro-batches."""
+    per_microbatch = sum(1 for op in sharded.graph.ops if op.phase is not Phase.STEP) // plan.pp
+    if plan.microbatches * per_microbatch > MAX_NODES:
+        raise PlanError(f"global_batch={plan.global_batch}: {plan.microbatches:,} micro-batches of about "
+                        f"{per_microbatch:,} nodes each is more than {MAX_NODES:,} trace nodes per rank; "
+                        "raise micro_batch or dp, or lower global_batch")
+    if model.family not in ("mixtral", "deepseek") and not any(op.kind is OpKind.DISPATCH for op in sharded.graph.ops):
+        for name, default in (("capacity_factor", 1.0), ("expert_skew", 0.0)):
+            if getattr(plan, name) != default:
+                raise PlanError(f"{name}: applies to mixture-of-experts models, not {model.name} (no experts)")
 
 
 @dataclass(frozen=True)

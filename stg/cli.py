@@ -243,9 +243,6 @@ def show_schedule(
     from stg.schedule import SPLIT_BACKWARD, grid, make_schedule, simulate
 
     with _user_errors():
-        for name, value in (("pp", pp), ("microbatches", microbatches), ("vpp", vpp)):
-            if value < 1:
-                raise PlanError(f"{name}: must be a positive integer, got {value}")
         plan = make_schedule(schedule, pp, microbatches, vpp)
     typer.echo(grid(plan))
     makespan, busy = simulate(plan, lambda a: 1.0 / vpp, vpp, schedule in SPLIT_BACKWARD)

@@ -22,6 +22,7 @@ UINT64_MAX = 2**64 - 1
 MAX_WORLD = 2**22
 MAX_MICROBATCHES = 2**16
 MAX_LAYERS = 10_000
+MAX_NODES = 2**22  # per rank: about 1.5 GB of node objects while lowering, minutes of work
 MAX_TABLES = 100_000  # embedding tables of one model (production DLRMs have ~10^3)
 
 # Chakra field -> (protobuf type, smallest, largest); stg/chakra/et_def.proto

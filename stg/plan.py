@@ -126,6 +126,8 @@ class Plan:
             raise PlanError(f"schedule: unknown schedule {self.schedule!r}; known: {', '.join(SCHEDULES)}")
         if self.vpp > 1 and self.schedule != "interleaved":
             raise PlanError(f"vpp={self.vpp}: virtual stages need schedule interleaved, not {self.schedule!r}")
+        if self.vpp == 1 and self.schedule == "interleaved":
+            raise PlanError("schedule: interleaved runs virtual stages; it needs vpp > 1")
         if self.vpp > 1 and self.pp == 1:
             raise PlanError(f"vpp={self.vpp}: virtual stages interleave pipeline stages; they need pp > 1")
         if self.layers_per_stage is not None:
