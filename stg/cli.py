@@ -18,16 +18,18 @@ from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from stg.errors import PlanError, StgError
+from stg.errors import OutputError, PlanError, StgError
+from stg.interrupts import OneLineGroup
 
 app = typer.Typer(
+    cls=OneLineGroup,  # argument errors and interrupts: one line, not click's usage block
     help="Synthesize per-rank Chakra execution traces of distributed training from a model description.",
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,
     rich_markup_mode=None,  # help texts print as written: rich markup ate "[default: 1]", markdown "<rank>"
 )
-err = Console(stderr=True)
+err = Console(stderr=True, soft_wrap=True)  # an error is one line, however narrow the terminal or pipe
 
 
 def _stdout() -> Console:
@@ -40,7 +42,7 @@ def _user_errors() -> Iterator[None]:
     try:
         yield
     except StgError as error:
-        err.print(f"[red]error:[/red] {escape(str(error))}", highlight=False, soft_wrap=True)
+        err.print(f"[red]error:[/red] {escape(' '.join(str(error).split()))}", highlight=False)
         raise typer.Exit(2)
 
 
@@ -134,6 +136,14 @@ def generate(
     with _user_errors():
         if layers_per_stage is not None:
             given["layers_per_stage"] = _int_list("layers_per_stage", layers_per_stage)
+        if workers is not None and workers < 1:
+            raise PlanError(f"workers: must be a positive integer, got {workers}")
+        if executor not in ("local", "dask"):
+            raise PlanError(f"executor: must be local or dask, got {executor!r}")
+        if scheduler is not None and executor != "dask":
+            raise PlanError("scheduler: applies to --executor dask only")
+        if workers is not None and executor == "dask":
+            raise PlanError("workers: applies to --executor local only (a Dask cluster has its own workers)")
         overrides = {k: v for k, v in given.items() if v is not None}
         plan = Plan.from_yaml(plan_file, overrides) if plan_file else Plan.from_dict(overrides)
         if count_only:
@@ -143,9 +153,7 @@ def generate(
             return
         if out is None:
             raise PlanError("out: give an output directory with -o/--out (or use --count-only)")
-        span = _rank_range(ranks) if ranks else None
-        if executor not in ("local", "dask"):
-            raise PlanError(f"executor: must be local or dask, got {executor!r}")
+        span = _rank_range(ranks) if ranks is not None else None
         with _progress("writing ranks", quiet) as progress:
             if executor == "dask":
                 from model_zoo import load_model
@@ -210,6 +218,27 @@ def plan_embeddings(
                f"(rank {fullest}), limit {plan.embedding_memory_gib or device_memory(plan.device):g} GiB")
 
 
+def _read_summary(out: Path) -> dict:
+    """OUT/summary.json, checked enough that every figure `stg summary` prints is there."""
+    path = out / "summary.json"
+    if not path.is_file():
+        raise OutputError(f"{out}: not a trace set (no summary.json)")
+    try:
+        data = json.loads(path.read_bytes().decode("utf-8"))
+    except (OSError, UnicodeDecodeError, RecursionError, ValueError) as error:
+        raise OutputError(f"{path}: not readable JSON ({type(error).__name__})") from None
+    ok = isinstance(data, dict) and isinstance(data.get("world_size"), int) and isinstance(data.get("rank_class"), list) \
+        and isinstance(data.get("rank_classes"), list) and isinstance(data.get("model"), dict) and all(
+            isinstance(c, dict) and isinstance(c.get("comm_bytes"), dict) and isinstance(c.get("comm_count"), dict)
+            and isinstance(c.get("memory"), dict) and all(k in c for k in ("flops", "send_bytes", "recv_bytes"))
+            for c in data["rank_classes"]) and "name" in data["model"] and "microbatches" in data \
+        and len(data["rank_class"]) == data["world_size"] \
+        and all(isinstance(k, int) and 0 <= k < len(data["rank_classes"]) for k in data["rank_class"])
+    if not ok:
+        raise OutputError(f"{path}: not an stg summary (fields missing or of the wrong type)")
+    return data
+
+
 def device_memory(name: str) -> float:
     from stg.device import device_spec
 
@@ -259,11 +288,8 @@ def summary(
 ):
     """Per rank: FLOPs, bytes per collective type, send/recv bytes and memory
     {weights, gradients, optimizer_states, activations, peak}, from OUT/summary.json."""
-    path = out / "summary.json"
-    if not path.is_file():
-        err.print(f"[red]error:[/red] {escape(str(out))}: not a trace set (no summary.json)", highlight=False)
-        raise typer.Exit(2)
-    data = json.loads(path.read_text())
+    with _user_errors():
+        data = _read_summary(out)
     classes = data["rank_classes"]
     if rank is not None:
         if not 0 <= rank < data["world_size"]:
@@ -348,6 +374,9 @@ def inspect(
     if not file.is_file():
         err.print(f"[red]error:[/red] {escape(str(file))}: no such file", highlight=False)
         raise typer.Exit(2)
+    if limit is not None and limit < 0:
+        err.print(f"[red]error:[/red] limit: must be an integer >= 0, got {limit}", highlight=False)
+        raise typer.Exit(2)
     try:
         for count, node in enumerate(iter_nodes(file)):
             if limit is not None and count >= limit:
@@ -369,6 +398,8 @@ def describe(
     from model_zoo import load_model
 
     with _user_errors():
+        if layers < 0:
+            raise PlanError(f"layers: must be an integer >= 0, got {layers}")
         loaded = load_model(model)
         graph = loaded.graph
     last = loaded.layers + 1
