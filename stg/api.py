@@ -189,7 +189,7 @@ def build(model: Model | str | Path | Mapping, plan: Plan | Mapping) -> Workload
         **{axis_symbol(axis): size for axis, size in mesh.axes},
     }
     check_divisibility(sharded, bindings)
-    _check_size(model, plan, sharded)
+    _check_sensible(model, plan, sharded)
     # what every rank of a stage shares sizes the collectives (slots padded to the widest);
     # each variant's own values size its compute and memory
     shared = Evaluator(bindings)
@@ -213,14 +213,20 @@ def build(model: Model | str | Path | Mapping, plan: Plan | Mapping) -> Workload
                     variant_map, embeddings)
 
 
-def _check_size(model: Model, plan: Plan, sharded: ShardedGraph) -> None:
+def _check_sensible(model: Model, plan: Plan, sharded: ShardedGraph) -> None:
     """Refuse, before lowering, a program too large to hold in memory (every micro-batch is
-    its own nodes): about the per-micro-batch ops of a stage times the micro-batches."""
+    its own nodes: about the per-micro-batch ops of a stage times the micro-batches), and plan
+    fields that would be silently ignored by this model."""
     per_microbatch = sum(1 for op in sharded.graph.ops if op.phase is not Phase.STEP) // plan.pp
     if plan.microbatches * per_microbatch > MAX_NODES:
         raise PlanError(f"global_batch={plan.global_batch}: {plan.microbatches:,} micro-batches of about "
                         f"{per_microbatch:,} nodes each is more than {MAX_NODES:,} trace nodes per rank; "
                         "raise micro_batch or dp, or lower global_batch")
+    named = {dim for tensor in sharded.graph.tensors.values() for dim in tensor.dims}
+    for logical, _ in plan.rules or ():
+        if logical not in named:
+            raise PlanError(f"rules: {logical}: model {model.name} has no logical axis {logical!r}; it has "
+                            f"{', '.join(sorted(named))}")
     if model.family not in ("mixtral", "deepseek") and not any(op.kind is OpKind.DISPATCH for op in sharded.graph.ops):
         for name, default in (("capacity_factor", 1.0), ("expert_skew", 0.0)):
             if getattr(plan, name) != default:
