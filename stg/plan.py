@@ -94,6 +94,10 @@ class Plan:
     device: str = DEFAULT_DEVICE
 
     def __post_init__(self):
+        for name in ("schedule", "device", "optimizer", "grad_dtype"):
+            value = getattr(self, name)
+            if not isinstance(value, str) and not (name == "grad_dtype" and value is None):
+                raise PlanError(f"{name}: must be a name, got {value!r}")
         for name in ("dp", "tp", "pp", "cp", "ep", "vpp", "local_world_size"):
             check_int(name, getattr(self, name), PlanError, maximum=MAX_WORLD)
         for name in ("micro_batch", "seq", "make_vocab_divisible_by"):
