@@ -52,7 +52,7 @@ def _deepseek_v3(c) -> dict:
         "moe_ffn": c("moe_intermediate_size"),
         "shared_experts": c("n_shared_experts", 0),
         "first_dense_layers": c("first_k_dense_replace", 0),
-        "q_lora_rank": c("q_lora_rank"),
+        "q_lora_rank": c("q_lora_rank", None),  # null in DeepSeek-V2-Lite: queries without compression
         "kv_lora_rank": c("kv_lora_rank"),
         "qk_nope_head_dim": c("qk_nope_head_dim"),
         "qk_rope_head_dim": c("qk_rope_head_dim"),

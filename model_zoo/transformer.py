@@ -126,7 +126,7 @@ class TransformerConfig:
         if not 0 <= self.first_dense_layers <= self.layers:
             raise ModelSpecError(f"{where}: first_dense_layers={self.first_dense_layers} is not within 0..{self.layers}")
         if self.attention == "mla":
-            for key in ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"):
+            for key in ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"):
                 if getattr(self, key) is None:
                     raise ModelSpecError(f"{where}: multi-head latent attention needs {key}")
         choices = {"norm": ("layernorm", "rmsnorm"), "mlp": ("gelu", "swiglu"), "positions": ("learned", "rope"),
@@ -155,8 +155,10 @@ class TransformerConfig:
         if self.experts is not None:
             sizes.update({moe.E: self.experts, moe.K: self.top_k, moe.FE: self.moe_ffn, moe.NS: self.shared_experts})
         if self.attention == "mla":
-            sizes.update({moe.QL: self.q_lora_rank, moe.KL: self.kv_lora_rank, moe.DN: self.qk_nope_head_dim,
+            sizes.update({moe.KL: self.kv_lora_rank, moe.DN: self.qk_nope_head_dim,
                           moe.DR: self.qk_rope_head_dim, moe.DV: self.v_head_dim})
+            if self.q_lora_rank is not None:  # none: queries projected directly (DeepSeek-V2-Lite)
+                sizes[moe.QL] = self.q_lora_rank
         return sizes
 
 
@@ -256,7 +258,10 @@ def build_transformer(config: TransformerConfig, flash_attention: bool = True) -
         g.layer = i
         p = f"layers.{i - 1}"
         h = norm_op(f"{p}.attn_norm", x)
-        out = moe.mla(g, p, h, H, A, flash_attention) if config.attention == "mla" else gqa_attention(p, h)
+        if config.attention == "mla":
+            out = moe.mla(g, p, h, H, A, flash_attention, q_lora=config.q_lora_rank is not None)
+        else:
+            out = gqa_attention(p, h)
         x = g.pointwise(f"{p}.attn_residual", Pointwise.ADD, x, out)
         x = mlp_block(p, x, moe_layer=config.experts is not None and i > config.first_dense_layers)
 

@@ -27,7 +27,7 @@ from stg.emit import Progress, count_trace_set, write_trace_set
 from stg.errors import PlanError
 from stg.groups import GroupIds
 from stg.graph import DType, OpKind, Phase
-from stg.limits import MAX_NODES
+from stg.limits import MAX_EMBEDDING_RANKS, MAX_NODES
 from parallelism.pipeline import cut, stage_plan, tie_gradients, untie
 from stg.chakra.writer import fixed_varint, rank_width
 from stg.lower import Evaluator, Pipeline, check_divisibility, lower
@@ -313,6 +313,9 @@ def embedding_plan(model: Model, plan: Plan) -> EmbeddingPlan | None:
                             "local_world_size)")
     if plan.recompute.value != "none" or plan.zero:
         raise PlanError(f"{'zero' if plan.zero else 'recompute'}: not supported for recommendation model {model.name}")
+    if plan.world_size > MAX_EMBEDDING_RANKS:
+        raise PlanError(f"dp*local_world_size = {plan.world_size:,}: the embedding planner places tables rank by "
+                        f"rank; at most {MAX_EMBEDDING_RANKS:,} ranks for recommendation models")
     memory_gib = plan.embedding_memory_gib or device_spec(plan.device).memory_gib
     return plan_embeddings(model.config, default=plan.embedding_sharding, overrides=plan.embeddings,
                            hosts=plan.dp, local=plan.local_world_size, batch=plan.micro_batch * plan.data_ranks,

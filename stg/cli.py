@@ -351,6 +351,7 @@ def validate(
         raise typer.Exit(1)
     ranks = len(list(out.glob("workload.*.et")))
     typer.echo(f"ok: {ranks} ranks in {out} are consistent" + (" and replay to completion" if replay else ""))
+    _warn_version(out / "workload.0.et")
     if timed is not None:
         from stg.chakra.validate import timed_replay
 
@@ -360,6 +361,22 @@ def validate(
         with _user_errors():
             timing = timed_replay(out, comm=timed)
         typer.echo(json.dumps(timing.to_dict()) if as_json else str(timing))
+
+
+CHAKRA_VERSIONS = ("0.0.4", "1.0.0")  # what mlcommons/chakra's generators write (shared/reference, A.3)
+
+
+def _warn_version(path: Path) -> None:
+    """ASTRA-sim ignores GlobalMetadata.version, so an unknown one is a warning, not a problem."""
+    from stg.chakra.reader import TraceFormatError, read_metadata
+
+    try:
+        version = read_metadata(path).version
+    except (OSError, TraceFormatError):
+        return  # validate reported whatever is wrong with the file
+    if version not in CHAKRA_VERSIONS:
+        err.print(f"warning: {escape(str(path))}: GlobalMetadata version {escape(repr(version))} is not a Chakra "
+                  f"schema version ({', '.join(CHAKRA_VERSIONS)}); ASTRA-sim ignores it", highlight=False)
 
 
 @app.command()

@@ -21,8 +21,9 @@ UINT64_MAX = 2**64 - 1
 # accelerators), a rank's program holds every micro-batch and every layer.
 MAX_WORLD = 2**22
 MAX_MICROBATCHES = 2**16
-MAX_LAYERS = 10_000
+MAX_LAYERS = 2048  # the deepest published models have ~10^2; 10^3 layers take ~10 s to build
 MAX_NODES = 2**22  # per rank: about 1.5 GB of node objects while lowering, minutes of work
+MAX_EMBEDDING_RANKS = 2**16  # the table planner's work and report grow with ranks x tables
 MAX_TABLES = 100_000  # embedding tables of one model (production DLRMs have ~10^3)
 
 # Chakra field -> (protobuf type, smallest, largest); stg/chakra/et_def.proto

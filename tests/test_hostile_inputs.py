@@ -171,3 +171,51 @@ def test_contradictory_options_of_other_commands(trace_set):
     assert code == 2 and one_line(output) and "layers: must be an integer >= 0" in output
     code, output = cli("schedule", "--pp", "2", "--microbatches", "4", "--schedule", "interleaved")
     assert code == 2 and one_line(output) and "needs vpp > 1" in output
+
+
+# --- finding 4: sizes that used to hang are refused at once ------------------------------------
+
+def test_sizes_that_would_hang_are_refused_fast(tmp_path):
+    checks = [
+        (["plan-embeddings", "dlrm-kaggle", "--dp", "1000000"], "at most 65,536 ranks for recommendation models"),
+        (["generate", "llama3-8b", "--dp", str(2**63), "--count-only"], "dp: 9223372036854775808 is too large"),
+        (["generate", "llama3-8b", "--global-batch", str(2**63), "-o", tmp_path / "o"], "global_batch: 922"),
+        (["schedule", "--pp", "4", "--microbatches", str(2**63)], "microbatches: 9223372036854775808 is too large"),
+        (["schedule", "--pp", str(2**63), "--microbatches", "4"], "pp: 9223372036854775808 is too large"),
+        (["generate", write(tmp_path, "deep.yaml", yaml.safe_dump({**TINY, "layers": 2**63})), "--count-only"],
+         "layers: 9223372036854775808 is too large"),
+        (["generate", write(tmp_path, "big.yaml", yaml.safe_dump({**DLRM, "tables": [1] * 100_001})), "--count-only"],
+         "100,001 tables is too many"),
+        (["generate", write(tmp_path, "huge.yaml", "# " + "x" * (17 * 2**20)), "--count-only"], "is too large for a"),
+    ]
+    for args, message in checks:
+        code, output = cli(*args)
+        assert code == 2 and one_line(output) and message in output, (args, output)
+
+
+# --- finding 10: DeepSeek-V2-Lite (no query compression) ---------------------------------------
+
+def test_deepseek_without_query_compression(tmp_path):
+    config = {"model_type": "deepseek_v3", "_name_or_path": "deepseek-ai/DeepSeek-V2-Lite", "num_hidden_layers": 27,
+              "hidden_size": 2048, "intermediate_size": 10944, "num_attention_heads": 16, "num_key_value_heads": 16,
+              "vocab_size": 102400, "n_routed_experts": 64, "num_experts_per_tok": 6, "moe_intermediate_size": 1408,
+              "n_shared_experts": 2, "first_k_dense_replace": 1, "q_lora_rank": None, "kv_lora_rank": 512,
+              "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "v_head_dim": 128, "tie_word_embeddings": False}
+    path = write(tmp_path, "config.json", json.dumps(config))
+    code, output = cli("describe", path)
+    assert code == 0 and "15,706,484,224 parameters" in output  # the model card's 15.7B
+    assert "q_b_nope" not in output and "attn.q_nope" in output
+
+
+def test_validate_warns_of_an_unknown_schema_version(broken):
+    from stg.chakra.writer import metadata_record
+
+    rank = broken / "workload.0.et"
+    data = rank.read_bytes()
+    header = metadata_record()
+    rank.write_bytes(metadata_record("9.9.9") + data[len(header):])
+    result = CliRunner().invoke(app, ["validate", str(broken)])
+    assert result.exit_code == 0
+    assert "warning:" in result.output and "version '9.9.9' is not a Chakra schema version" in result.output
+    rank.write_bytes(data)
+    assert "warning" not in CliRunner().invoke(app, ["validate", str(broken)]).output

@@ -149,6 +149,13 @@ def _open_stream(
     return metadata, records
 
 
+def read_metadata(path: str | os.PathLike[str]) -> pb.GlobalMetadata:
+    """The GlobalMetadata record that opens a .et file (nothing after it is read)."""
+    with open(path, "rb") as f:
+        metadata, _ = _open_stream(f, path)
+    return metadata
+
+
 def iter_node_records(path: str | os.PathLike[str]) -> Iterator[tuple[int, bytes]]:
     """Yield (byte offset, serialized Node) per node record, after checking the GlobalMetadata.
 
