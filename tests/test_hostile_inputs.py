@@ -219,3 +219,11 @@ def test_validate_warns_of_an_unknown_schema_version(broken):
     assert "warning:" in result.output and "version '9.9.9' is not a Chakra schema version" in result.output
     rank.write_bytes(data)
     assert "warning" not in CliRunner().invoke(app, ["validate", str(broken)]).output
+
+
+def test_a_bad_dask_scheduler_is_one_line(tmp_path):
+    model = write(tmp_path, "tiny.yaml", yaml.safe_dump(TINY))
+    code, output = cli("generate", model, "--seq", "16", "--executor", "dask", "--scheduler", "notaurl",
+                       "-o", tmp_path / "out")
+    assert code == 2 and one_line(output) and "scheduler: cannot connect to 'notaurl'" in output, output
+    assert not (tmp_path / "out").exists() and sorted(os.listdir(tmp_path)) == ["tiny.yaml"]
