@@ -100,9 +100,8 @@ class DescribedConfig:
             check_int(f"{where}: dimension {symbol}: size", size, ModelSpecError)
             symbols.append((symbol, size))
             axes.append((symbol, axis))
-        for field in ("inputs",):
-            if not isinstance(spec.get(field) or {}, dict):
-                raise ModelSpecError(f"{where}: {field} must map names to shapes")
+        if not isinstance(spec.get("inputs") or {}, dict):
+            raise ModelSpecError(f"{where}: inputs must map names to shapes")
         blocks = spec.get("blocks")
         if not isinstance(blocks, list) or len(blocks) < 2:
             raise ModelSpecError(f"{where}: blocks must be a list of at least two blocks (the first holds the "
@@ -110,8 +109,10 @@ class DescribedConfig:
         for index, block in enumerate(blocks):
             if not isinstance(block, dict):
                 raise ModelSpecError(f"{where}: block {index} must be a mapping (name, repeat, params, ops)")
-            if not isinstance(block.get("params") or {}, dict) or not isinstance(block.get("ops") or [], list):
-                raise ModelSpecError(f"{where}: block {index}: params must map names to shapes, ops be a list")
+            if not isinstance(block.get("params") or {}, dict) or not isinstance(block.get("ops") or [], list) \
+                    or not isinstance(block.get("name", ""), str):
+                raise ModelSpecError(f"{where}: block {index}: name must be text, params map names to shapes, "
+                                     "ops be a list")
             check_int(f"{where}: block {block.get('name', index)}: repeat", block.get("repeat", 1), ModelSpecError,
                       maximum=MAX_LAYERS)
         repeated = sum(b.get("repeat", 1) for b in blocks[1:-1])
@@ -169,7 +170,8 @@ class _Builder:
                 self.g.layer = layer
                 self.block(block, prefix)
                 layer += 1
-        if not any(str(line).split("=", 1)[-1].strip().startswith("cross_entropy(") for line in blocks[-1].get("ops") or []):
+        head_ops = [str(line).split("=", 1)[-1].strip() for line in blocks[-1].get("ops") or []]
+        if not any(op.startswith("cross_entropy(") for op in head_ops):
             raise self.error(f"block {blocks[-1].get('name', len(blocks) - 1)}", "no loss: the last block must end "
                              "in `loss = cross_entropy(logits, labels)`, where the backward starts")
         return self.g.build()

@@ -22,7 +22,7 @@ from typer.testing import CliRunner
 from stg.chakra.validate import validate
 from stg.cli import app
 
-CI = settings(max_examples=40, deadline=None, derandomize=True, database=None,
+CI = settings(max_examples=100, deadline=None, derandomize=True, database=None,
               suppress_health_check=[HealthCheck.too_slow])
 
 TINY = {"name": "tiny", "family": "llama", "layers": 2, "hidden": 64, "ffn": 128, "heads": 4, "vocab": 256}
