@@ -249,7 +249,7 @@ class _Builder:
         try:
             return parse_size(text, {d: _symbol(d) for d in self.axis} | {"CF": CF})
         except ExprError as error:
-            raise ModelSpecError(f"{what}: {error}") from None
+            raise ModelSpecError(f"{what} {text!r}: {error}") from None
 
 
 def _split(args: str) -> list[str]:

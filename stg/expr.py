@@ -30,6 +30,9 @@ _BINARY: dict[type, Callable] = {ast.Add: operator.add, ast.Sub: operator.sub, a
 _UNARY: dict[type, Callable] = {ast.USub: operator.neg, ast.UAdd: operator.pos}
 
 
+_NOT_A_SIZE = "not a size expression (allowed: names, integers, + - * / and parentheses)"
+
+
 class ExprError(ValueError):
     """Not a size expression; the message says why (the caller names the field)."""
 
@@ -61,7 +64,7 @@ def parse_size(text: object, symbols: Mapping[str, sympy.Symbol]) -> sympy.Expr:
     try:
         tree = ast.parse(text.strip(), mode="eval")
     except (SyntaxError, ValueError, RecursionError, MemoryError):
-        raise ExprError(f"cannot read {text!r}: allowed are names, integers, + - * / and parentheses") from None
+        raise ExprError(_NOT_A_SIZE) from None
     return _build(tree.body, text, symbols)
 
 
@@ -76,4 +79,4 @@ def _build(node: ast.AST, text: str, symbols: Mapping[str, sympy.Symbol]) -> sym
         return _BINARY[type(node.op)](_build(node.left, text, symbols), _build(node.right, text, symbols))
     if isinstance(node, ast.UnaryOp) and type(node.op) in _UNARY:
         return _UNARY[type(node.op)](_build(node.operand, text, symbols))
-    raise ExprError(f"cannot read {text!r}: allowed are names, integers, + - * / and parentheses")
+    raise ExprError(_NOT_A_SIZE)
