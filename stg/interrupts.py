@@ -47,9 +47,9 @@ class OneLineGroup(TyperGroup):
         previous = {sig: signal.signal(sig, _raise) for sig in (signal.SIGINT, signal.SIGTERM)}
         try:
             code = super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
-        except _NO_ARGS as error:  # `stg` alone: the help, as before
-            typer.echo(error.ctx.get_help() if error.ctx else str(error))
-            code = 0
+        except _NO_ARGS as error:  # `stg` alone: the help, as click prints it
+            error.show()
+            code = error.exit_code
         except _click.ClickException as error:
             where = f" (see {error.ctx.command_path} --help)" if getattr(error, "ctx", None) else ""
             typer.echo(f"error: {_one_line(error.format_message())}{where}", err=True)
