@@ -14,13 +14,13 @@ from pathlib import Path
 from typing import Any, Mapping
 
 import sympy
-import yaml
 
 from model_zoo.described import DescribedConfig, build_described
 from model_zoo.dlrm import DLRMConfig, TableGroup, build_dlrm
 from model_zoo.transformer import TransformerConfig, build_transformer
 from stg.errors import ModelSpecError
 from stg.graph import DType, Graph
+from stg.yamlio import read_yaml
 
 
 @dataclass(frozen=True)
@@ -135,10 +135,7 @@ def load_model(spec: str | Path | Mapping) -> Model:
 
 
 def _read_yaml(path) -> dict:
-    try:
-        data = yaml.safe_load(path.read_text())
-    except yaml.YAMLError as err:
-        raise ModelSpecError(f"model file {path}: not valid YAML ({str(err).splitlines()[0]})") from None
+    data = read_yaml(path, f"model file {path}", ModelSpecError)
     if not isinstance(data, dict):
         raise ModelSpecError(f"model file {path}: expected a mapping of fields, got {type(data).__name__}")
     return data
@@ -146,7 +143,7 @@ def _read_yaml(path) -> dict:
 
 def _from_dict(spec: dict, source: str) -> Model:
     family = spec.get("family")
-    if family not in FAMILIES:
+    if not isinstance(family, str) or family not in FAMILIES:
         raise ModelSpecError(
             f"model {spec.get('name')!r}: family must be one of {sorted(FAMILIES)}, got {family!r}"
         )

@@ -42,16 +42,26 @@ from typing import Any
 
 import sympy
 
-from model_zoo.moe import CF
+from model_zoo.moe import CF, LOAD
 from stg.builder import GraphBuilder
 from stg.costs import NormKind, Pointwise
 from stg.errors import ModelSpecError, StgError
+from stg.expr import ExprError, check_name, parse_size
 from stg.graph import Graph
+from stg.limits import MAX_LAYERS, check_int
+from stg.mesh import MESH_ORDER
 from stg.symbols import ATTN_FRACTION, B, S
 
 _LINE = re.compile(r"^\s*([A-Za-z_][\w.]*)\s*=\s*([a-z_]+)\((.*)\)\s*$")
 _POINTWISE = {"gelu": Pointwise.GELU, "silu": Pointwise.SILU, "swiglu": Pointwise.SWIGLU, "rope": Pointwise.ROPE,
               "add": Pointwise.ADD}
+# operands of each op (flags such as `causal` apart); an einsum's spec counts as one
+_ARITY = {"einsum": 3, "gelu": 1, "silu": 1, "swiglu": 2, "rope": 1, "add": 2, "rmsnorm": 2, "layernorm": 3,
+          "softmax": 1, "dropout": 1, "embedding": 2, "cross_entropy": 2, "constrain": 2, "route": 2,
+          "dispatch": 3, "combine": 2}
+# dimension names a description cannot declare: stg binds them from the plan or the mesh
+_RESERVED = frozenset({"B", "S", "CF", str(LOAD), str(ATTN_FRACTION), *MESH_ORDER})
+CONSTRAIN_TAGS = ("residual",)  # the layouts a description may anchor a tensor to
 
 
 @dataclass(frozen=True)
@@ -80,17 +90,33 @@ class DescribedConfig:
             raise ModelSpecError(f"{where}: dims must map a symbol to [logical axis, size]")
         symbols, axes = [], [("B", "batch"), ("S", "seq")]
         for symbol, entry in dims.items():
+            try:
+                check_name(symbol, _RESERVED)
+            except ExprError as error:
+                raise ModelSpecError(f"{where}: dims: dimension {error}") from None
             if not (isinstance(entry, list) and len(entry) == 2 and isinstance(entry[0], str)):
                 raise ModelSpecError(f"{where}: dimension {symbol}: expected [logical axis, size], got {entry!r}")
             axis, size = entry
-            if isinstance(size, bool) or not isinstance(size, int) or size <= 0:
-                raise ModelSpecError(f"{where}: dimension {symbol}: size must be a positive integer, got {size!r}")
+            check_int(f"{where}: dimension {symbol}: size", size, ModelSpecError)
             symbols.append((symbol, size))
             axes.append((symbol, axis))
+        if not isinstance(spec.get("inputs") or {}, dict):
+            raise ModelSpecError(f"{where}: inputs must map names to shapes")
         blocks = spec.get("blocks")
-        if not isinstance(blocks, list) or not blocks:
-            raise ModelSpecError(f"{where}: blocks must be a non-empty list")
-        repeated = sum(int(b.get("repeat", 1)) for b in blocks[1:-1]) if len(blocks) > 2 else 0
+        if not isinstance(blocks, list) or len(blocks) < 2:
+            raise ModelSpecError(f"{where}: blocks must be a list of at least two blocks (the first holds the "
+                                 "embedding, the last the head and loss)")
+        for index, block in enumerate(blocks):
+            if not isinstance(block, dict):
+                raise ModelSpecError(f"{where}: block {index} must be a mapping (name, repeat, params, ops)")
+            if not isinstance(block.get("params") or {}, dict) or not isinstance(block.get("ops") or [], list) \
+                    or not isinstance(block.get("name", ""), str):
+                raise ModelSpecError(f"{where}: block {index}: name must be text, params map names to shapes, "
+                                     "ops be a list")
+            check_int(f"{where}: block {block.get('name', index)}: repeat", block.get("repeat", 1), ModelSpecError,
+                      maximum=MAX_LAYERS)
+        repeated = sum(b.get("repeat", 1) for b in blocks[1:-1])
+        check_int(f"{where}: repeated blocks", max(repeated, 1), ModelSpecError, maximum=MAX_LAYERS)
         return cls(name, spec.get("family", "graph"), repeated, spec, tuple(symbols), tuple(axes))
 
     def sizes(self, vocab_multiple: int = 1) -> dict[sympy.Symbol, int]:
@@ -116,15 +142,15 @@ class _Builder:
         return ModelSpecError(f"model {self.config.name!r}, {where}: {message}")
 
     def shape(self, where: str, dims: list) -> tuple[list, list[str]]:
-        if not isinstance(dims, list):
-            raise self.error(where, f"shape must be a list of dimensions, got {dims!r}")
+        if not isinstance(dims, list) or not dims:
+            raise self.error(where, f"shape must be a non-empty list of dimensions, got {dims!r}")
         shape, axes = [], []
         for dim in dims:
-            expr = sympy.sympify(dim, locals={str(d): _symbol(str(d)) for d in self.axis} | {"CF": CF})
+            try:
+                expr = parse_size(dim, {d: _symbol(d) for d in self.axis})
+            except ExprError as error:
+                raise self.error(where, f"shape entry {dim!r}: {error}") from None
             free = [str(s) for s in expr.free_symbols]
-            unknown = [s for s in free if s not in self.axis]
-            if unknown:
-                raise self.error(where, f"unknown dimension(s) {unknown}; declared: {sorted(self.axis)}")
             if len(free) != 1:
                 raise self.error(where, f"dimension {dim!r} must name exactly one declared dimension")
             shape.append(expr)
@@ -138,12 +164,16 @@ class _Builder:
         blocks = self.config.spec["blocks"]
         layer = 0
         for index, block in enumerate(blocks):
-            repeat = int(block.get("repeat", 1))
+            repeat = block.get("repeat", 1)
             for copy in range(repeat):
                 prefix = block.get("name", f"block{index}") + (f".{copy}" if repeat > 1 else "")
                 self.g.layer = layer
                 self.block(block, prefix)
                 layer += 1
+        head_ops = [str(line).split("=", 1)[-1].strip() for line in blocks[-1].get("ops") or []]
+        if not any(op.startswith("cross_entropy(") for op in head_ops):
+            raise self.error(f"block {blocks[-1].get('name', len(blocks) - 1)}", "no loss: the last block must end "
+                             "in `loss = cross_entropy(logits, labels)`, where the backward starts")
         return self.g.build()
 
     def block(self, block: dict, prefix: str) -> None:
@@ -156,6 +186,8 @@ class _Builder:
             if not match:
                 raise self.error(f"block {prefix}", f"cannot read op {line!r}; expected `out = op(args)`")
             out, op, args = match.groups()
+            if op not in _ARITY:
+                raise self.error(f"op {prefix}.{out} = {op}(...)", f"unknown op {op!r}; known: {', '.join(_ARITY)}")
             try:
                 local[out] = self.op(f"{prefix}.{out}", op, _split(args), local)
             except StgError as err:
@@ -167,6 +199,10 @@ class _Builder:
         name = _unique(name, g.tensors)
         flags = {a for a in args if a in ("causal", "fused")}
         values = [a for a in args if a not in flags]
+        if len(values) != _ARITY[op]:
+            raise ModelSpecError(f"{op} takes {_ARITY[op]} argument(s), got {len(values)}")
+        if flags and op != "einsum":
+            raise ModelSpecError(f"{sorted(flags)[0]} applies to einsum only")
 
         def tensor(arg: str) -> str:
             if arg not in local:
@@ -198,19 +234,22 @@ class _Builder:
         if op == "cross_entropy":
             return g.cross_entropy(name, tensor(values[0]), tensor(values[1]))
         if op == "constrain":
+            if values[1] not in CONSTRAIN_TAGS:
+                raise ModelSpecError(f"constrain: unknown layout {values[1]!r}; known: {', '.join(CONSTRAIN_TAGS)}")
             return g.constrain(name, tensor(values[0]), values[1])
         if op == "route":
-            return g.route(name, tensor(values[0]), values[1])
+            return g.route(name, tensor(values[0]), self.size("k", values[1]))
         if op == "dispatch":
-            capacity = sympy.sympify(values[2], locals={d: _symbol(d) for d in self.axis})
-            unknown = [str(s) for s in capacity.free_symbols if str(s) not in self.axis and str(s) != "CF"]
-            if unknown:
-                raise ModelSpecError(f"capacity {values[2]!r}: unknown dimension(s) {unknown}")
-            return g.dispatch(name, tensor(values[0]), tensor(values[1]), capacity)
-        if op == "combine":
-            return g.combine(name, tensor(values[0]), tensor(values[1]))
-        raise ModelSpecError(f"unknown op {op!r}; known: einsum, {', '.join(_POINTWISE)}, rmsnorm, layernorm, "
-                             "softmax, dropout, embedding, cross_entropy, constrain, route, dispatch, combine")
+            return g.dispatch(name, tensor(values[0]), tensor(values[1]), self.size("capacity", values[2]))
+        assert op == "combine", op
+        return g.combine(name, tensor(values[0]), tensor(values[1]))
+
+    def size(self, what: str, text: str) -> sympy.Expr:
+        """A size argument (route's k, dispatch's capacity): declared dimensions, CF, integers."""
+        try:
+            return parse_size(text, {d: _symbol(d) for d in self.axis} | {"CF": CF})
+        except ExprError as error:
+            raise ModelSpecError(f"{what} {text!r}: {error}") from None
 
 
 def _split(args: str) -> list[str]:

@@ -30,6 +30,7 @@ from stg.builder import GraphBuilder
 from stg.costs import Optimizer, Pointwise
 from stg.errors import ModelSpecError
 from stg.graph import DType, Graph
+from stg.limits import MAX_TABLES, check_int, check_number
 from stg.symbols import B
 
 D = sympy.Symbol("D", positive=True, integer=True)  # embedding dimension
@@ -154,14 +155,15 @@ class DLRMConfig:
 
 
 def _positive(name: str, key: str, value: Any) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise ModelSpecError(f"model {name}: {key} must be a positive integer, got {value!r}")
+    check_int(f"model {name}: {key}", value, ModelSpecError)
 
 
 def _tables(name: str, items: Any) -> tuple[Table, ...]:
     """`tables`: a list of row counts, or of {rows, pooling, name} mappings."""
     if not isinstance(items, list) or not items:
         raise ModelSpecError(f"model {name}: tables must be a non-empty list of row counts or {{rows, pooling, name}}")
+    if len(items) > MAX_TABLES:
+        raise ModelSpecError(f"model {name}: tables: {len(items):,} tables is too many (at most {MAX_TABLES:,})")
     tables = []
     for i, item in enumerate(items):
         item = {"rows": item} if not isinstance(item, dict) else item
@@ -169,10 +171,8 @@ def _tables(name: str, items: Any) -> tuple[Table, ...]:
         if unknown:
             raise ModelSpecError(f"model {name}: tables[{i}]: unknown field(s) {unknown}; known: name, pooling, rows")
         _positive(name, f"tables[{i}].rows", item.get("rows"))
-        pooling = item.get("pooling", 1)
-        if isinstance(pooling, bool) or not isinstance(pooling, (int, float)) or pooling <= 0:
-            raise ModelSpecError(f"model {name}: tables[{i}].pooling must be a positive number of ids per sample, "
-                                 f"got {pooling!r}")
+        pooling = check_number(f"model {name}: tables[{i}].pooling", item.get("pooling", 1), ModelSpecError,
+                               maximum=2**20)
         tables.append(Table(str(item.get("name", f"t{i}")), item["rows"], Fraction(str(pooling))))
     names = [t.name for t in tables]
     if len(set(names)) != len(names):

@@ -52,7 +52,7 @@ def _deepseek_v3(c) -> dict:
         "moe_ffn": c("moe_intermediate_size"),
         "shared_experts": c("n_shared_experts", 0),
         "first_dense_layers": c("first_k_dense_replace", 0),
-        "q_lora_rank": c("q_lora_rank"),
+        "q_lora_rank": c("q_lora_rank", None),  # null in DeepSeek-V2-Lite: queries without compression
         "kv_lora_rank": c("kv_lora_rank"),
         "qk_nope_head_dim": c("qk_nope_head_dim"),
         "qk_rope_head_dim": c("qk_rope_head_dim"),
@@ -78,17 +78,25 @@ MODEL_TYPES: dict[str, Callable] = {
 }
 
 
+def _no_constant(name: str):
+    raise ValueError(f"{name} is not a size (JSON has no NaN or Infinity)")
+
+
 def from_hf_config(path: str | Path) -> dict:
     """The model dict for a HuggingFace config.json (a file, or a folder holding one)."""
     path = Path(path)
     if path.is_dir():
         path = path / "config.json"
     try:
-        config = json.loads(path.read_text())
+        config = json.loads(path.read_bytes().decode("utf-8"), parse_constant=_no_constant)
     except OSError as err:
         raise ModelSpecError(f"HuggingFace config {path}: cannot read ({err.strerror})") from None
+    except UnicodeDecodeError as err:
+        raise ModelSpecError(f"HuggingFace config {path}: not UTF-8 text (byte {err.start})") from None
     except json.JSONDecodeError as err:
         raise ModelSpecError(f"HuggingFace config {path}: not valid JSON ({err.msg}, line {err.lineno})") from None
+    except (RecursionError, ValueError) as err:
+        raise ModelSpecError(f"HuggingFace config {path}: {err if isinstance(err, ValueError) else 'nested too deeply'}") from None
     if not isinstance(config, dict):
         raise ModelSpecError(f"HuggingFace config {path}: expected a JSON object")
     model_type = config.get("model_type")

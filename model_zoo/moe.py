@@ -55,11 +55,13 @@ def moe_mlp(g: GraphBuilder, p: str, h: str, hidden, shared: bool) -> tuple[str,
     return routed, g.constrain(f"{p}.shared.out", s_down, "residual")
 
 
-def mla(g: GraphBuilder, p: str, h: str, hidden, heads, flash: bool, rope: bool = True) -> str:
-    """DeepSeek's multi-head latent attention: queries through a low-rank (q_lora) bottleneck,
-    keys and values through a shared kv_lora latent, a decoupled rotary part of the keys
-    shared by all heads. The fused projections are kept as separate weights of the same
-    total size (q_b = [nope | rope], kv_a = [latent | rope], kv_b = [k_nope | v])."""
+def mla(g: GraphBuilder, p: str, h: str, hidden, heads, flash: bool, rope: bool = True,
+        q_lora: bool = True) -> str:
+    """DeepSeek's multi-head latent attention: queries through a low-rank (q_lora) bottleneck
+    (or, without q_lora as in DeepSeek-V2-Lite, one direct projection), keys and values
+    through a shared kv_lora latent, a decoupled rotary part of the keys shared by all heads.
+    The fused projections are kept as separate weights of the same total size
+    (q_b = [nope | rope], kv_a = [latent | rope], kv_b = [k_nope | v])."""
     core = {"attention_core": True}
 
     def proj(name: str, spec: str, x: str, shape: list, dims: list[str]) -> str:
@@ -68,9 +70,13 @@ def mla(g: GraphBuilder, p: str, h: str, hidden, heads, flash: bool, rope: bool 
     def rms(name: str, x: str, size, dim: str) -> str:
         return g.norm(f"{p}.attn.{name}", NormKind.RMS_NORM, x, g.weight(f"{p}.attn.{name}.weight", [size], [dim]))
 
-    cq = rms("q_a_norm", proj("q_a", "bsh,hq->bsq", h, [hidden, QL], ["embed", "q_lora"]), QL, "q_lora")
-    q_nope = proj("q_b_nope", "bsq,qad->bsad", cq, [QL, heads, DN], ["q_lora", "heads", "nope_dim"])
-    q_rope = proj("q_b_rope", "bsq,qar->bsar", cq, [QL, heads, DR], ["q_lora", "heads", "rope_dim"])
+    if q_lora:
+        cq = rms("q_a_norm", proj("q_a", "bsh,hq->bsq", h, [hidden, QL], ["embed", "q_lora"]), QL, "q_lora")
+        q_nope = proj("q_b_nope", "bsq,qad->bsad", cq, [QL, heads, DN], ["q_lora", "heads", "nope_dim"])
+        q_rope = proj("q_b_rope", "bsq,qar->bsar", cq, [QL, heads, DR], ["q_lora", "heads", "rope_dim"])
+    else:
+        q_nope = proj("q_nope", "bsh,had->bsad", h, [hidden, heads, DN], ["embed", "heads", "nope_dim"])
+        q_rope = proj("q_rope", "bsh,har->bsar", h, [hidden, heads, DR], ["embed", "heads", "rope_dim"])
     ckv = rms("kv_a_norm", proj("kv_a", "bsh,hc->bsc", h, [hidden, KL], ["embed", "kv_lora"]), KL, "kv_lora")
     k_rope = proj("kv_a_rope", "bsh,hr->bsr", h, [hidden, DR], ["embed", "rope_dim"])
     if rope:

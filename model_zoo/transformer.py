@@ -22,6 +22,7 @@ from stg.builder import GraphBuilder
 from stg.costs import NormKind, Pointwise
 from stg.errors import ModelSpecError
 from stg.graph import DType, Graph
+from stg.limits import MAX_LAYERS, check_int, check_number
 from stg.symbols import ATTN_FRACTION, B, KV_TOKENS, PAIRS, S, SAMPLED
 
 MODEL_DTYPES = ("bf16", "fp16", "fp32")
@@ -99,23 +100,25 @@ class TransformerConfig:
 
     def _check(self) -> None:
         where = f"model {self.name!r}"
-        for key in ("layers", "hidden", "ffn", "heads", "vocab", "kv_heads", "head_dim", "max_positions"):
-            value = getattr(self, key)
-            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value <= 0):
-                raise ModelSpecError(f"{where}: {key} must be a positive integer, got {value!r}")
+        check_int(f"{where}: layers", self.layers, ModelSpecError, maximum=MAX_LAYERS)
+        for key in ("hidden", "ffn", "heads", "vocab", "kv_heads", "head_dim", "max_positions", "experts", "top_k",
+                    "moe_ffn", "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"):
+            if getattr(self, key) is not None:
+                check_int(f"{where}: {key}", getattr(self, key), ModelSpecError)
+        for key in ("shared_experts", "first_dense_layers"):
+            check_int(f"{where}: {key}", getattr(self, key), ModelSpecError, minimum=0)
+        for key in ("bias", "tied_embeddings", "qkv_bias", "qk_norm"):
+            if not isinstance(getattr(self, key), bool):
+                raise ModelSpecError(f"{where}: {key}: must be true or false, got {getattr(self, key)!r}")
+        if self.family in ("mixtral", "deepseek") and self.experts is None:
+            raise ModelSpecError(f"{where}: family {self.family} is a mixture of experts; give experts")
         if self.head_dim is None and self.hidden % self.heads:
             raise ModelSpecError(f"{where}: heads={self.heads} does not divide hidden={self.hidden}; give head_dim")
         if self.heads % self.kv_heads_count:
             raise ModelSpecError(f"{where}: kv_heads={self.kv_heads_count} does not divide heads={self.heads}")
         if self.positions == "learned" and self.max_positions is None:
             raise ModelSpecError(f"{where}: learned positions need max_positions")
-        if not isinstance(self.dropout, (int, float)) or isinstance(self.dropout, bool) or not 0 <= self.dropout < 1:
-            raise ModelSpecError(f"{where}: dropout must be a probability in [0, 1), got {self.dropout!r}")
-        for key in ("experts", "top_k", "moe_ffn", "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim",
-                    "qk_rope_head_dim", "v_head_dim"):
-            value = getattr(self, key)
-            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value <= 0):
-                raise ModelSpecError(f"{where}: {key} must be a positive integer, got {value!r}")
+        check_number(f"{where}: dropout", self.dropout, ModelSpecError, inclusive=True, maximum=0.999999)
         if self.experts is not None:
             for key in ("top_k", "moe_ffn"):
                 if getattr(self, key) is None:
@@ -127,7 +130,7 @@ class TransformerConfig:
         if not 0 <= self.first_dense_layers <= self.layers:
             raise ModelSpecError(f"{where}: first_dense_layers={self.first_dense_layers} is not within 0..{self.layers}")
         if self.attention == "mla":
-            for key in ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"):
+            for key in ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"):
                 if getattr(self, key) is None:
                     raise ModelSpecError(f"{where}: multi-head latent attention needs {key}")
         choices = {"norm": ("layernorm", "rmsnorm"), "mlp": ("gelu", "swiglu"), "positions": ("learned", "rope"),
@@ -156,8 +159,10 @@ class TransformerConfig:
         if self.experts is not None:
             sizes.update({moe.E: self.experts, moe.K: self.top_k, moe.FE: self.moe_ffn, moe.NS: self.shared_experts})
         if self.attention == "mla":
-            sizes.update({moe.QL: self.q_lora_rank, moe.KL: self.kv_lora_rank, moe.DN: self.qk_nope_head_dim,
+            sizes.update({moe.KL: self.kv_lora_rank, moe.DN: self.qk_nope_head_dim,
                           moe.DR: self.qk_rope_head_dim, moe.DV: self.v_head_dim})
+            if self.q_lora_rank is not None:  # none: queries projected directly (DeepSeek-V2-Lite)
+                sizes[moe.QL] = self.q_lora_rank
         return sizes
 
 
@@ -286,8 +291,11 @@ def build_transformer(config: TransformerConfig, flash_attention: bool = True, f
         p = f"layers.{i - 1}"
         h = norm_op(f"{p}.attn_norm", x)
         if config.attention == "mla":
-            out = (moe.mla(g, p, h, H, A, flash_attention) if kv_cache is None
-                   else moe.mla_cached(g, p, h, H, A, kv_cache, PAIRS, KV_TOKENS))
+            if kv_cache is not None and config.q_lora_rank is None:
+                raise ModelSpecError(f"model {config.name}: serving MLA without q_lora_rank (DeepSeek-V2-Lite) "
+                                     "is not supported yet")
+            out = (moe.mla(g, p, h, H, A, flash_attention, q_lora=config.q_lora_rank is not None)
+                   if kv_cache is None else moe.mla_cached(g, p, h, H, A, kv_cache, PAIRS, KV_TOKENS))
         else:
             out = gqa_attention(p, h)
         x = g.pointwise(f"{p}.attn_residual", Pointwise.ADD, x, out)

@@ -29,6 +29,7 @@ from stg.emit import Progress, count_trace_set, write_trace_set
 from stg.errors import PlanError
 from stg.groups import GroupIds
 from stg.graph import DType, OpKind, Phase
+from stg.limits import MAX_EMBEDDING_RANKS, MAX_NODES
 from parallelism.pipeline import cut, stage_plan, tie_gradients, untie
 from stg.chakra.writer import fixed_varint, rank_width
 from stg.lower import Evaluator, Pipeline, check_divisibility, lower
@@ -243,6 +244,7 @@ def build(model: Model | str | Path | Mapping, plan: Plan | Mapping, *, memory_l
         **{axis_symbol(axis): size for axis, size in mesh.axes},
     }
     check_divisibility(sharded, bindings)
+    _check_sensible(model, plan, sharded)
     # what every rank of a stage shares sizes the collectives (slots padded to the widest);
     # each variant's own values size its compute and memory
     shared = Evaluator(bindings)
@@ -269,6 +271,26 @@ def build(model: Model | str | Path | Mapping, plan: Plan | Mapping, *, memory_l
                 for rank in range(plan.pp) for evaluate in evaluators]
     return Workload(model, plan, mesh, sharded, tuple(programs), tuple(memories), bindings, variant_axes,
                     variant_map, embeddings, stages)
+
+
+def _check_sensible(model: Model, plan: Plan, sharded: ShardedGraph) -> None:
+    """Refuse, before lowering, a program too large to hold in memory (every micro-batch is
+    its own nodes: about the per-micro-batch ops of a stage times the micro-batches), and plan
+    fields that would be silently ignored by this model."""
+    per_microbatch = sum(1 for op in sharded.graph.ops if op.phase is not Phase.STEP) // plan.pp
+    if plan.microbatches * per_microbatch > MAX_NODES:
+        raise PlanError(f"global_batch={plan.global_batch}: {plan.microbatches:,} micro-batches of about "
+                        f"{per_microbatch:,} nodes each is more than {MAX_NODES:,} trace nodes per rank; "
+                        "raise micro_batch or dp, or lower global_batch")
+    named = {dim for tensor in sharded.graph.tensors.values() for dim in tensor.dims}
+    for logical, _ in plan.rules or ():
+        if logical not in named:
+            raise PlanError(f"rules: {logical}: model {model.name} has no logical axis {logical!r}; it has "
+                            f"{', '.join(sorted(named))}")
+    if model.family not in ("mixtral", "deepseek") and not any(op.kind is OpKind.DISPATCH for op in sharded.graph.ops):
+        for name, default in (("capacity_factor", 1.0), ("expert_skew", 0.0)):
+            if getattr(plan, name) != default:
+                raise PlanError(f"{name}: applies to mixture-of-experts models, not {model.name} (no experts)")
 
 
 @dataclass(frozen=True)
@@ -356,6 +378,9 @@ def embedding_plan(model: Model, plan: Plan) -> EmbeddingPlan | None:
                             "local_world_size)")
     if plan.recompute.value != "none" or plan.zero:
         raise PlanError(f"{'zero' if plan.zero else 'recompute'}: not supported for recommendation model {model.name}")
+    if plan.world_size > MAX_EMBEDDING_RANKS:
+        raise PlanError(f"dp*local_world_size = {plan.world_size:,}: the embedding planner places tables rank by "
+                        f"rank; at most {MAX_EMBEDDING_RANKS:,} ranks for recommendation models")
     memory_gib = plan.embedding_memory_gib or device_spec(plan.device).memory_gib
     return plan_embeddings(model.config, default=plan.embedding_sharding, overrides=plan.embeddings,
                            hosts=plan.dp, local=plan.local_world_size, batch=plan.micro_batch * plan.data_ranks,

@@ -18,16 +18,18 @@ from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from stg.errors import PlanError, StgError
+from stg.errors import OutputError, PlanError, StgError
+from stg.interrupts import OneLineGroup
 
 app = typer.Typer(
+    cls=OneLineGroup,  # argument errors and interrupts: one line, not click's usage block
     help="Synthesize per-rank Chakra execution traces of distributed training from a model description.",
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,
     rich_markup_mode=None,  # help texts print as written: rich markup ate "[default: 1]", markdown "<rank>"
 )
-err = Console(stderr=True)
+err = Console(stderr=True, soft_wrap=True)  # an error is one line, however narrow the terminal or pipe
 
 # generate's help panels, in print order (typer draws panels only in rich markup mode)
 PANELS = ("Model & batch", "Parallelism", "Memory & precision", "MoE", "Recommendation models", "Output & scale")
@@ -58,7 +60,7 @@ def _user_errors() -> Iterator[None]:
     try:
         yield
     except StgError as error:
-        err.print(f"[red]error:[/red] {escape(str(error))}", highlight=False, soft_wrap=True)
+        err.print(f"[red]error:[/red] {escape(' '.join(str(error).split()))}", highlight=False)
         raise typer.Exit(2)
 
 
@@ -162,6 +164,14 @@ def generate(
         if layers_per_stage is not None:
             given["layers_per_stage"] = (layers_per_stage if layers_per_stage == "auto"
                                          else _int_list("layers_per_stage", layers_per_stage))
+        if workers is not None and workers < 1:
+            raise PlanError(f"workers: must be a positive integer, got {workers}")
+        if executor not in ("local", "dask"):
+            raise PlanError(f"executor: must be local or dask, got {executor!r}")
+        if scheduler is not None and executor != "dask":
+            raise PlanError("scheduler: applies to --executor dask only")
+        if workers is not None and executor == "dask":
+            raise PlanError("workers: applies to --executor local only (a Dask cluster has its own workers)")
         overrides = {k: v for k, v in given.items() if v is not None}
         plan = Plan.from_yaml(plan_file, overrides) if plan_file else Plan.from_dict(overrides)
         if count_only:
@@ -171,9 +181,7 @@ def generate(
             return
         if out is None:
             raise PlanError("out: give an output directory with -o/--out (or use --count-only)")
-        span = _rank_range(ranks) if ranks else None
-        if executor not in ("local", "dask"):
-            raise PlanError(f"executor: must be local or dask, got {executor!r}")
+        span = _rank_range(ranks) if ranks is not None else None
         with _progress("writing ranks", quiet) as progress:
             if executor == "dask":
                 from model_zoo import load_model
@@ -238,6 +246,27 @@ def plan_embeddings(
                f"(rank {fullest}), limit {plan.embedding_memory_gib or device_memory(plan.device):g} GiB")
 
 
+def _read_summary(out: Path) -> dict:
+    """OUT/summary.json, checked enough that every figure `stg summary` prints is there."""
+    path = out / "summary.json"
+    if not path.is_file():
+        raise OutputError(f"{out}: not a trace set (no summary.json)")
+    try:
+        data = json.loads(path.read_bytes().decode("utf-8"))
+    except (OSError, UnicodeDecodeError, RecursionError, ValueError) as error:
+        raise OutputError(f"{path}: not readable JSON ({type(error).__name__})") from None
+    ok = isinstance(data, dict) and isinstance(data.get("world_size"), int) and isinstance(data.get("rank_class"), list) \
+        and isinstance(data.get("rank_classes"), list) and isinstance(data.get("model"), dict) and all(
+            isinstance(c, dict) and isinstance(c.get("comm_bytes"), dict) and isinstance(c.get("comm_count"), dict)
+            and isinstance(c.get("memory"), dict) and all(k in c for k in ("flops", "send_bytes", "recv_bytes"))
+            for c in data["rank_classes"]) and "name" in data["model"] and "microbatches" in data \
+        and len(data["rank_class"]) == data["world_size"] \
+        and all(isinstance(k, int) and 0 <= k < len(data["rank_classes"]) for k in data["rank_class"])
+    if not ok:
+        raise OutputError(f"{path}: not an stg summary (fields missing or of the wrong type)")
+    return data
+
+
 def device_memory(name: str) -> float:
     from stg.device import device_spec
 
@@ -271,9 +300,6 @@ def show_schedule(
     from stg.schedule import SPLIT_BACKWARD, grid, make_schedule, simulate
 
     with _user_errors():
-        for name, value in (("pp", pp), ("microbatches", microbatches), ("vpp", vpp)):
-            if value < 1:
-                raise PlanError(f"{name}: must be a positive integer, got {value}")
         plan = make_schedule(schedule, pp, microbatches, vpp)
     typer.echo(grid(plan))
     makespan, busy = simulate(plan, lambda a: 1.0 / vpp, vpp, schedule in SPLIT_BACKWARD)
@@ -290,11 +316,8 @@ def summary(
 ):
     """Per rank: FLOPs, bytes per collective type, send/recv bytes and memory
     {weights, gradients, optimizer_states, activations, peak}, from OUT/summary.json."""
-    path = out / "summary.json"
-    if not path.is_file():
-        err.print(f"[red]error:[/red] {escape(str(out))}: not a trace set (no summary.json)", highlight=False)
-        raise typer.Exit(2)
-    data = json.loads(path.read_text())
+    with _user_errors():
+        data = _read_summary(out)
     classes = data["rank_classes"]
     if rank is not None:
         if not 0 <= rank < data["world_size"]:
@@ -360,6 +383,7 @@ def validate(
         raise typer.Exit(2)
     ranks = len(list(out.glob("workload.*.et")))
     typer.echo(f"ok: {ranks} ranks in {out} are consistent" + (" and replay to completion" if replay else ""))
+    _warn_version(out / "workload.0.et")
     if timed is not None:
         from stg.chakra.validate import timed_replay
 
@@ -374,6 +398,22 @@ def validate(
         typer.echo(json.dumps(timing.to_dict()) if as_json else str(timing))
 
 
+CHAKRA_VERSIONS = ("0.0.4", "1.0.0")  # what mlcommons/chakra's generators write (shared/reference, A.3)
+
+
+def _warn_version(path: Path) -> None:
+    """ASTRA-sim ignores GlobalMetadata.version, so an unknown one is a warning, not a problem."""
+    from stg.chakra.reader import TraceFormatError, read_metadata
+
+    try:
+        version = read_metadata(path).version
+    except (OSError, TraceFormatError):
+        return  # validate reported whatever is wrong with the file
+    if version not in CHAKRA_VERSIONS:
+        err.print(f"warning: {escape(str(path))}: GlobalMetadata version {escape(repr(version))} is not a Chakra "
+                  f"schema version ({', '.join(CHAKRA_VERSIONS)}); ASTRA-sim ignores it", highlight=False)
+
+
 @app.command()
 def inspect(
     file: Path = typer.Argument(..., help="One rank's .et file."),
@@ -385,6 +425,9 @@ def inspect(
 
     if not file.is_file():
         err.print(f"[red]error:[/red] {escape(str(file))}: no such file", highlight=False)
+        raise typer.Exit(2)
+    if limit is not None and limit < 0:
+        err.print(f"[red]error:[/red] limit: must be an integer >= 0, got {limit}", highlight=False)
         raise typer.Exit(2)
     try:
         for count, node in enumerate(iter_nodes(file)):
@@ -407,6 +450,8 @@ def describe(
     from model_zoo import load_model
 
     with _user_errors():
+        if layers < 0:
+            raise PlanError(f"layers: must be an integer >= 0, got {layers}")
         loaded = load_model(model)
         graph = loaded.graph
     last = loaded.layers + 1

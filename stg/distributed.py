@@ -26,6 +26,15 @@ def _write_range(config, source: str, plan: Plan, folder: str, start: int, stop:
     return Stamper(workload).write(Path(folder), range(start, stop))
 
 
+def _connect(client_type, address, scheduler: str | None):
+    """A Dask client, or one line saying why there is none (a bad address, nobody listening)."""
+    try:
+        return client_type(address, timeout="10s")
+    except (OSError, ValueError, TypeError) as error:  # TimeoutError is an OSError
+        reason = " ".join(str(error).split()) or type(error).__name__
+        raise StgError(f"scheduler: cannot connect to {scheduler!r} ({reason[:200]})") from None
+
+
 def generate_on_dask(model: Model, plan: Plan, out: Path, *, scheduler: str | None = None,
                      ranks: range | None = None, tasks: int | None = None,
                      progress: Progress | None = None) -> dict:
@@ -45,7 +54,7 @@ def generate_on_dask(model: Model, plan: Plan, out: Path, *, scheduler: str | No
         write_groups(folder / "workload.json", workload.group_ids)
         write_json(folder / "summary.json", summary)
         cluster = None if scheduler else LocalCluster(n_workers=2, threads_per_worker=1, processes=True)
-        with Client(scheduler or cluster) as client:
+        with _connect(Client, scheduler or cluster, scheduler) as client:
             pieces = tasks or max(1, 4 * len(client.scheduler_info()["workers"]))
             futures = [client.submit(_write_range, model.config, model.source, plan, str(folder), r.start, r.stop,
                                      pure=False) for r in split_ranks(ranks, pieces)]

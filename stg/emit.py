@@ -1,50 +1,24 @@
 """Writing a trace set: stamp every rank from its class skeleton, stream it to disk.
 
-The set is written into a temporary directory beside OUT and renamed into place at the end,
-so a failure never leaves a half-written OUT. Memory stays flat in the number of ranks:
+The set is written into a temporary directory beside OUT and swapped into place at the end
+(stg/outdir.py), so a failure or an interrupt never leaves a half-written or missing OUT. Memory stays flat in the number of ranks:
 one skeleton per (class, hole widths) and one rank's bytes at a time.
 """
 
 from __future__ import annotations
 
 import json
-import os
 import shutil
-import tempfile
+import signal
 from pathlib import Path
 from typing import Callable, Mapping
 
 from stg.chakra.writer import Skeleton, build_skeleton, metadata_record
 from stg.errors import OutputError
 from stg.groups import GroupIds
+from stg.outdir import commit_output, prepare_output, prepare_range
 
 Progress = Callable[[int, int], None]
-
-
-def prepare_output(out: Path) -> Path:
-    if out.exists() and not out.is_dir():
-        raise OutputError(f"output {out}: exists and is not a directory")
-    if out.is_dir() and any(out.iterdir()) and not (out / "workload.json").exists():
-        raise OutputError(f"output {out}: a non-empty directory that is not an stg trace set; refusing to replace it")
-    try:
-        out.parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.parent))
-    except OSError as err:
-        raise OutputError(f"output {out}: cannot write there ({err.strerror})") from None
-    umask = os.umask(0)
-    os.umask(umask)
-    tmp.chmod(0o777 & ~umask)  # mkdtemp makes it private; the set should look like any mkdir
-    return tmp
-
-
-def commit_output(tmp: Path, out: Path) -> None:
-    old = None
-    if out.exists():
-        old = Path(tempfile.mkdtemp(prefix=f".{out.name}.old-", dir=out.parent))
-        out.rename(old / "set")
-    tmp.rename(out)
-    if old is not None:
-        shutil.rmtree(old)
 
 
 def write_json(path: Path, data) -> None:
@@ -104,6 +78,13 @@ def _write_atomic(path: Path, *chunks) -> None:
 _FORKED: Stamper | None = None  # the parent's stamper, inherited by forked workers
 
 
+def _quiet_worker() -> None:
+    """Ctrl-C reaches the whole process group: the parent alone handles it (and ends the pool
+    with SIGTERM, which ends a worker without a word)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+
+
 def _write_chunk(job: tuple[str, int, int]) -> int:
     folder, start, stop = job
     return _FORKED.write(Path(folder), range(start, stop))
@@ -142,7 +123,7 @@ def write_trace_set(out: Path, workload, summary: Mapping, progress: Progress | 
             import multiprocessing
 
             _FORKED = stamper
-            with multiprocessing.get_context("fork").Pool(workers) as pool:
+            with multiprocessing.get_context("fork").Pool(workers, initializer=_quiet_worker) as pool:
                 for count in pool.imap(_write_chunk, jobs):
                     done += count
                     if progress:
@@ -163,16 +144,6 @@ def write_trace_set(out: Path, workload, summary: Mapping, progress: Progress | 
         if whole:
             shutil.rmtree(folder, ignore_errors=True)
         raise
-
-
-def prepare_range(out: Path) -> Path:
-    if out.exists() and not out.is_dir():
-        raise OutputError(f"output {out}: exists and is not a directory")
-    try:
-        out.mkdir(parents=True, exist_ok=True)
-    except OSError as err:
-        raise OutputError(f"output {out}: cannot write there ({err.strerror})") from None
-    return out
 
 
 def count_trace_set(workload) -> dict:

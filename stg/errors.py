@@ -31,3 +31,7 @@ class OutputError(StgError):
 
 class ViewError(StgError):
     """A timeline, plot or report cannot be made from the given trace set or options."""
+
+
+class RangeError(StgError):
+    """A number is not finite, not positive, or too large for the field it must fit."""

@@ -22,12 +22,13 @@ from pathlib import Path
 from typing import Any, Mapping
 
 import sympy
-import yaml
 
 from stg.costs import Optimizer
 from stg.device import DEFAULT_DEVICE, DEVICES
 from stg.errors import PlanError
+from stg.limits import MAX_LAYERS, MAX_MICROBATCHES, MAX_WORLD, check_int, check_number
 from stg.mesh import MESH_ORDER, DeviceMesh
+from stg.yamlio import read_yaml
 
 
 class AttentionFlops(Enum):
@@ -110,9 +111,18 @@ class Plan:
     device: str = DEFAULT_DEVICE
 
     def __post_init__(self):
-        for name in ("dp", "tp", "pp", "cp", "ep", "etp", "vpp", "micro_batch", "seq", "make_vocab_divisible_by",
-                     "local_world_size"):
-            _positive_int(name, getattr(self, name))
+        for name in ("schedule", "device", "optimizer", "grad_dtype"):
+            value = getattr(self, name)
+            if not isinstance(value, str) and not (name == "grad_dtype" and value is None):
+                raise PlanError(f"{name}: must be a name, got {value!r}")
+        for name in ("dp", "tp", "pp", "cp", "ep", "etp", "vpp", "local_world_size"):
+            check_int(name, getattr(self, name), PlanError, maximum=MAX_WORLD)
+        for name in ("micro_batch", "seq", "make_vocab_divisible_by"):
+            check_int(name, getattr(self, name), PlanError)
+        world = self.pp * self.dp * self.cp * self.tp * self.local_world_size  # ep is carved out of dp
+        if world > MAX_WORLD:
+            raise PlanError(f"world size pp*dp*cp*tp*local_world_size = {world:,} is too large (at most "
+                            f"{MAX_WORLD:,} ranks)")
         if self.etp not in (1, self.tp):
             raise PlanError(
                 f"etp={self.etp}: must be 1 or tp={self.tp}; stg splits experts over the tp ranks or not at all "
@@ -124,15 +134,12 @@ class Plan:
                 f"{self.ep}-way expert parallelism over {self.dp} expert replicas is dp={self.dp * self.ep}")
         if self.global_batch is None:
             object.__setattr__(self, "global_batch", self.micro_batch * self.data_ranks)
-        _positive_int("global_batch", self.global_batch)
+        check_int("global_batch", self.global_batch, PlanError)
         for name, kind in (("attention_flops", AttentionFlops), ("recompute", Recompute)):
             self._parse_enum(name, kind)
-        if isinstance(self.bucket_mb, bool) or not isinstance(self.bucket_mb, (int, float)) or self.bucket_mb <= 0:
-            raise PlanError(f"bucket_mb: must be a positive number of MiB, got {self.bucket_mb!r}")
-        if isinstance(self.capacity_factor, bool) or not isinstance(self.capacity_factor, (int, float)) or self.capacity_factor <= 0:
-            raise PlanError(f"capacity_factor: must be a positive number, got {self.capacity_factor!r}")
-        if isinstance(self.expert_skew, bool) or not isinstance(self.expert_skew, (int, float)) or self.expert_skew < 0:
-            raise PlanError(f"expert_skew: must be a Zipf exponent >= 0, got {self.expert_skew!r}")
+        check_number("bucket_mb", self.bucket_mb, PlanError, maximum=2**40)
+        check_number("capacity_factor", self.capacity_factor, PlanError, maximum=2**20)
+        check_number("expert_skew", self.expert_skew, PlanError, inclusive=True, maximum=100)
         if self.device not in DEVICES:
             raise PlanError(f"device: unknown device {self.device!r}; known: {', '.join(DEVICES)}")
         if isinstance(self.zero, bool) or self.zero not in (0, 1, 2, 3):
@@ -149,9 +156,14 @@ class Plan:
             raise PlanError(f"schedule: unknown schedule {self.schedule!r}; known: {', '.join(SCHEDULES)}")
         if self.vpp > 1 and self.schedule != "interleaved":
             raise PlanError(f"vpp={self.vpp}: virtual stages need schedule interleaved, not {self.schedule!r}")
+        if self.vpp == 1 and self.schedule == "interleaved":
+            raise PlanError("schedule: interleaved runs virtual stages; it needs vpp > 1")
+        if self.vpp > 1 and self.pp == 1:
+            raise PlanError(f"vpp={self.vpp}: virtual stages interleave pipeline stages; they need pp > 1")
         if self.layers_per_stage is not None and self.layers_per_stage != "auto":
             split = self.layers_per_stage
-            if isinstance(split, (str, bytes)) or not all(isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in split):
+            if not isinstance(split, (list, tuple)) or not all(
+                    isinstance(n, int) and not isinstance(n, bool) and 0 <= n <= MAX_LAYERS for n in split):
                 raise PlanError(f"layers_per_stage: must be a list of block counts or auto, got {split!r}")
             object.__setattr__(self, "layers_per_stage", tuple(split))
             if len(split) != self.pp * self.vpp:
@@ -159,11 +171,11 @@ class Plan:
         if self.rules is not None:
             object.__setattr__(self, "rules", _parse_rules(self.rules))
         if self.column_shards is not None:
-            _positive_int("column_shards", self.column_shards)
-        if self.embedding_memory_gib is not None and (isinstance(self.embedding_memory_gib, bool) or not isinstance(
-                self.embedding_memory_gib, (int, float)) or self.embedding_memory_gib <= 0):
-            raise PlanError(f"embedding_memory_gib: must be a positive number of GiB, got {self.embedding_memory_gib!r}")
-        if self.embedding_sharding is not None and not isinstance(self.embedding_sharding, str):
+            check_int("column_shards", self.column_shards, PlanError, maximum=MAX_WORLD)
+        if self.embedding_memory_gib is not None:
+            check_number("embedding_memory_gib", self.embedding_memory_gib, PlanError, maximum=2**30)
+        if self.embedding_sharding is not None and (not isinstance(self.embedding_sharding, str)
+                                                    or not self.embedding_sharding):
             raise PlanError(f"embedding_sharding: must be a sharding name or auto, got {self.embedding_sharding!r}")
         if self.embeddings is not None and not isinstance(self.embeddings, Mapping):
             raise PlanError(f"embeddings: must map table names to shardings, got {self.embeddings!r}")
@@ -191,6 +203,9 @@ class Plan:
                 f"global_batch={self.global_batch} is not a multiple of {'*'.join(n for n, _ in factors)}"
                 f" = {'*'.join(str(v) for _, v in factors)} = {per_step}"
             )
+        if self.microbatches > MAX_MICROBATCHES:
+            raise PlanError(f"global_batch={self.global_batch}: {self.microbatches:,} micro-batches per rank is too "
+                            f"many (at most {MAX_MICROBATCHES:,}); raise micro_batch or dp")
 
     def _parse_enum(self, name: str, kind: type[Enum]) -> None:
         value = getattr(self, name)
@@ -243,12 +258,7 @@ class Plan:
     def from_yaml(cls, path: str | Path, overrides: Mapping[str, Any] | None = None) -> "Plan":
         """A plan file, with `overrides` (e.g. options given on the command line) on top."""
         path = Path(path)
-        try:
-            data = yaml.safe_load(path.read_text())
-        except OSError as err:
-            raise PlanError(f"plan file {path}: cannot read ({err.strerror})") from None
-        except yaml.YAMLError as err:
-            raise PlanError(f"plan file {path}: not valid YAML ({str(err).splitlines()[0]})") from None
+        data = read_yaml(path, f"plan file {path}", PlanError)
         if not isinstance(data, dict):
             raise PlanError(f"plan file {path}: expected a mapping of plan keys")
         data = _current_meaning(data, f"plan file {path}")
@@ -285,18 +295,25 @@ def _current_meaning(data: dict, where: str) -> dict:
 
 
 def _parse_rules(rules) -> tuple[tuple[str, tuple[str, ...] | None], ...]:
-    items = rules.items() if isinstance(rules, Mapping) else rules
+    wanted = "rules: must map logical axes to a mesh axis, a list of them, or null"
+    if isinstance(rules, Mapping):
+        items = list(rules.items())
+    elif isinstance(rules, (list, tuple)) and all(isinstance(r, (list, tuple)) and len(r) == 2 for r in rules):
+        items = list(rules)
+    else:
+        raise PlanError(f"{wanted}, got {rules!r}")
     parsed = []
     for logical, axes in items:
+        if not isinstance(logical, str):
+            raise PlanError(f"{wanted}, got key {logical!r}")
         if axes is not None:
-            axes = (axes,) if isinstance(axes, str) else tuple(axes)
+            axes = (axes,) if isinstance(axes, str) else axes
+            if not isinstance(axes, (list, tuple)) or not all(isinstance(a, str) for a in axes):
+                raise PlanError(f"rules: {logical}: must be a mesh axis, a list of them, or null, got {axes!r}")
+            axes = tuple(axes)
             unknown = [a for a in axes if a not in MESH_ORDER]
             if unknown:
                 raise PlanError(f"rules: {logical}: unknown mesh axes {unknown}; known: {list(MESH_ORDER)}")
         parsed.append((str(logical), axes))
     return tuple(sorted(parsed, key=lambda kv: kv[0]))
 
-
-def _positive_int(name: str, value: Any) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise PlanError(f"{name}: must be a positive integer, got {value!r}")

@@ -26,6 +26,9 @@ from enum import Enum
 from typing import Callable
 
 from stg.errors import PlanError
+from stg.limits import MAX_LAYERS, MAX_MICROBATCHES, MAX_WORLD, check_int
+
+MAX_ACTIONS = 2**20  # (micro-batch, chunk) slots over all stages: 3 actions each, held as objects
 
 
 class Kind(Enum):
@@ -132,6 +135,12 @@ def make_schedule(name: str, p: int, m: int, v: int = 1) -> Schedule:
         raise PlanError(f"schedule: unknown schedule {name!r}; known: {', '.join(SCHEDULES)}")
     if v > 1 and name != "interleaved":
         raise PlanError(f"vpp={v}: virtual stages need the interleaved schedule, not {name!r}")
+    if v == 1 and name == "interleaved":
+        raise PlanError("schedule: interleaved runs virtual stages; it needs vpp > 1")
+    for field, value, most in (("pp", p, MAX_WORLD), ("microbatches", m, MAX_MICROBATCHES), ("vpp", v, MAX_LAYERS)):
+        check_int(field, value, PlanError, maximum=most)
+    if p * m * v > MAX_ACTIONS:
+        raise PlanError(f"pp*microbatches*vpp = {p * m * v:,} pipeline slots is too many (at most {MAX_ACTIONS:,})")
     schedule = SCHEDULES[name](p, m, v)
     check(schedule, p, m, v)
     return schedule

@@ -75,7 +75,7 @@ def test_malformed_and_incomplete_model_yaml(tmp_path, tiny_llama):
     assert result.exit_code == 2 and "missing field 'hidden'" in result.output
     negative = write_model(tmp_path, {**tiny_llama, "ffn": -1})
     result = run("generate", negative, "-o", tmp_path / "o")
-    assert result.exit_code == 2 and "ffn must be a positive integer, got -1" in result.output
+    assert result.exit_code == 2 and "ffn: must be a positive integer, got -1" in result.output
 
 
 def test_unwritable_output(tmp_path, tiny_llama):

@@ -51,7 +51,7 @@ def set_op(index, line):
 
 @pytest.mark.parametrize("spec, message", [
     (broken(lambda s: s["blocks"][1]["params"].__setitem__("wq", ["H", "X", "Dh"])),
-     "parameter layers.0.wq: unknown dimension(s) ['X']"),
+     "parameter layers.0.wq: shape entry 'X': unknown name 'X'"),
     (broken(set_op(1, "q = einsum(bsd,had->bsad, h, wq)")),
      "op layers.0.q = einsum(...): op layers.0.q: einsum index 'd' is H in one operand but Dh in layers.0.wq"),
     (broken(set_op(0, "h = rmsnorm(later, norm)")),

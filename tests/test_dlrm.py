@@ -290,8 +290,8 @@ def test_embedding_options_are_refused_for_models_without_tables():
 
 @pytest.mark.parametrize("change, message", [
     ({"bottom_mlp": [16, 8]}, "bottom_mlp ends at 8"),
-    ({"tables": [{"rows": 0}]}, r"tables\[0\].rows must be a positive integer"),
-    ({"tables": [{"rows": 5, "pooling": -1}]}, r"tables\[0\].pooling must be a positive number"),
+    ({"tables": [{"rows": 0}]}, r"tables\[0\].rows: must be a positive integer"),
+    ({"tables": [{"rows": 5, "pooling": -1}]}, r"tables\[0\].pooling: must be a positive number"),
     ({"interaction": "cat"}, "interaction must be 'dot' or 'dcn'"),
 ])
 def test_malformed_recommendation_models(change, message):

@@ -41,8 +41,8 @@ def test_model_from_yaml_file(tmp_path):
 @pytest.mark.parametrize(
     "change, message",
     [
-        ({"hidden": -4}, "hidden must be a positive integer"),
-        ({"layers": 0}, "layers must be a positive integer"),
+        ({"hidden": -4}, "hidden: must be a positive integer"),
+        ({"layers": 0}, "layers: must be a positive integer"),
         ({"heads": 6}, "heads=6 does not divide hidden=64"),
         ({"kv_heads": 3}, "kv_heads=3 does not divide heads=8"),
         ({"family": "rnn"}, "family must be one of"),

@@ -67,6 +67,8 @@ def _rank_files(out: Path, problems: list[Problem]) -> tuple[int, list[tuple[int
         m = _RANK_FILE.fullmatch(path.name)
         if m is None or str(int(m.group(1))) != m.group(1):
             problems.append(Problem(None, None, f"{path.name}: not a rank file name (workload.<rank>.et)"))
+        elif not path.is_file():  # a folder, a dangling link, a device such as /dev/zero
+            problems.append(Problem(int(m.group(1)), None, f"{path.name} is not a regular file"))
         else:
             found[int(m.group(1))] = path
     n = len(found)

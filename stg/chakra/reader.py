@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import stat
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any, BinaryIO
@@ -88,6 +89,10 @@ class _Buffered:
 
 def _records(f: BinaryIO, path: str | os.PathLike[str]) -> Iterator[tuple[int, bytes]]:
     """Yield (offset of the length prefix, payload) for every record in the stream."""
+    info = os.fstat(f.fileno())
+    if not stat.S_ISREG(info.st_mode):
+        raise TraceFormatError(path, 0, "not a regular file")
+    size = info.st_size  # a length beyond the file's end is garbage: never try to read it
     s = _Buffered(f)
     while True:
         if len(s.buf) - s.pos < _MAX_VARINT_BYTES:
@@ -101,9 +106,9 @@ def _records(f: BinaryIO, path: str | os.PathLike[str]) -> Iterator[tuple[int, b
         if length >= 0x80:  # multi-byte length: rare for nodes, so off the fast path
             length, pos = _decode_long_varint(buf, s.pos, path, offset)
         s.pos = pos
-        if pos + length > len(buf) and not s.ensure(length):
+        if length > size - (s.base + pos) or (pos + length > len(buf) and not s.ensure(length)):
             raise TraceFormatError(
-                path, offset, f"record declares {length} bytes but the file ends after {len(s.buf) - s.pos}"
+                path, offset, f"record declares {length} bytes but the file ends after {size - (s.base + s.pos)}"
             )
         payload = s.buf[s.pos:s.pos + length]
         s.pos += length
@@ -142,6 +147,13 @@ def _open_stream(
     metadata = pb.GlobalMetadata()
     _parse(metadata, first[1], path, first[0])
     return metadata, records
+
+
+def read_metadata(path: str | os.PathLike[str]) -> pb.GlobalMetadata:
+    """The GlobalMetadata record that opens a .et file (nothing after it is read)."""
+    with open(path, "rb") as f:
+        metadata, _ = _open_stream(f, path)
+    return metadata
 
 
 def iter_node_records(path: str | os.PathLike[str]) -> Iterator[tuple[int, bytes]]:

@@ -19,6 +19,7 @@ from typing import Mapping, Sequence
 
 import numpy as np
 
+from stg.limits import check_schema
 from stg.program import Hole, NodeType, TraceNode
 
 SCHEMA_VERSION = "0.0.4"
@@ -99,7 +100,19 @@ def _hole_attr(name: str, field: int, hole: Hole, width: int) -> list[Segment]:
     return [_key(_ATTR, _LEN) + varint(len(head) + width) + head, hole]
 
 
+def _check_node(node: TraceNode) -> None:
+    """The backstop before any byte is written: every number fits its schema field (a varint
+    of an out-of-range value decodes as garbage, or not at all)."""
+    where = f"node {node.id} ({node.name})"
+    values = {"id": node.id, "duration_micros": node.duration_us, **(
+        {"num_ops": node.flops, "tensor_size": node.nbytes} if node.type is NodeType.COMP_NODE else
+        {"comm_size": node.comm_bytes, **({} if node.type is NodeType.COMM_COLL_NODE else {"comm_tag": node.tag})})}
+    for field, value in values.items():
+        check_schema(field, value, where)
+
+
 def _node_segments(node: TraceNode, width: Mapping[Hole, int]) -> list[Segment]:
+    _check_node(node)
     head = _key(_ID, _VARINT) + varint(node.id) + _len_field(_NAME, node.name.encode())
     head += _key(_TYPE, _VARINT) + varint(int(node.type))
     if node.deps:
