@@ -23,6 +23,7 @@ from stg.chakra import writer as w
 from stg.program import GroupHole, NodeType, RankHole
 from stg.serve.template import StageTemplate
 
+EMPTY_COMM_BYTES = 4096  # what a step's communication that moves nothing is written as (see StageWriter)
 WIDTH = {"id": None, "link": None, "flops": 9, "nbytes": 9, "duration": 5, "comm": 9, "tag": 5}
 
 
@@ -149,9 +150,12 @@ class StageWriter:
         put(body, slots["flops"], np.maximum(values["flops"], 1), WIDTH["flops"])
         put(body, slots["nbytes"], np.maximum(values["nbytes"], 1), WIDTH["nbytes"])
         put(body, slots["duration"], values["duration_us"], WIDTH["duration"])
-        # a step may move nothing (no sampled position to gather, no token to send back); ASTRA-sim
-        # hangs on a 0-byte collective and aborts on a 0-byte send: one byte stands for it
-        put(body, slots["comm"], np.maximum(values["comm_bytes"], 1), WIDTH["comm"])
+        # a step may move nothing (no sampled position to gather, no token to send back). ASTRA-sim
+        # hangs on a 0-byte collective and aborts on a 0-byte send, and it splits a collective into
+        # preferred-dataset-splits chunks over the group: a 1-byte stand-in leaves the chunks empty
+        # and hangs too (measured). 4 KiB is latency-bound on any network: it costs what nothing does.
+        comm = values["comm_bytes"]
+        put(body, slots["comm"], np.where(comm > 0, comm, EMPTY_COMM_BYTES), WIDTH["comm"])
         put(body, slots["tag"], self.tags + cursor.steps * self.edges, WIDTH["tag"])
         cursor.steps += 1
         if self.last_compute is not None:
