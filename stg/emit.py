@@ -78,11 +78,26 @@ def _write_atomic(path: Path, *chunks) -> None:
 _FORKED: Stamper | None = None  # the parent's stamper, inherited by forked workers
 
 
+_STOPS = {signal.SIGINT, signal.SIGTERM}
+
+
 def _quiet_worker() -> None:
     """Ctrl-C reaches the whole process group: the parent alone handles it (and ends the pool
-    with SIGTERM, which ends a worker without a word)."""
+    with SIGTERM, which ends a worker without a word). The parent forks with both signals
+    blocked, so one that lands before this runs waits for these handlers."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, _STOPS)
+
+
+def _worker_pool(workers: int):
+    import multiprocessing
+
+    blocked = signal.pthread_sigmask(signal.SIG_BLOCK, _STOPS)
+    try:
+        return multiprocessing.get_context("fork").Pool(workers, initializer=_quiet_worker)
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, blocked)  # a pending signal reaches the parent now
 
 
 def _write_chunk(job: tuple[str, int, int]) -> int:
@@ -120,10 +135,8 @@ def write_trace_set(out: Path, workload, summary: Mapping, progress: Progress | 
         done = 0
         jobs = [(str(folder), c.start, c.stop) for c in split_ranks(ranks, max(1, workers) * 8)]
         if workers > 1 and len(jobs) > 1:
-            import multiprocessing
-
             _FORKED = stamper
-            with multiprocessing.get_context("fork").Pool(workers, initializer=_quiet_worker) as pool:
+            with _worker_pool(workers) as pool:
                 for count in pool.imap(_write_chunk, jobs):
                     done += count
                     if progress:
