@@ -76,7 +76,10 @@ def _progress(description: str, quiet: bool):
         yield lambda done, total: bar.update(task, completed=done, total=total)
 
 
-from stg.serve.cli import serve as _serve  # noqa: E402  (it imports this module's helpers lazily)
+# commands of the rooms above the passes live with them and use this module's helpers lazily
+from stg.explore.cli import explore as _explore  # noqa: E402
+from stg.serve.cli import serve as _serve  # noqa: E402
+from stg.view.cli import plot as _plot, report as _report, timeline as _timeline  # noqa: E402
 
 app.command("serve")(_serve)
 
@@ -468,138 +471,8 @@ def describe(
 
 # --- pictures (stg/view) --------------------------------------------------------------------
 
-COMM_OPTION = typer.Option("free", help="Communication cost in the replay: 'free' (collectives end when the last member joins, sends take no time) or 'alpha-beta' (--alpha-us + ring bytes / --bandwidth-gbps), as in `stg validate --timed`.")
-ALPHA_US = typer.Option(5.0, help="alpha-beta: latency per collective or send, µs.")
-BANDWIDTH_GBPS = typer.Option(50.0, help="alpha-beta: bandwidth per rank, GB/s (1 GB = 1e9 B).")
 
-
-@app.command()
-def timeline(
-    out: Path = typer.Argument(..., help="A trace set directory written by `stg generate`."),
-    output: Path = typer.Option(..., "--output", "-o", help="The Chrome trace JSON to write (open it in ui.perfetto.dev or chrome://tracing)."),
-    comm: str = COMM_OPTION,
-    ranks: Optional[str] = typer.Option(None, help="Ranks to show, e.g. 0,4,8:12 (all ranks are replayed regardless). [default: the first rank of each rank class]"),
-    alpha_us: float = ALPHA_US,
-    bandwidth_gbps: float = BANDWIDTH_GBPS,
-):
-    """Write the timed replay of a trace set as a timeline: one process per rank, a compute and a communication track (plus receive tracks), one slice per node with its FLOPs, bytes, collective type and group in args, flow arrows from each send to its receive, markers where micro-batch actions and the optimizer step begin."""
-    from stg.view.timeline import write_timeline
-    from stg.view.traceset import TraceSet, parse_ranks
-
-    with _user_errors():
-        chosen = parse_ranks(ranks, TraceSet.open(out).world_size) if ranks else None
-        made = write_timeline(out, output, comm=comm, ranks=chosen, alpha_us=alpha_us, bandwidth_gbps=bandwidth_gbps)
-    nodes = sum(len(made.slices[r]) for r in made.ranks)
-    err.print(f"{nodes:,} nodes of ranks {list(made.ranks)}, makespan {made.makespan_us:,.1f} us -> {output}",
-              highlight=False, soft_wrap=True)
-
-
-@app.command()
-def plot(
-    out: Path = typer.Argument(..., help="A trace set directory written by `stg generate`."),
-    kind: str = typer.Argument(..., help="memory (per rank class, stacked, with the device's capacity), gantt (the pipeline schedule from the timed replay, one row per stage) or comm (bytes by collective type and by mesh axis, per rank class)."),
-    output: Path = typer.Option(..., "--output", "-o", help="The picture to write: .png or .svg. Needs pip install 'stg[plot]'."),
-    comm: str = COMM_OPTION,
-    alpha_us: float = ALPHA_US,
-    bandwidth_gbps: float = BANDWIDTH_GBPS,
-):
-    """Draw one plot of a trace set."""
-    from stg.view.plots import save_plot
-
-    with _user_errors():
-        save_plot(out, kind, output, comm=comm, alpha_us=alpha_us, bandwidth_gbps=bandwidth_gbps)
-
-
-@app.command()
-def report(
-    out: Path = typer.Argument(..., help="A trace set directory written by `stg generate`."),
-    output: Path = typer.Option(..., "--output", "-o", help="The HTML page to write; it needs no network to open. Needs pip install 'stg[plot]'."),
-    alpha_us: float = ALPHA_US,
-    bandwidth_gbps: float = BANDWIDTH_GBPS,
-):
-    """Write a one-page HTML report: the plan, the per-class summary tables, the headline numbers of the timed replay (step time under free and alpha-beta communication, bubble fraction, exposed communication) and the plots as inline SVG."""
-    from stg.view.report import write_report
-
-    with _user_errors():
-        write_report(out, output, alpha_us=alpha_us, bandwidth_gbps=bandwidth_gbps)
-
-
-def _list(name: str, text: str | None, parse=int) -> tuple | None:
-    """A comma-separated option (`--tp 4,8`) as a tuple; PlanError naming the option."""
-    if text is None:
-        return None
-    try:
-        return tuple(parse(part.strip()) for part in text.split(","))
-    except ValueError:
-        raise PlanError(f"{name}: expected a comma-separated list, got {text!r}") from None
-
-
-def _flag(text: str) -> bool:
-    if text.lower() not in ("true", "false", "on", "off", "1", "0"):
-        raise ValueError(text)
-    return text.lower() in ("true", "on", "1")
-
-
-@app.command()
-def explore(
-    model: str = typer.Argument(..., help="A zoo name (llama3-70b, ...), a model YAML, or a HuggingFace config.json."),
-    gpus: int = typer.Option(..., help="GPUs in the cluster."),
-    global_batch: Optional[int] = typer.Option(None, help="Sequences per optimizer step."),
-    global_batch_tokens: Optional[int] = typer.Option(None, help="Tokens per optimizer step (instead of --global-batch; a multiple of --seq)."),
-    seq: int = typer.Option(..., help="Sequence length."),
-    device: str = typer.Option("h100", help="A device name (stg/data/devices: h100, h200, a100, b200, mi300x) or a device YAML path."),
-    network: str = typer.Option("dgx-h100-superpod", help="A network name (stg/data/networks) or a network YAML path."),
-    gpus_per_node: int = typer.Option(8, help="GPUs per node: the default largest tp."),
-    tp: Optional[str] = typer.Option(None, help="Tensor-parallel degrees to try, e.g. 4,8. [default: powers of 2 up to --max-tp]"),
-    max_tp: Optional[int] = typer.Option(None, help="Largest default tp. [default: --gpus-per-node]"),
-    pp: Optional[str] = typer.Option(None, help="Pipeline degrees. [default: powers of 2 up to the layer count]"),
-    cp: str = typer.Option("1", help="Context-parallel degrees."),
-    ep: Optional[str] = typer.Option(None, help="Expert-parallel degrees (MoE models). [default: powers of 2 up to the experts]"),
-    sp: str = typer.Option("true", help="Sequence parallelism with tp > 1: true, false or both (true,false)."),
-    zero: str = typer.Option("1", help="ZeRO stages, e.g. 0,1,3."),
-    recompute: str = typer.Option("none,selective,full", help="Activation recomputation: none, selective, full."),
-    micro_batch: str = typer.Option("1,2", help="Micro-batch sizes."),
-    schedule: str = typer.Option("1f1b,interleaved", help="Pipeline schedules (with pp > 1): gpipe, 1f1b, interleaved, zb-h1."),
-    vpp: str = typer.Option("2", help="Virtual stages per pipeline stage for the interleaved schedule."),
-    headroom: float = typer.Option(0.0, help="Fraction of device memory kept free (a plan whose peak exceeds the rest is dropped)."),
-    top: int = typer.Option(10, help="Rows in the table, and trace sets written with --write."),
-    write: Optional[Path] = typer.Option(None, help="Write the trace sets of the --top fastest plans under this folder, each with its plan.yaml."),
-    as_json: bool = typer.Option(False, "--json", help="Print every valid plan as JSON."),
-    as_csv: bool = typer.Option(False, "--csv", help="Print every valid plan as CSV."),
-    plot: Optional[Path] = typer.Option(None, help="Draw peak memory against step time with the Pareto front, FILE.png or FILE.svg (needs matplotlib: pip install 'stg[plot]')."),
-    quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress bar."),
-):
-    """Search parallelism plans: build each plan's rank programs, drop those that do not divide or do not fit in memory, time the rest by replaying one pipeline slice on the device and network models, and rank them by step time."""
-    from stg.explore import Cluster, Job, Space, explore as search, write_top
-    from stg.explore.report import footer, table, to_csv, to_json
-
-    with _user_errors():
-        if (global_batch is None) == (global_batch_tokens is None):
-            raise PlanError("global_batch: give exactly one of --global-batch and --global-batch-tokens")
-        if global_batch_tokens is not None:
-            if global_batch_tokens % seq:
-                raise PlanError(f"global_batch_tokens: {global_batch_tokens} is not a multiple of seq={seq}")
-            global_batch = global_batch_tokens // seq
-        if as_json and as_csv:
-            raise PlanError("json: --json and --csv exclude each other")
-        if top < 1:
-            raise PlanError(f"top: must be at least 1, got {top}")
-        space = Space(tp=_list("tp", tp), pp=_list("pp", pp), cp=_list("cp", cp), ep=_list("ep", ep),
-                      sp=_list("sp", sp, _flag), zero=_list("zero", zero), recompute=_list("recompute", recompute, str),
-                      micro_batch=_list("micro_batch", micro_batch), schedule=_list("schedule", schedule, str),
-                      vpp=_list("vpp", vpp), max_tp=max_tp)
-        cluster, job = Cluster(gpus, device, network, gpus_per_node), Job(global_batch, seq)
-        with _progress("evaluating plans", quiet or as_json or as_csv) as progress:
-            result = search(model, cluster, job, space, headroom=headroom, progress=progress)
-        if as_json or as_csv:
-            typer.echo(to_json(result) if as_json else to_csv(result), nl=False)
-        else:
-            _stdout().print(table(result, top, f"{model} on {gpus} x {device}, {network}: fastest plans"))
-            typer.echo(footer(result))
-        if plot is not None:
-            from stg.explore.plot import save_pareto
-
-            save_pareto(result, plot, f"{model} on {gpus} x {device}, {network}")
-        if write is not None:
-            for folder in write_top(model, result, top, write):
-                err.print(f"wrote {folder}", highlight=False)
+app.command("timeline")(_timeline)
+app.command("plot")(_plot)
+app.command("report")(_report)
+app.command("explore")(_explore)

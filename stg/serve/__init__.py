@@ -15,8 +15,15 @@ disagg     prefill and decode instances, KV caches moved by send/recv
 cli        `stg serve`
 """
 
-from stg.serve.engine import ServePlan
-from stg.serve.run import Mode, generate_serving
-from stg.serve.scheduler import Policy, Request, Scheduler, SchedulerConfig
+import importlib
 
-__all__ = ["Mode", "Policy", "Request", "Scheduler", "SchedulerConfig", "ServePlan", "generate_serving"]
+# names load on first use (PEP 562): the CLI registers `stg serve` without importing sympy
+_HOMES = {"ServePlan": "engine", "Mode": "run", "generate_serving": "run", "Policy": "scheduler",
+          "Request": "scheduler", "Scheduler": "scheduler", "SchedulerConfig": "scheduler"}
+__all__ = sorted(_HOMES)
+
+
+def __getattr__(name: str):
+    if name in _HOMES:
+        return getattr(importlib.import_module(f"stg.serve.{_HOMES[name]}"), name)
+    raise AttributeError(f"module 'stg.serve' has no attribute {name!r}")

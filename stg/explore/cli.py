@@ -1,0 +1,90 @@
+"""`stg explore`: plan search on the command line (registered in stg/cli.py)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+from stg.errors import PlanError
+
+def _list(name: str, text: str | None, parse=int) -> tuple | None:
+    """A comma-separated option (`--tp 4,8`) as a tuple; PlanError naming the option."""
+    if text is None:
+        return None
+    try:
+        return tuple(parse(part.strip()) for part in text.split(","))
+    except ValueError:
+        raise PlanError(f"{name}: expected a comma-separated list, got {text!r}") from None
+
+
+def _flag(text: str) -> bool:
+    if text.lower() not in ("true", "false", "on", "off", "1", "0"):
+        raise ValueError(text)
+    return text.lower() in ("true", "on", "1")
+
+
+def explore(
+    model: str = typer.Argument(..., help="A zoo name (llama3-70b, ...), a model YAML, or a HuggingFace config.json."),
+    gpus: int = typer.Option(..., help="GPUs in the cluster."),
+    global_batch: Optional[int] = typer.Option(None, help="Sequences per optimizer step."),
+    global_batch_tokens: Optional[int] = typer.Option(None, help="Tokens per optimizer step (instead of --global-batch; a multiple of --seq)."),
+    seq: int = typer.Option(..., help="Sequence length."),
+    device: str = typer.Option("h100", help="A device name (stg/data/devices: h100, h200, a100, b200, mi300x) or a device YAML path."),
+    network: str = typer.Option("dgx-h100-superpod", help="A network name (stg/data/networks) or a network YAML path."),
+    gpus_per_node: int = typer.Option(8, help="GPUs per node: the default largest tp."),
+    tp: Optional[str] = typer.Option(None, help="Tensor-parallel degrees to try, e.g. 4,8. [default: powers of 2 up to --max-tp]"),
+    max_tp: Optional[int] = typer.Option(None, help="Largest default tp. [default: --gpus-per-node]"),
+    pp: Optional[str] = typer.Option(None, help="Pipeline degrees. [default: powers of 2 up to the layer count]"),
+    cp: str = typer.Option("1", help="Context-parallel degrees."),
+    ep: Optional[str] = typer.Option(None, help="Expert-parallel degrees (MoE models). [default: powers of 2 up to the experts]"),
+    sp: str = typer.Option("true", help="Sequence parallelism with tp > 1: true, false or both (true,false)."),
+    zero: str = typer.Option("1", help="ZeRO stages, e.g. 0,1,3."),
+    recompute: str = typer.Option("none,selective,full", help="Activation recomputation: none, selective, full."),
+    micro_batch: str = typer.Option("1,2", help="Micro-batch sizes."),
+    schedule: str = typer.Option("1f1b,interleaved", help="Pipeline schedules (with pp > 1): gpipe, 1f1b, interleaved, zb-h1."),
+    vpp: str = typer.Option("2", help="Virtual stages per pipeline stage for the interleaved schedule."),
+    headroom: float = typer.Option(0.0, help="Fraction of device memory kept free (a plan whose peak exceeds the rest is dropped)."),
+    top: int = typer.Option(10, help="Rows in the table, and trace sets written with --write."),
+    write: Optional[Path] = typer.Option(None, help="Write the trace sets of the --top fastest plans under this folder, each with its plan.yaml."),
+    as_json: bool = typer.Option(False, "--json", help="Print every valid plan as JSON."),
+    as_csv: bool = typer.Option(False, "--csv", help="Print every valid plan as CSV."),
+    plot: Optional[Path] = typer.Option(None, help="Draw peak memory against step time with the Pareto front, FILE.png or FILE.svg (needs matplotlib: pip install 'stg[plot]')."),
+    quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress bar."),
+):
+    """Search parallelism plans: build each plan's rank programs, drop those that do not divide or do not fit in memory, time the rest by replaying one pipeline slice on the device and network models, and rank them by step time."""
+    from stg.cli import _progress, _stdout, _user_errors, err
+    from stg.explore import Cluster, Job, Space, explore as search, write_top
+    from stg.explore.report import footer, table, to_csv, to_json
+
+    with _user_errors():
+        if (global_batch is None) == (global_batch_tokens is None):
+            raise PlanError("global_batch: give exactly one of --global-batch and --global-batch-tokens")
+        if global_batch_tokens is not None:
+            if global_batch_tokens % seq:
+                raise PlanError(f"global_batch_tokens: {global_batch_tokens} is not a multiple of seq={seq}")
+            global_batch = global_batch_tokens // seq
+        if as_json and as_csv:
+            raise PlanError("json: --json and --csv exclude each other")
+        if top < 1:
+            raise PlanError(f"top: must be at least 1, got {top}")
+        space = Space(tp=_list("tp", tp), pp=_list("pp", pp), cp=_list("cp", cp), ep=_list("ep", ep),
+                      sp=_list("sp", sp, _flag), zero=_list("zero", zero), recompute=_list("recompute", recompute, str),
+                      micro_batch=_list("micro_batch", micro_batch), schedule=_list("schedule", schedule, str),
+                      vpp=_list("vpp", vpp), max_tp=max_tp)
+        cluster, job = Cluster(gpus, device, network, gpus_per_node), Job(global_batch, seq)
+        with _progress("evaluating plans", quiet or as_json or as_csv) as progress:
+            result = search(model, cluster, job, space, headroom=headroom, progress=progress)
+        if as_json or as_csv:
+            typer.echo(to_json(result) if as_json else to_csv(result), nl=False)
+        else:
+            _stdout().print(table(result, top, f"{model} on {gpus} x {device}, {network}: fastest plans"))
+            typer.echo(footer(result))
+        if plot is not None:
+            from stg.explore.plot import save_pareto
+
+            save_pareto(result, plot, f"{model} on {gpus} x {device}, {network}")
+        if write is not None:
+            for folder in write_top(model, result, top, write):
+                err.print(f"wrote {folder}", highlight=False)
