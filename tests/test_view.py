@@ -11,6 +11,7 @@ from fractions import Fraction
 import pytest
 from typer.testing import CliRunner
 
+from chakra.chakra_nodes import one_f_one_b_order
 from stg import Plan, generate
 from stg.chakra import et_def_pb2 as pb
 from stg.chakra.reader import iter_nodes, node_attrs, write_trace
@@ -169,13 +170,8 @@ def one_f_one_b_set(out, p, m):
     out.mkdir()
     (out / "workload.json").write_text("{}")
     for s in range(p):
-        warm = min(p - s - 1, m)
-        order = [("F", k) for k in range(warm)]
-        for k in range(m - warm):
-            order += [("F", warm + k), ("B", k)]
-        order += [("B", k) for k in range(m - warm, m)]
         nodes, last = [], []
-        for kind, k in order:
+        for kind, k in one_f_one_b_order(p, s, m):
             src, dst = (s - 1, s + 1) if kind == "F" else (s + 1, s - 1)
             tag = 2 * k + (kind == "B")
 

@@ -6,7 +6,7 @@ import pytest
 
 from stg.chakra import et_def_pb2 as pb
 from chakra_nodes import coll as shared_coll
-from chakra_nodes import recv, send
+from chakra_nodes import one_f_one_b_order, recv, send
 from stg.chakra.reader import write_trace
 from stg.chakra import load as load_module
 from stg.chakra.validate import ReplayError, Timing, timed_replay, validate
@@ -69,13 +69,8 @@ def one_f_one_b(p, m, f_us, b_us):
     """
     ranks = {}
     for s in range(p):
-        warm = min(p - s - 1, m)
-        order = [("F", k) for k in range(warm)]
-        for k in range(m - warm):
-            order += [("F", warm + k), ("B", k)]
-        order += [("B", k) for k in range(m - warm, m)]
         nodes, last = [], []
-        for kind, k in order:
+        for kind, k in one_f_one_b_order(p, s, m):
             fwd = kind == "F"
             src, dst = (s - 1, s + 1) if fwd else (s + 1, s - 1)
             tag = 2 * k + (not fwd)
