@@ -3,9 +3,10 @@
 1. A fresh `stg generate --count-only` process per plan (import included): wall seconds and
    peak RSS, for the issue's three plans.
 2. stg.evaluate over PLANS distinct llama3-405b plans (tp, pp, cp, micro-batch, ZeRO,
-   recompute, dp varied) in one process, once with the structural cache of the symbolic
-   passes (stg/api.py) and the memoised costs, once with both emptied before every plan
-   (each plan then pays its own sympy, as before the cache): plans/s and the ratio.
+   recompute, dp varied) in one process: plans/s, with how many distinct structures (each
+   pays the symbolic passes once) they hold.
+3. Side by side, plans whose structure is cached: the summary with the nodes lowered (what
+   generate and count pay) and without (what evaluate pays), and the ratio.
 
     python benchmarks/bench_build.py [--plans 24]
 """
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import itertools
+import random
 import time
 
 from child import run_stg
@@ -35,41 +37,50 @@ def fresh_processes() -> None:
 
 
 def plans(count: int) -> list[dict]:
-    space = itertools.product((8, 4), (2, 6, 9), (1, 2), (1, 2), (0, 1), ("none", "full"))
+    """`count` distinct llama3-405b plans drawn (seeded) from dp x tp x pp x cp x micro-batch x
+    ZeRO x recompute, seq 8192, 16 micro-batches per data-parallel rank."""
+    space = list(itertools.product((1, 2, 4, 8), (1, 2, 3, 6, 7, 9), (1, 2), (1, 2), (0, 1, 2, 3),
+                                   ("none", "selective", "full"), (8, 16, 32, 64)))
     chosen = []
-    for tp, pp, cp, micro, zero, recompute in space:
-        dp = 4 * micro
+    for tp, pp, cp, micro, zero, recompute, dp in random.Random(0).sample(space, count):
         chosen.append(dict(tp=tp, pp=pp, cp=cp, dp=dp, micro_batch=micro, zero=zero, recompute=recompute,
-                           global_batch=dp * micro * 2, seq=8192))
-    return chosen[:count]
+                           global_batch=dp * micro * 16, seq=8192))
+    return chosen
 
 
 def evaluate_rate(count: int) -> None:
+    import stg
     import stg.api
-    import stg.builder
     from stg import evaluate, load_model
+    from stg.evaluation import _structure_order
 
     model = load_model("llama3-405b")
     model.graph
-    rates = {}
-    for label, cold in (("cached", False), ("cold (caches emptied per plan)", True)):
-        stg.api._CACHE.clear()
-        stg.builder._COSTS.clear()
+    chosen = plans(count)
+    structures = len({_structure_order(stg.Plan.from_dict(p)) for p in chosen})
+    start = time.perf_counter()
+    rows = list(evaluate(model, chosen))
+    seconds = time.perf_counter() - start
+    errors = sum("error" in row for row in rows)
+    print(f"  {count} plans ({structures} structures, {errors} refused) in {seconds:.1f} s: "
+          f"{count / seconds:.2f} plans/s")
+    # side by side on plans whose structure is cached: summaries with and without nodes
+    warm = [p for p, row in zip(chosen, rows) if "error" not in row][:8]
+    for plan in warm:
+        stg.api.build(model, plan, nodes=False)  # every structure in the cache
+    timings = {}
+    for label, nodes in (("with nodes (as generate lowers)", True), ("without nodes (evaluate)", False)):
         start = time.perf_counter()
-        for plan in plans(count):
-            if cold:
-                stg.api._CACHE.clear()
-                stg.builder._COSTS.clear()
-            row = next(evaluate(model, [plan]))
-            assert "error" not in row, row
-        rates[label] = count / (time.perf_counter() - start)
-        print(f"  evaluate, {label:32s} {rates[label]:6.2f} plans/s")
-    print(f"  ratio cached / cold: {rates['cached'] / rates['cold (caches emptied per plan)']:.1f}x")
+        for plan in warm:
+            stg.api.build(model, plan, nodes=nodes).summary(per_rank=False)
+        timings[label] = (time.perf_counter() - start) / len(warm)
+        print(f"  structure cached, {label:34s} {1 / timings[label]:6.2f} plans/s")
+    print(f"  ratio: {timings['with nodes (as generate lowers)'] / timings['without nodes (evaluate)']:.1f}x")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--plans", type=int, default=24)
+    parser.add_argument("--plans", type=int, default=48)
     args = parser.parse_args()
     fresh_processes()
     print(f"stg.evaluate over {args.plans} llama3-405b plans, one process:")

@@ -28,7 +28,7 @@ from stg.device import device_spec
 from stg.emit import Progress, count_trace_set, write_trace_set
 from stg.errors import PlanError
 from stg.groups import GroupIds
-from stg.graph import DType, OpKind, Phase
+from stg.graph import DType, Graph, OpKind, Phase
 from stg.limits import MAX_EMBEDDING_RANKS, MAX_NODES
 from parallelism.pipeline import cut, stage_plan, tie_gradients, untie
 from stg.chakra.writer import fixed_varint, rank_width
@@ -211,9 +211,12 @@ class MemoryLimitError(PlanError):
         self.peak = peak
 
 
-def build(model: Model | str | Path | Mapping, plan: Plan | Mapping, *, memory_limit: int | None = None) -> Workload:
+def build(model: Model | str | Path | Mapping, plan: Plan | Mapping, *, memory_limit: int | None = None,
+          nodes: bool = True) -> Workload:
     """Every pass from the model description to the rank-class programs; with `memory_limit`
-    (bytes per rank), MemoryLimitError before lowering when a rank class's peak exceeds it."""
+    (bytes per rank), MemoryLimitError before lowering when a rank class's peak exceeds it.
+    `nodes=False` lowers the programs' stats and holes without their nodes: the summary
+    without what only writing needs (stg.evaluate)."""
     model = model if isinstance(model, Model) else load_model(model)
     plan = plan if isinstance(plan, Plan) else Plan.from_dict(plan)
     model = _in_dtype(model, plan)
@@ -225,8 +228,7 @@ def build(model: Model | str | Path | Mapping, plan: Plan | Mapping, *, memory_l
         raise PlanError(f"fp8: applies to transformer models, not {model.name} (family {model.family})")
     options = GraphOptions(plan.flash_attention, embeddings.groups if embeddings else None, plan.fp8,
                            plan.fp8_param_gather)
-    structure = Structure(model.config, options, stages, plan.grad_dtype, plan.optimizer, plan.recompute,
-                          sharding_spec(plan))
+    structure = _structure(model, plan, options, stages)
     sharded = _symbolic_passes(structure) if _hashable(structure) else structure.passes()
     if plan.tp > 1 and not plan.sp and any(op.kind is OpKind.DISPATCH for op in sharded.graph.ops):
         # without sp every tp rank holds every token and would route and compute them all;
@@ -267,7 +269,7 @@ def build(model: Model | str | Path | Mapping, plan: Plan | Mapping, *, memory_l
         raise MemoryLimitError(f"memory: peak {peak / 2**30:.1f} GiB per rank over the {memory_limit / 2**30:.1f} "
                                "GiB usable", peak)
     programs = [lower(sharded, evaluate, device_spec(plan.device), pipeline=pipeline,
-                      bucket_bytes=int(plan.bucket_mb * 2**20), rank=rank, comm_evaluate=shared)
+                      bucket_bytes=int(plan.bucket_mb * 2**20), rank=rank, comm_evaluate=shared, keep_nodes=nodes)
                 for rank in range(plan.pp) for evaluate in evaluators]
     return Workload(model, plan, mesh, sharded, tuple(programs), tuple(memories), bindings, variant_axes,
                     variant_map, embeddings, stages)
@@ -296,7 +298,10 @@ def _check_sensible(model: Model, plan: Plan, sharded: ShardedGraph) -> None:
 @dataclass(frozen=True)
 class Structure:
     """What the symbolic passes (forward graph, autodiff, recompute, sharding) depend on: the
-    model and the plan's structural choices, not its degrees or sizes, which are bindings."""
+    model and the plan's structural choices, not its degrees or sizes, which are bindings.
+    `stages` is None unless the model ties weights across blocks: the stage cut matters to
+    the passes only through the copies of tied weights (plans of an untied model that differ
+    in pp > 1 share one structure)."""
 
     config: Any
     options: GraphOptions
@@ -306,14 +311,17 @@ class Structure:
     recompute: Any
     spec: Any  # ShardingSpec: which mesh axes split which logical axes
 
-    def passes(self) -> ShardedGraph:
-        model = Model(self.config, "")
-        forward, ties = model.forward_graph(self.options), {}
+    def training(self) -> tuple[Graph, dict]:
+        """The differentiated graph with its optimizer, and the tied weights' copies."""
+        forward, ties = Model(self.config, "").forward_graph(self.options), {}
         if self.stages:  # weights read on two stages (tied embeddings) get a copy per stage
             forward, ties = untie(forward, self.stages)
         grad_dtype = DType.parse(self.grad_dtype) if self.grad_dtype else None
-        train = training_graph(forward, grad_dtype, OPTIMIZERS[self.optimizer])
-        sharded = shard(recompute(train, self.recompute, last_block=model.layers), self.spec)
+        return training_graph(forward, grad_dtype, OPTIMIZERS[self.optimizer]), ties
+
+    def passes(self) -> ShardedGraph:
+        train, ties = _cached(_TRAINING, self.key()[:5], self.training) if _hashable(self) else self.training()
+        sharded = shard(recompute(train, self.recompute, last_block=self.config.layers), self.spec)
         return tie_gradients(sharded, ties, self.stages) if ties else sharded
 
     def key(self) -> tuple:
@@ -330,19 +338,31 @@ def _hashable(structure: Structure) -> bool:
     return True
 
 
+def _structure(model: Model, plan: Plan, options: GraphOptions, stages) -> Structure:
+    if stages is not None and not untie(model.forward_graph(options), stages)[1]:
+        stages = None
+    return Structure(model.config, options, stages, plan.grad_dtype, plan.optimizer, plan.recompute,
+                     sharding_spec(plan))
+
+
+# Per process, the last few results of the symbolic passes: plans that differ only in degrees,
+# batch sizes, sequence length, schedule or device share them.
+_TRAINING: dict[tuple, tuple[Graph, dict]] = {}  # differentiated graphs, shared across shardings
 _CACHE: dict[tuple, ShardedGraph] = {}
 _CACHE_SIZE = 8  # sharded graphs of the largest models hold tens of thousands of ops
 
 
+def _cached(cache: dict, key: tuple, make):
+    if key not in cache:
+        if len(cache) >= _CACHE_SIZE:
+            del cache[next(iter(cache))]
+        cache[key] = make()
+    return cache[key]
+
+
 def _symbolic_passes(structure: Structure) -> ShardedGraph:
-    """Structure.passes(), once per structure in a process (plans that differ only in degrees,
-    batch sizes, sequence length, schedule or device share it)."""
-    key = structure.key()
-    if key not in _CACHE:
-        if len(_CACHE) >= _CACHE_SIZE:
-            del _CACHE[next(iter(_CACHE))]
-        _CACHE[key] = structure.passes()
-    return _CACHE[key]
+    """Structure.passes(), once per structure in a process."""
+    return _cached(_CACHE, structure.key(), structure.passes)
 
 
 @per_graph

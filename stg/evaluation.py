@@ -4,7 +4,9 @@ rank class (FLOPs by phase, bytes by collective, send/recv bytes, node counts, m
 Plans that share a structure (the same model and structural choices: sp, recompute, ZeRO
 stage, flash attention, which mesh axes are in play) share the symbolic passes, which
 stg/api.py caches per structure; a plan then costs its lowering per rank class, not its
-sympy. The engine for plan search (DESIGN.md, stg/explore/).
+sympy, and that lowering builds no nodes: an action that repeats one already run adds its
+counts again (stg/lower.py). Plans are run grouped by structure and answered in the order
+given. The engine for plan search (DESIGN.md, stg/explore/).
 """
 
 from __future__ import annotations
@@ -17,14 +19,49 @@ from stg.api import build
 from stg.errors import StgError
 from stg.plan import Plan
 
+# Plan fields that are bindings of a structure (stg/api.py's Structure): plans that differ
+# only in these share the symbolic passes; of a degree only whether it is above 1 matters.
+_DEGREES = ("tp", "pp", "cp", "ep", "etp", "local_world_size")
+_BINDINGS = ("dp", "vpp", "schedule", "layers_per_stage", "micro_batch", "global_batch", "seq", "bucket_mb",
+             "device", "capacity_factor", "expert_skew", "make_vocab_divisible_by")
+
+
+def _structure_order(plan) -> str:
+    if not isinstance(plan, Plan):
+        return ""  # checked (and refused) when its turn comes
+    fields = plan.to_dict()
+    for name in _BINDINGS:
+        fields.pop(name, None)
+    for name in _DEGREES:
+        fields[name] = fields.get(name, 1) > 1
+    return repr(sorted(fields.items()))
+
 
 def evaluate(model: Model | str | Path | Mapping, plans: Iterable[Plan | Mapping]) -> Iterator[dict]:
     """For each plan, in order: its summary without the per-rank class list, or
     `{"plan": ..., "error": "<why it is invalid>"}` for a plan that does not fit the model."""
     model = model if isinstance(model, Model) else load_model(model)
-    for plan in plans:
-        try:
-            plan = plan if isinstance(plan, Plan) else Plan.from_dict(plan)
-            yield build(model, plan).summary(per_rank=False)
-        except StgError as error:
-            yield {"plan": plan.to_dict() if isinstance(plan, Plan) else dict(plan), "error": str(error)}
+    plans = [_parsed(plan) for plan in plans]
+    done: dict[int, dict] = {}
+    answered = 0
+    for index in sorted(range(len(plans)), key=lambda i: _structure_order(plans[i])):
+        done[index] = _row(model, plans[index])
+        while answered in done:
+            yield done.pop(answered)
+            answered += 1
+
+
+def _parsed(plan: Plan | Mapping) -> Plan | dict:
+    try:
+        return plan if isinstance(plan, Plan) else Plan.from_dict(plan)
+    except StgError as error:
+        return {"plan": dict(plan), "error": str(error)}
+
+
+def _row(model: Model, plan: Plan | dict) -> dict:
+    if not isinstance(plan, Plan):
+        return plan
+    try:
+        return build(model, plan, nodes=False).summary(per_rank=False)
+    except StgError as error:
+        return {"plan": plan.to_dict(), "error": str(error)}

@@ -122,8 +122,13 @@ class Pipeline:
 
 
 class _ProgramBuilder:
+    """Builds one class's nodes; with `keep_nodes=False` only its stats and holes (stg.evaluate):
+    no node objects, and an action that repeats one already run (same chunk and kind, same
+    earlier actions of its micro-batch, same place before or after the last) adds that
+    action's stats again instead of running its ops."""
+
     def __init__(self, sharded: ShardedGraph, evaluate: Evaluator, device: DeviceSpec, bucket_bytes: int,
-                 pipeline: Pipeline, rank: int, comm_evaluate: Evaluator | None = None):
+                 pipeline: Pipeline, rank: int, comm_evaluate: Evaluator | None = None, keep_nodes: bool = True):
         self.sharded = sharded
         self.graph = sharded.graph
         self.ev = evaluate
@@ -141,12 +146,20 @@ class _ProgramBuilder:
         self.flush_after: dict[str, list[list[Op]]] = {}  # op -> gradient buckets that go out after it
         self.bucketed: set[str] = set()  # step collectives already sent in those buckets
         self.stats = ClassStats()
+        self.keep_nodes = keep_nodes
+        self.holes: set = set()  # without nodes, the holes they would have had
+        self.repeats: dict[tuple, tuple[ClassStats, tuple[str, ...]]] = {}  # without nodes: per action key
 
     def _add(self, **kwargs) -> int:
         node = TraceNode(id=len(self.nodes), **kwargs)
         self.nodes.append(node)
         self.stats.nodes[node.type.name] += 1
         return node.id
+
+    def _tally(self, kind: NodeType, *holes) -> None:
+        """A node counted but not built (keep_nodes=False): its producer id is None."""
+        self.stats.nodes[kind.name] += 1
+        self.holes.update(holes)
 
     def producer(self, tensor: str, where: dict[str, int]) -> int | None:
         while tensor in self.alias:
@@ -158,6 +171,16 @@ class _ProgramBuilder:
 
     def compute(self, op: Op, label: str, where: dict[str, int]) -> None:
         flops, nbytes = self.ev(op.flops), self.ev(op.bytes)
+        self.stats.flops_by_phase[op.phase.value] += flops
+        self.stats.compute_bytes += nbytes
+        if op.attrs.get("recompute"):
+            self.stats.recompute_flops += flops
+        if op.kind is OpKind.EINSUM and op.phase is not Phase.STEP:
+            self.stats.matmul_flops += flops
+        if not self.keep_nodes:
+            self._tally(NodeType.COMP_NODE)
+            where.update(dict.fromkeys(op.outputs))
+            return
         # whole microseconds, with the rounding error carried to the next node so that a long
         # chain of sub-microsecond ops keeps its total (ASTRA-sim replays 0 as 1 ns)
         exact = self.device.duration_us(flops, nbytes, self._operand_dtype(op)) + self.carry
@@ -172,12 +195,6 @@ class _ProgramBuilder:
         self.last_compute = node
         for out in op.outputs:
             where[out] = node
-        self.stats.flops_by_phase[op.phase.value] += flops
-        self.stats.compute_bytes += nbytes
-        if op.attrs.get("recompute"):
-            self.stats.recompute_flops += flops
-        if op.kind is OpKind.EINSUM and op.phase is not Phase.STEP:
-            self.stats.matmul_flops += flops
 
     def _operand_dtype(self, op: Op) -> DType:
         """A GEMM runs at the peak of its narrowest operand, or at fp8's when it is one of an
@@ -192,18 +209,23 @@ class _ProgramBuilder:
     def collective(self, name: str, members: list[Op], where: dict[str, int], extra_deps=()) -> int:
         first = members[0]
         axes, collective = first.attrs["axes"], first.attrs["collective"]
+        nbytes = sum(self.comm_ev(op.bytes) for op in members)
+        self.stats.comm_bytes[collective.name] += nbytes
+        self.stats.comm_count[collective.name] += 1
+        group = GroupHole(axes, first.attrs.get("members"))
+        if not self.keep_nodes:
+            self._tally(NodeType.COMM_COLL_NODE, group)
+            where.update(dict.fromkeys(op.outputs[0] for op in members))
+            return None
         deps = {p for op in members if (p := self.producer(op.inputs[0], where)) is not None} | set(extra_deps)
         deps.add(self.last_comm)
-        nbytes = sum(self.comm_ev(op.bytes) for op in members)
         node = self._add(
             name=name, type=NodeType.COMM_COLL_NODE, deps=tuple(sorted(d for d in deps if d is not None)),
-            collective=collective, comm_bytes=nbytes, group=GroupHole(axes, first.attrs.get("members")),
+            collective=collective, comm_bytes=nbytes, group=group,
         )
         self.last_comm = node
         for op in members:
             where[op.outputs[0]] = node
-        self.stats.comm_bytes[collective.name] += nbytes
-        self.stats.comm_count[collective.name] += 1
         return node
 
     def _bucket_name(self, label: str, members: list[Op]) -> str:
@@ -227,21 +249,26 @@ class _ProgramBuilder:
 
     def send(self, edge: Edge, microbatch: int, where: dict[str, int]) -> None:
         nbytes = self.comm_ev(self.graph.tensors[edge.tensor].nbytes)
+        self.stats.send_bytes += nbytes
+        if not self.keep_nodes:
+            return self._tally(NodeType.COMM_SEND_NODE, RankHole(), self._peer(edge.target))
         deps = [d for d in (self.producer(edge.tensor, where), self.last_comm) if d is not None]
         self.last_comm = self._add(
             name=f"{microbatch} send {edge.tensor}", type=NodeType.COMM_SEND_NODE, deps=tuple(sorted(set(deps))),
             comm_bytes=nbytes, src=RankHole(), dst=self._peer(edge.target), tag=self._tag(edge, microbatch),
         )
-        self.stats.send_bytes += nbytes
 
     def recv(self, edge: Edge, microbatch: int, where: dict[str, int]) -> None:
         nbytes = self.comm_ev(self.graph.tensors[edge.tensor].nbytes)
+        self.stats.recv_bytes += nbytes
+        if not self.keep_nodes:
+            where[edge.tensor] = None
+            return self._tally(NodeType.COMM_RECV_NODE, self._peer(edge.source), RankHole())
         deps = () if self.last_compute is None else (self.last_compute,)
         where[edge.tensor] = self._add(
             name=f"{microbatch} recv {edge.tensor}", type=NodeType.COMM_RECV_NODE, deps=deps,
             comm_bytes=nbytes, src=self._peer(edge.source), dst=RankHole(), tag=self._tag(edge, microbatch),
         )
-        self.stats.recv_bytes += nbytes
 
     # -- one scheduled action ------------------------------------------------------------------
     def action(self, action: Action, ops: list[Op], units: dict[tuple, list[Op]], where: dict[str, int],
@@ -352,10 +379,26 @@ class _ProgramBuilder:
         actions = self.pipeline.schedule[self.rank]
         last = {(virtual_stage(self.rank, a.chunk, stages.pp), a.kind): n for n, a in enumerate(actions)}
         where: dict[int, dict[str, int]] = {}
+        history: dict[int, tuple] = {}  # micro-batch -> (virtual stage, kind) of its actions so far
         for n, action in enumerate(actions):
             stage = virtual_stage(self.rank, action.chunk, stages.pp)
-            self.action(action, runs.get((stage, action.kind), []), units, where.setdefault(action.microbatch, {}),
-                        final=last[(stage, action.kind)] == n)
+            ops, here = runs.get((stage, action.kind), []), where.setdefault(action.microbatch, {})
+            is_final = last[(stage, action.kind)] == n
+            if self.keep_nodes:
+                self.action(action, ops, units, here, final=is_final)
+                continue
+            # what an action adds to the stats depends only on this key: the tensors it finds
+            # made (or received) are those of its micro-batch's earlier actions
+            key = (stage, action.kind, is_final, history.get(action.microbatch, ()))
+            history[action.microbatch] = key[3] + (key[:2],)
+            if key not in self.repeats:
+                total, self.stats, before = self.stats, ClassStats(), set(here)
+                self.action(action, ops, units, here, final=is_final)
+                self.repeats[key] = (self.stats, tuple(t for t in here if t not in before))
+                self.stats = total
+            stats, made = self.repeats[key]
+            self.stats.add(stats)
+            here.update(dict.fromkeys(made))
         final: dict[str, int] = {}
         for microbatch in sorted(where):
             final.update(where[microbatch])
@@ -364,10 +407,14 @@ class _ProgramBuilder:
 
 
 def lower(sharded: ShardedGraph, evaluate: Evaluator, device: DeviceSpec, *, pipeline: Pipeline,
-          bucket_bytes: int, rank: int = 0, comm_evaluate: Evaluator | None = None) -> RankProgram:
+          bucket_bytes: int, rank: int = 0, comm_evaluate: Evaluator | None = None,
+          keep_nodes: bool = True) -> RankProgram:
     """The program of pipeline stage `rank`'s class: its schedule's actions, then the step.
     `comm_evaluate` sizes collectives and sends (default `evaluate`): the values that all
-    ranks of a group share, where a class's own work differs (its embedding tables)."""
-    builder = _ProgramBuilder(sharded, evaluate, device, bucket_bytes, pipeline, rank, comm_evaluate)
+    ranks of a group share, where a class's own work differs (its embedding tables).
+    `keep_nodes=False`: the same stats and holes without the node list (stg.evaluate)."""
+    builder = _ProgramBuilder(sharded, evaluate, device, bucket_bytes, pipeline, rank, comm_evaluate, keep_nodes)
     nodes = builder.build()
-    return RankProgram((rank,), tuple(nodes), builder.stats)
+    if keep_nodes:
+        return RankProgram((rank,), tuple(nodes), builder.stats)
+    return RankProgram((rank,), (), builder.stats, counted_holes=frozenset(builder.holes))

@@ -85,6 +85,12 @@ class ClassStats:
     matmul_flops: int = 0  # einsum FLOPs of forward and backward (excludes the optimizer)
     recompute_flops: int = 0  # forward work re-run in the backward (counted in phase B too)
 
+    def add(self, other: "ClassStats") -> None:
+        for name in ("flops_by_phase", "comm_bytes", "comm_count", "nodes"):
+            getattr(self, name).update(getattr(other, name))
+        for name in ("compute_bytes", "send_bytes", "recv_bytes", "matmul_flops", "recompute_flops"):
+            setattr(self, name, getattr(self, name) + getattr(other, name))
+
     def to_dict(self) -> dict:
         fb = sum(v for k, v in self.flops_by_phase.items() if k != Phase.STEP.value)
         return {
@@ -108,8 +114,9 @@ class RankProgram:
     key: tuple
     nodes: tuple[TraceNode, ...]
     stats: ClassStats
+    counted_holes: frozenset | None = None  # a program lowered without its nodes: their holes
 
     @cached_property
     def holes(self) -> list[Hole]:
-        found = {h for n in self.nodes for h in n.holes}
+        found = self.counted_holes if self.counted_holes is not None else {h for n in self.nodes for h in n.holes}
         return sorted(found, key=lambda h: (isinstance(h, RankHole), str(h)))

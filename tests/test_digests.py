@@ -93,12 +93,18 @@ DIGESTS = {
 }
 
 
-def digest(name: str, tmp: Path) -> str:
-    model, plan = PLANS[name]
+def model_of(name: str, tmp: Path):
+    """The model of PLANS[name], the HF config written to a config.json under `tmp`."""
+    model = PLANS[name][0]
     if model == "hf":
         model = tmp / "config.json"
         model.write_text(json.dumps(HF))
         model = str(model)
+    return model
+
+
+def digest(name: str, tmp: Path) -> str:
+    model, plan = model_of(name, tmp), PLANS[name][1]
     out = tmp / "set"
     generate(model, {"seq": 32, **plan}, out)
     h = hashlib.sha256()

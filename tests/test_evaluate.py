@@ -2,9 +2,11 @@
 
 import json
 
+import pytest
+
 from stg import Plan, evaluate
-from test_digests import PLANS, LLAMA
-from stg.api import generate
+from test_digests import PLANS, LLAMA, model_of
+from stg.api import build, generate
 
 
 def test_evaluate_equals_the_written_summary(tmp_path):
@@ -16,6 +18,17 @@ def test_evaluate_equals_the_written_summary(tmp_path):
         written = json.loads((tmp_path / name / "summary.json").read_text())
         written.pop("rank_class")
         assert row == written, name
+
+
+@pytest.mark.parametrize("name", sorted(PLANS))
+def test_counting_without_nodes_equals_lowering_them(name, tmp_path):
+    """evaluate lowers no nodes and counts a repeated action once: the same stats and groups
+    as the programs `stg generate` writes, for every strategy of the digest matrix, and with
+    more micro-batches than stages (so that actions repeat)."""
+    model, plan = model_of(name, tmp_path), PLANS[name][1]
+    for extra in ({}, {"global_batch": plan.get("global_batch", 1) * 4} if "micro_batch" not in plan else {}):
+        plan = {"seq": 32, **plan, **extra}
+        assert build(model, plan, nodes=False).summary() == build(model, plan).summary(), (name, extra)
 
 
 def test_invalid_plans_say_why():
