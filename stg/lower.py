@@ -121,6 +121,27 @@ class Pipeline:
         return cls(StagePlan(1, 1, (0,)), one_f_one_b(1, microbatches), False, ())
 
 
+@per_graph
+def _stage_work(sharded: ShardedGraph, stages: StagePlan, split_backward: bool) -> dict[int, tuple]:
+    """Per pipeline stage, its share of the graph: per (virtual stage, action kind) its ops in
+    program order, the parameter/gradient collectives per coalescing unit, and its step ops."""
+    work = {rank: ({}, {}, []) for rank in range(stages.pp)}
+    stage_of = {layer: stages.virtual_stage(layer) for layer in _layers(sharded)}
+    for op in sharded.graph.ops:
+        stage = stage_of[op.layer]
+        runs, units, step = work[stages.rank_and_chunk(stage)[0]]
+        if op.phase is Phase.STEP:
+            step.append(op)
+            continue
+        kind = {Phase.FORWARD: Kind.F, Phase.BACKWARD_INPUT: Kind.B}.get(op.phase, Kind.W)
+        if not split_backward and kind is Kind.W:
+            kind = Kind.B  # one autograd backward: input and weight gradients in program order
+        runs.setdefault((stage, kind), []).append(op)
+        if (unit := _unit(op, sharded.graph)) is not None:
+            units.setdefault(unit, []).append(op)
+    return work
+
+
 class _ProgramBuilder:
     """Builds one class's nodes; with `keep_nodes=False` only its stats and holes (stg.evaluate):
     no node objects, and an action that repeats one already run (same chunk and kind, same
@@ -357,24 +378,7 @@ class _ProgramBuilder:
 
     def build(self) -> list[TraceNode]:
         stages = self.pipeline.stages
-        mine = {virtual_stage(self.rank, chunk, stages.pp) for chunk in range(stages.vpp)}
-        runs = {}  # (virtual stage, action kind) -> its ops in program order
-        units: dict[tuple, list[Op]] = {}
-        step = []
-        stage_of = {layer: stages.virtual_stage(layer) for layer in _layers(self.sharded)}
-        for op in self.graph.ops:
-            stage = stage_of[op.layer]
-            if stage not in mine:
-                continue
-            if op.phase is Phase.STEP:
-                step.append(op)
-                continue
-            kind = {Phase.FORWARD: Kind.F, Phase.BACKWARD_INPUT: Kind.B}.get(op.phase, Kind.W)
-            if not self.pipeline.split_backward and kind is Kind.W:
-                kind = Kind.B  # one autograd backward: input and weight gradients in program order
-            runs.setdefault((stage, kind), []).append(op)
-            if (unit := _unit(op, self.graph)) is not None:
-                units.setdefault(unit, []).append(op)
+        runs, units, step = _stage_work(self.sharded, stages, self.pipeline.split_backward)[self.rank]
         self.plan_gradient_buckets(step, runs)
         actions = self.pipeline.schedule[self.rank]
         last = {(virtual_stage(self.rank, a.chunk, stages.pp), a.kind): n for n, a in enumerate(actions)}

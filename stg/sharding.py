@@ -181,19 +181,21 @@ def _phase_group(phase: Phase) -> str:
 
 
 def per_graph(fn):
-    """Memoise fn(sharded) on the graph object itself (a ShardedGraph is never mutated): what
-    a pass reads of a structure is gathered once, however many plans bind it."""
-    memo: dict[int, tuple] = {}
+    """Memoise fn(sharded, *args) on the graph object itself (a ShardedGraph is never mutated)
+    and the other, hashable, arguments: what a pass reads of a structure is gathered once,
+    however many plans bind it."""
+    memo: dict[tuple, tuple] = {}
 
     @functools.wraps(fn)
-    def wrapper(sharded):
-        hit = memo.get(id(sharded))
+    def wrapper(sharded, *args):
+        key = (id(sharded), *args)
+        hit = memo.get(key)
         if hit is not None and hit[0] is sharded:
             return hit[1]
         if len(memo) >= 8:
             memo.clear()
-        value = fn(sharded)
-        memo[id(sharded)] = (sharded, value)
+        value = fn(sharded, *args)
+        memo[key] = (sharded, value)
         return value
     return wrapper
 
