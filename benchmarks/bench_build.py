@@ -52,12 +52,12 @@ def evaluate_rate(count: int) -> None:
     import stg
     import stg.api
     from stg import evaluate, load_model
-    from stg.evaluation import _structure_order
+    from stg.evaluation import structure_order
 
     model = load_model("llama3-405b")
     model.graph
     chosen = plans(count)
-    structures = len({_structure_order(stg.Plan.from_dict(p)) for p in chosen})
+    structures = len({structure_order(stg.Plan.from_dict(p)) for p in chosen})
     start = time.perf_counter()
     rows = list(evaluate(model, chosen))
     seconds = time.perf_counter() - start

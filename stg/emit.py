@@ -90,7 +90,8 @@ def _quiet_worker() -> None:
     signal.pthread_sigmask(signal.SIG_UNBLOCK, _STOPS)
 
 
-def _worker_pool(workers: int):
+def worker_pool(workers: int):
+    """A pool of `workers` forked processes that stay quiet on Ctrl-C (the parent reports it)."""
     import multiprocessing
 
     blocked = signal.pthread_sigmask(signal.SIG_BLOCK, _STOPS)
@@ -136,7 +137,7 @@ def write_trace_set(out: Path, workload, summary: Mapping, progress: Progress | 
         jobs = [(str(folder), c.start, c.stop) for c in split_ranks(ranks, max(1, workers) * 8)]
         if workers > 1 and len(jobs) > 1:
             _FORKED = stamper
-            with _worker_pool(workers) as pool:
+            with worker_pool(workers) as pool:
                 for count in pool.imap(_write_chunk, jobs):
                     done += count
                     if progress:

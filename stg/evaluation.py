@@ -26,7 +26,8 @@ _BINDINGS = ("dp", "vpp", "schedule", "layers_per_stage", "micro_batch", "global
              "device", "capacity_factor", "expert_skew", "make_vocab_divisible_by")
 
 
-def _structure_order(plan) -> str:
+def structure_order(plan) -> str:
+    """A sort key that puts plans sharing a structure next to each other."""
     if not isinstance(plan, Plan):
         return ""  # checked (and refused) when its turn comes
     fields = plan.to_dict()
@@ -44,7 +45,7 @@ def evaluate(model: Model | str | Path | Mapping, plans: Iterable[Plan | Mapping
     plans = [_parsed(plan) for plan in plans]
     done: dict[int, dict] = {}
     answered = 0
-    for index in sorted(range(len(plans)), key=lambda i: _structure_order(plans[i])):
+    for index in sorted(range(len(plans)), key=lambda i: structure_order(plans[i])):
         done[index] = _row(model, plans[index])
         while answered in done:
             yield done.pop(answered)

@@ -142,6 +142,17 @@ def test_search_drops_by_reason_and_ranks_by_step_time():
         assert e.compute_us <= e.step_us and 0 <= e.bubble < 1
 
 
+def test_workers_do_not_change_the_result():
+    """Forked workers take whole structure groups; the ranking and the drops are the same."""
+    args = (MID, Cluster(gpus=8), Job(global_batch=8, seq=512),
+            Space(tp=(1, 2), pp=(1, 2), zero=(0, 1), recompute=("none", "full"), micro_batch=(1, 3),
+                  schedule=("1f1b",)))
+    alone, forked = explore(*args), explore(*args, workers=2)
+    assert forked.to_dict() == alone.to_dict() and len(alone.rows) == 16
+    with pytest.raises(PlanError, match="workers: must be a positive integer"):
+        explore(*args, workers=0)
+
+
 def test_python_api_is_stg_explore():
     import stg
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Optional
 
@@ -51,6 +52,7 @@ def explore(
     as_json: bool = typer.Option(False, "--json", help="Print every valid plan as JSON."),
     as_csv: bool = typer.Option(False, "--csv", help="Print every valid plan as CSV."),
     plot: Optional[Path] = typer.Option(None, help="Draw peak memory against step time with the Pareto front, FILE.png or FILE.svg (needs matplotlib: pip install 'stg[plot]')."),
+    workers: Optional[int] = typer.Option(None, help="Processes evaluating plans (forked; the ranking does not depend on it). [default: all cores]"),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress bar."),
 ):
     """Search parallelism plans: build each plan's rank programs, drop those that do not divide or do not fit in memory, time the rest by replaying one pipeline slice on the device and network models, and rank them by step time."""
@@ -75,7 +77,8 @@ def explore(
                       vpp=_list("vpp", vpp), max_tp=max_tp)
         cluster, job = Cluster(gpus, device, network, gpus_per_node), Job(global_batch, seq)
         with _progress("evaluating plans", quiet or as_json or as_csv) as progress:
-            result = search(model, cluster, job, space, headroom=headroom, progress=progress)
+            result = search(model, cluster, job, space, headroom=headroom, progress=progress,
+                            workers=(os.cpu_count() or 1) if workers is None else workers)
         if as_json or as_csv:
             typer.echo(to_json(result) if as_json else to_csv(result), nl=False)
         else:

@@ -5,13 +5,16 @@
     result.rows[0].plan, result.rows[0].estimate.step_us, result.dropped
 
 Each plan is built by stg.api.build (the same programs `stg generate` writes) and timed by
-stg/explore/cost.py; a faster build drops in there unchanged.
+stg/explore/cost.py; a faster build drops in there unchanged. Plans are evaluated grouped by
+structure (so consecutive plans share the symbolic passes), with `workers` forked processes
+each taking whole groups; the result does not depend on the number of workers.
 """
 
 from __future__ import annotations
 
 import time
 from collections import Counter
+from contextlib import nullcontext
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,7 +24,9 @@ import yaml
 from model_zoo import Model, load_model
 from stg.api import MemoryLimitError, build, generate
 from stg.device import register_device
+from stg.emit import worker_pool
 from stg.errors import OutputError, PlanError, StgError
+from stg.evaluation import structure_order
 from stg.explore.cost import Estimate, estimate
 from stg.explore.network import Network, load_network
 from stg.explore.space import Cluster, Job, Space, plans, reason, resolve
@@ -64,9 +69,44 @@ def evaluate(model: Model, plan: Plan, network: Network, capacity: int) -> Estim
     return estimate(build(model, plan, memory_limit=capacity), network)
 
 
+def _evaluate_chunk(chunk: list[Plan]) -> list[Row | str]:
+    """Each plan's Row, or the reason it was dropped (in a worker: the search's inputs are
+    _FORKED, set before the fork)."""
+    model, network, capacity = _FORKED
+    out = []
+    for plan in chunk:
+        try:
+            out.append(Row(plan, evaluate(model, plan, network, capacity)))
+        except StgError as error:
+            out.append("memory (over the device)" if isinstance(error, MemoryLimitError) else reason(error))
+    return out
+
+
+_FORKED: tuple | None = None  # (model, network, capacity) of the search being run
+
+
+def _chunks(candidates: list[Plan], workers: int) -> list[list[Plan]]:
+    """The plans grouped by structure, cut into about 4 chunks per worker at group bounds
+    where possible (a worker then pays each structure's symbolic passes once)."""
+    ordered = sorted(candidates, key=structure_order)
+    if workers == 1:
+        return [[plan] for plan in ordered]
+    size = max(1, -(-len(ordered) // (4 * workers)))
+    chunks, current = [], []
+    for plan in ordered:
+        if len(current) >= size and structure_order(plan) != structure_order(current[-1]):
+            chunks.append(current)
+            current = []
+        current.append(plan)
+    return chunks + [current] * bool(current)
+
+
 def explore(model: Model | str, cluster: Cluster, job: Job, space: Space = Space(), *,
-            headroom: float = 0.0, progress: Callable[[int, int], None] | None = None) -> Result:
-    """Every valid plan of `space`, fastest first; `headroom`: the fraction of device memory kept free."""
+            headroom: float = 0.0, progress: Callable[[int, int], None] | None = None,
+            workers: int = 1) -> Result:
+    """Every valid plan of `space`, fastest first; `headroom`: the fraction of device memory
+    kept free; `workers`: processes evaluating plans (forked; the result is the same)."""
+    global _FORKED
     if not 0 <= headroom < 1:
         raise PlanError(f"headroom: must be a fraction in [0, 1), got {headroom!r}")
     started = time.perf_counter()
@@ -79,14 +119,24 @@ def explore(model: Model | str, cluster: Cluster, job: Job, space: Space = Space
     dropped: Counter = Counter()
     candidates = list(plans(resolved, cluster, job, dropped, model.layers))
     considered = len(candidates) + sum(dropped.values())  # and those Plan refused
-    rows = []
-    for done, plan in enumerate(candidates, 1):
-        try:
-            rows.append(Row(plan, evaluate(model, plan, network, capacity)))
-        except StgError as error:
-            dropped["memory (over the device)" if isinstance(error, MemoryLimitError) else reason(error)] += 1
-        if progress:
-            progress(done, len(candidates))
+    if workers < 1:
+        raise PlanError(f"workers: must be a positive integer, got {workers}")
+    rows, done = [], 0
+    _FORKED = (model, network, capacity)
+    try:
+        chunks = _chunks(candidates, workers)
+        with worker_pool(workers) if workers > 1 else nullcontext() as pool:
+            for results in pool.imap(_evaluate_chunk, chunks) if pool else map(_evaluate_chunk, chunks):
+                for row in results:
+                    if isinstance(row, Row):
+                        rows.append(row)
+                    else:
+                        dropped[row] += 1
+                done += len(results)
+                if progress:
+                    progress(done, len(candidates))
+    finally:
+        _FORKED = None
     rows.sort(key=lambda r: (r.estimate.step_us, r.estimate.peak_memory, [str(r.plan.to_dict()[k]) for k in PLAN_KEYS]))
     return Result(tuple(rows), dict(sorted(dropped.items())), considered,
                   time.perf_counter() - started)
