@@ -249,3 +249,21 @@ def test_cli_explore_bad_input_is_one_line_exit_2(args, field):
     done = CliRunner().invoke(app, base + args)
     assert done.exit_code == 2
     assert f"error: {field}" in done.output and "Traceback" not in done.output
+
+
+def test_recommendation_models_search_their_table_sharding():
+    """A DLRM is searched over TorchRec's sharding types (and stg's planner): tp/pp/ZeRO do
+    not apply; table-row-wise gets a host of gpus_per_node ranks; every type is a valid plan
+    on 8 GPUs in hosts of 4, one micro-batch of 64 / 8 = 8 samples per rank."""
+    from test_digests import DLRM
+
+    result = explore(DLRM, Cluster(gpus=8, gpus_per_node=4), Job(global_batch=64, seq=4096),
+                     Space(embedding_sharding=("auto", "table_wise", "row_wise", "table_row_wise", "data_parallel")))
+    assert result.considered == 5 and not result.dropped
+    by_type = {r.plan.embedding_sharding: r.plan for r in result.rows}
+    assert set(by_type) == {"auto", "table_wise", "row_wise", "table_row_wise", "data_parallel"}
+    assert (by_type["table_row_wise"].dp, by_type["table_row_wise"].local_world_size) == (2, 4)
+    assert all(p.micro_batch == 8 and p.tp == p.pp == 1 and p.zero == 0 for p in by_type.values())
+    assert all(r.estimate.tokens == 64 for r in result.rows)  # samples, not seq x samples
+    with pytest.raises(PlanError, match="embedding_sharding: 'diagonal' is not one of"):
+        Space(embedding_sharding=("diagonal",))

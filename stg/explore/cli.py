@@ -31,7 +31,7 @@ def explore(
     gpus: int = typer.Option(..., help="GPUs in the cluster."),
     global_batch: Optional[int] = typer.Option(None, help="Sequences per optimizer step."),
     global_batch_tokens: Optional[int] = typer.Option(None, help="Tokens per optimizer step (instead of --global-batch; a multiple of --seq)."),
-    seq: int = typer.Option(..., help="Sequence length."),
+    seq: int = typer.Option(..., help="Sequence length (ignored for recommendation models)."),
     device: str = typer.Option("h100", help="A device name (stg/data/devices: h100, h200, a100, b200, mi300x) or a device YAML path."),
     network: str = typer.Option("dgx-h100-superpod", help="A network name (stg/data/networks) or a network YAML path."),
     gpus_per_node: int = typer.Option(8, help="GPUs per node: the default largest tp."),
@@ -46,6 +46,7 @@ def explore(
     micro_batch: str = typer.Option("1,2", help="Micro-batch sizes."),
     schedule: str = typer.Option("1f1b,interleaved", help="Pipeline schedules (with pp > 1): gpipe, 1f1b, interleaved, zb-h1."),
     vpp: str = typer.Option("2", help="Virtual stages per pipeline stage for the interleaved schedule."),
+    embedding_sharding: str = typer.Option("auto,data_parallel,table_wise,column_wise,row_wise,table_row_wise", help="Recommendation models (family dlrm): the tables' shardings to try (TorchRec's types; auto: stg's planner; table_row_wise with a host of --gpus-per-node ranks). Their dense part is data parallel; --micro-batch defaults to one micro-batch per step; --seq is ignored and tokens/s counts samples."),
     headroom: float = typer.Option(0.0, help="Fraction of device memory kept free (a plan whose peak exceeds the rest is dropped)."),
     top: int = typer.Option(10, help="Rows in the table, and trace sets written with --write."),
     write: Optional[Path] = typer.Option(None, help="Write the trace sets of the --top fastest plans under this folder, each with its plan.yaml."),
@@ -74,7 +75,8 @@ def explore(
         space = Space(tp=_list("tp", tp), pp=_list("pp", pp), cp=_list("cp", cp), ep=_list("ep", ep),
                       sp=_list("sp", sp, _flag), zero=_list("zero", zero), recompute=_list("recompute", recompute, str),
                       micro_batch=_list("micro_batch", micro_batch), schedule=_list("schedule", schedule, str),
-                      vpp=_list("vpp", vpp), max_tp=max_tp)
+                      vpp=_list("vpp", vpp), max_tp=max_tp,
+                      embedding_sharding=_list("embedding_sharding", embedding_sharding, str))
         cluster, job = Cluster(gpus, device, network, gpus_per_node), Job(global_batch, seq)
         with _progress("evaluating plans", quiet or as_json or as_csv) as progress:
             result = search(model, cluster, job, space, headroom=headroom, progress=progress,

@@ -24,9 +24,17 @@ def table(result: Result, top: int, title: str) -> Table:
         out.add_column(header, justify="right")
     for i, row in enumerate(result.rows[:top], 1):
         data = row.to_dict()
-        plan = " ".join(f"{k}={data[k]}" for k in PLAN_KEYS if not (k in ("vpp", "cp", "ep") and data[k] == 1))
+        plan = " ".join(f"{k}={data[k]}" for k in PLAN_KEYS if _shown(k, data))
         out.add_row(str(i), plan, *(fmt.format(data[key]) for _, key, fmt in COLUMNS))
     return out
+
+
+def _shown(key: str, plan: dict) -> bool:
+    """Whether the table shows a plan field: not a degree of 1 that most plans have, not an
+    unused field, and of a recommendation model only its data-parallel and table layout."""
+    if plan[key] is None or (key in ("vpp", "cp", "ep", "local_world_size") and plan[key] == 1):
+        return False
+    return not (plan["embedding_sharding"] and key in ("tp", "pp", "sp", "schedule", "zero", "recompute"))
 
 
 def footer(result: Result) -> str:

@@ -22,6 +22,7 @@ from pathlib import Path
 import yaml
 
 from model_zoo import Model, load_model
+from model_zoo.dlrm import DLRMConfig
 from stg.api import MemoryLimitError, build, generate
 from stg.device import register_device
 from stg.emit import worker_pool
@@ -29,11 +30,12 @@ from stg.errors import OutputError, PlanError, StgError
 from stg.evaluation import structure_order
 from stg.explore.cost import Estimate, estimate
 from stg.explore.network import Network, load_network
-from stg.explore.space import Cluster, Job, Space, plans, reason, resolve
+from stg.explore.space import Cluster, Job, Space, plans, reason, recommendation_plans, resolve
 from stg.plan import Plan
 
 GIB = 2**30
-PLAN_KEYS = ("dp", "tp", "pp", "cp", "ep", "sp", "schedule", "vpp", "zero", "recompute", "micro_batch")
+PLAN_KEYS = ("dp", "tp", "pp", "cp", "ep", "sp", "schedule", "vpp", "zero", "recompute", "micro_batch",
+             "embedding_sharding", "local_world_size")
 
 
 @dataclass(frozen=True)
@@ -115,9 +117,13 @@ def explore(model: Model | str, cluster: Cluster, job: Job, space: Space = Space
     cluster = Cluster(cluster.gpus, device.name, cluster.network, cluster.gpus_per_node)
     network = load_network(cluster.network)
     capacity = int(device.memory_gib * GIB * (1 - headroom))
-    resolved = resolve(space, cluster, model.layers, getattr(model.config, "experts", None))
     dropped: Counter = Counter()
-    candidates = list(plans(resolved, cluster, job, dropped, model.layers))
+    if isinstance(model.config, DLRMConfig):
+        micro_batch = None if space.micro_batch == Space().micro_batch else space.micro_batch
+        candidates = list(recommendation_plans(space, cluster, job, dropped, micro_batch))
+    else:
+        resolved = resolve(space, cluster, model.layers, getattr(model.config, "experts", None))
+        candidates = list(plans(resolved, cluster, job, dropped, model.layers))
     considered = len(candidates) + sum(dropped.values())  # and those Plan refused
     if workers < 1:
         raise PlanError(f"workers: must be a positive integer, got {workers}")
@@ -143,7 +149,11 @@ def explore(model: Model | str, cluster: Cluster, job: Job, space: Space = Space
 
 
 def label(plan: Plan) -> str:
-    """A folder name that says the plan: dp8-tp4-pp2-1f1b-z1-rnone-mb1."""
+    """A folder name that says the plan: dp8-tp4-pp2-1f1b-z1-rnone-mb1 (a recommendation
+    model's: dp2-local8-table_row_wise-mb256)."""
+    if plan.embedding_sharding:
+        local = f"-local{plan.local_world_size}" if plan.local_world_size > 1 else ""
+        return f"dp{plan.dp}{local}-{plan.embedding_sharding}-mb{plan.micro_batch}"
     parts = [f"dp{plan.dp}", f"tp{plan.tp}" + ("sp" if plan.sp else ""), f"pp{plan.pp}"]
     parts += [f"cp{plan.cp}"] * (plan.cp > 1) + [f"ep{plan.ep}"] * (plan.ep > 1)
     parts += [plan.schedule + (f"{plan.vpp}" if plan.vpp > 1 else ""), f"z{plan.zero}",

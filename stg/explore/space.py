@@ -3,6 +3,13 @@
 Enumeration only builds Plan values; a combination that Plan itself refuses (a batch that does
 not divide, ep not dividing dp, ...) is dropped with Plan's own one-line reason. Degrees whose
 product does not divide the GPU count never make a plan (dp is what the others leave).
+
+A recommendation model (family dlrm) is searched over its embedding tables' sharding instead:
+TorchRec's five types and `auto` (stg's planner), each table-row-wise plan with a host of
+`gpus_per_node` ranks (`local_world_size`; dp then counts hosts), the dense part data parallel
+over every rank, and the global batch (samples) in micro-batches of `micro_batch` samples per
+rank (default: one micro-batch per step). The job's seq does not apply: a sample is one
+"token" (tokens/s counts samples).
 """
 
 from __future__ import annotations
@@ -15,6 +22,9 @@ from dataclasses import dataclass, fields
 from stg.errors import PlanError, StgError
 from stg.plan import Plan, Recompute
 from stg.schedule import SCHEDULES
+from parallelism.embedding import Sharding
+
+EMBEDDING_SHARDINGS = tuple(s.label for s in Sharding)
 
 
 @dataclass(frozen=True)
@@ -58,6 +68,7 @@ class Space:
     schedule: tuple[str, ...] = ("1f1b", "interleaved")  # with pp > 1
     vpp: tuple[int, ...] = (2,)  # with the interleaved schedule
     max_tp: int | None = None  # default: the cluster's GPUs per node
+    embedding_sharding: tuple[str, ...] = ("auto", *EMBEDDING_SHARDINGS)  # recommendation models only
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -76,6 +87,9 @@ class Space:
         for v in self.schedule:
             if v not in SCHEDULES:
                 raise PlanError(f"schedule: {v!r} is not one of {list(SCHEDULES)}")
+        for v in self.embedding_sharding:
+            if v not in ("auto", *EMBEDDING_SHARDINGS):
+                raise PlanError(f"embedding_sharding: {v!r} is not one of {['auto', *EMBEDDING_SHARDINGS]}")
 
 
 def _powers(limit: int) -> tuple[int, ...]:
@@ -92,7 +106,25 @@ def resolve(space: Space, cluster: Cluster, layers: int, experts: int | None) ->
     if not experts and ep != (1,):
         raise PlanError(f"ep: {list(ep)}: the model has no experts")
     return Space(tp=tp, pp=pp, cp=space.cp, ep=ep, sp=space.sp, zero=space.zero, recompute=space.recompute,
-                 micro_batch=space.micro_batch, schedule=space.schedule, vpp=space.vpp, max_tp=max_tp)
+                 micro_batch=space.micro_batch, schedule=space.schedule, vpp=space.vpp, max_tp=max_tp,
+                 embedding_sharding=space.embedding_sharding)
+
+
+def recommendation_plans(space: Space, cluster: Cluster, job: Job, dropped: Counter,
+                         micro_batch: tuple[int, ...] | None) -> Iterator[Plan]:
+    """A recommendation model's plans: each embedding sharding, the dense part data parallel
+    (micro_batch None: one micro-batch of global_batch / gpus samples per rank)."""
+    for sharding in space.embedding_sharding:
+        local = cluster.gpus_per_node if sharding == Sharding.TABLE_ROW_WISE.label else 1
+        if cluster.gpus % local:
+            dropped["gpus: gpus_per_node does not divide them"] += 1
+            continue
+        for mb in micro_batch or (max(1, job.global_batch // cluster.gpus),):
+            try:
+                yield Plan(dp=cluster.gpus // local, local_world_size=local, embedding_sharding=sharding,
+                           micro_batch=mb, global_batch=job.global_batch, seq=1, device=cluster.device)
+            except StgError as error:
+                dropped[reason(error)] += 1
 
 
 def plans(space: Space, cluster: Cluster, job: Job, dropped: Counter, layers: int) -> Iterator[Plan]:
