@@ -8,6 +8,7 @@ one skeleton per (class, hole widths) and one rank's bytes at a time.
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import signal
 from pathlib import Path
@@ -44,6 +45,9 @@ class Stamper:
         self.workload = workload
         self.header = metadata_record()
         self.skeletons: dict[int, Skeleton] = {}
+        # a file being written is .NAME.partial-PID, PID the writing command's (its forked
+        # workers' too), so a failed range removes its own leftovers and no other writer's
+        self.owner = os.getpid()
 
     def skeleton(self, cls: int, values: Mapping) -> Skeleton:
         if cls not in self.skeletons:
@@ -58,7 +62,7 @@ class Stamper:
 
     def write(self, folder: Path, ranks: range) -> int:
         for rank in ranks:
-            _write_atomic(folder / f"workload.{rank}.et", self.header, self.rank_bytes(rank).data)
+            _write_atomic(folder / f"workload.{rank}.et", self.owner, self.header, self.rank_bytes(rank).data)
         return len(ranks)
 
     def size(self, cls: int, rank: int) -> int:
@@ -67,8 +71,8 @@ class Stamper:
         return len(self.header) + len(self.skeleton(cls, values).body)
 
 
-def _write_atomic(path: Path, *chunks) -> None:
-    partial = path.with_name(f".{path.name}.partial")
+def _write_atomic(path: Path, owner: int, *chunks) -> None:
+    partial = path.with_name(f".{path.name}.partial-{owner}")
     with open(partial, "wb") as f:
         for chunk in chunks:
             f.write(chunk)
@@ -151,13 +155,21 @@ def write_trace_set(out: Path, workload, summary: Mapping, progress: Progress | 
         if whole:
             commit_output(folder, out)
     except OSError as err:
-        if whole:
-            shutil.rmtree(folder, ignore_errors=True)
+        _discard(folder, whole, stamper)
         raise OutputError(f"output {out}: write failed ({err.strerror})") from None
     except BaseException:
-        if whole:
-            shutil.rmtree(folder, ignore_errors=True)
+        _discard(folder, whole, stamper)
         raise
+
+
+def _discard(folder: Path, whole: bool, stamper: Stamper) -> None:
+    """After a failure: a whole set's temporary folder, or a range's unfinished files (the
+    workers have stopped by now: the pool is terminated before the exception gets here)."""
+    if whole:
+        shutil.rmtree(folder, ignore_errors=True)
+        return
+    for leftover in folder.glob(f".workload.*.et.partial-{stamper.owner}"):
+        leftover.unlink(missing_ok=True)
 
 
 def count_trace_set(workload) -> dict:

@@ -140,3 +140,25 @@ def test_interrupting_the_command_mid_write_is_quiet_and_keeps_the_old_set(tmp_p
     assert process.returncode == 128 + sig and stderr.strip() == f"interrupted ({signal.Signals(sig).name})", stderr
     assert seq_of(out) == 16 and validate(out, replay=False) == []
     assert beside(out) == ["tiny.yaml"]
+
+
+def test_a_failed_range_removes_its_unfinished_files_and_no_one_elses(tmp_path, monkeypatch):
+    """`--ranks A:B` writes file by file into OUT; a write that fails leaves nothing of its
+    own half-written there, while another writer's unfinished file (another process writing
+    another range into the same OUT) stays."""
+    out = tmp_path / "out"
+    out.mkdir()
+    other = out / ".workload.7.et.partial-1"  # pid 1 is never this test
+    other.write_bytes(b"another writer's")
+    replace = Path.replace
+
+    def full_disk(self, target):
+        if ".partial-" in self.name and self.name.startswith(".workload.2."):
+            raise OSError(28, "No space left on device")
+        return replace(self, target)
+
+    monkeypatch.setattr(Path, "replace", full_disk)
+    with pytest.raises(Exception, match="write failed \\(No space left on device\\)"):
+        generate(TINY, Plan(dp=8, global_batch=8, seq=32), out, ranks=range(0, 4))
+    names = sorted(p.name for p in out.iterdir())
+    assert names == [".workload.7.et.partial-1", "summary.json", "workload.0.et", "workload.1.et", "workload.json"]
