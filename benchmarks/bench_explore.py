@@ -9,7 +9,9 @@
    Meta published (tp 8, cp 1, pp 16, dp 128; Llama 3 paper, Dubey et al. 2024, Table 4),
    with 1F1B and interleaved schedules: peak memory per rank against 80 GiB, step time and MFU
    (Meta reports 38-43 % BF16 MFU for its 8K-sequence pretraining on 8K-16K GPUs).
-3. --agreement: for a few plans, the estimate against `stg validate --timed alpha-beta
+3. Side by side, long pipelines (64-128 micro-batches) timed by replaying every micro-batch
+   and from two probes (stg/explore/probe.py): CPU-s ratio and the step-time difference.
+4. --agreement: for a few plans, the estimate against `stg validate --timed alpha-beta
    --network` of the written set (relative difference).
 """
 
@@ -23,6 +25,7 @@ from stg.api import build, generate
 from stg.chakra.validate import timed_replay
 from stg.explore import Cluster, Job, Space, explore, load_network
 from stg.explore.cost import estimate
+from stg.explore.probe import plan_timings
 from stg.plan import Plan
 
 NETWORK = "dgx-h100-superpod"
@@ -54,6 +57,27 @@ def meta_405b() -> None:
               f"[{time.process_time() - started:.1f} CPU-s]")
 
 
+def probes() -> None:
+    """Side by side: long pipelines timed by replaying all their micro-batches and from two
+    probes (stg/explore/probe.py), in one process: the time ratio and the step difference."""
+    network = load_network(NETWORK)
+    plans = [Plan(dp=8, tp=2, pp=4, zero=1, global_batch=512, seq=4096),
+             Plan(dp=8, tp=2, pp=4, schedule="interleaved", vpp=2, global_batch=512, seq=4096),
+             Plan(dp=16, tp=1, pp=4, schedule="zb-h1", zero=1, global_batch=1024, seq=4096)]
+    whole_s = probed_s = 0.0
+    for plan in plans:
+        started = time.process_time()
+        whole = estimate(build("llama3-8b", plan), network)
+        whole_s += time.process_time() - started
+        started = time.process_time()
+        probed = estimate(build("llama3-8b", plan, nodes=False), network, plan_timings("llama3-8b", plan, network))
+        probed_s += time.process_time() - started
+        print(f"  llama3-8b dp{plan.dp} tp{plan.tp} pp{plan.pp} {plan.schedule}, {plan.microbatches} micro-batches: "
+              f"step {whole.step_us / 1e3:.1f} ms whole, {probed.step_us / 1e3:.1f} ms probed "
+              f"({abs(probed.step_us - whole.step_us) / whole.step_us:.3%})")
+    print(f"probed / whole replay: {whole_s:.1f} / {probed_s:.1f} CPU-s = {whole_s / probed_s:.1f}x faster")
+
+
 def agreement() -> None:
     network = load_network(NETWORK)
     plans = [Plan(dp=2, tp=4, pp=2, zero=1, global_batch=16, seq=2048),
@@ -83,6 +107,7 @@ def main() -> None:
     rate("llama3-70b on 64 x h100, a wide space", "llama3-70b", Cluster(gpus=64), Job(global_batch=128, seq=4096),
          Space(tp=(1, 2, 4, 8), pp=(1, 2, 4, 8), zero=(0, 1), recompute=("none", "full"), micro_batch=(1,),
                schedule=("1f1b",)))
+    probes()
     if not args.skip_405b:
         meta_405b()
     if args.agreement:

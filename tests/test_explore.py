@@ -267,3 +267,22 @@ def test_recommendation_models_search_their_table_sharding():
     assert all(r.estimate.tokens == 64 for r in result.rows)  # samples, not seq x samples
     with pytest.raises(PlanError, match="embedding_sharding: 'diagonal' is not one of"):
         Space(embedding_sharding=("diagonal",))
+
+
+@pytest.mark.parametrize("schedule, zero, tp", [("1f1b", 1, 2), ("interleaved", 0, 1), ("zb-h1", 3, 1),
+                                                ("gpipe", 3, 2)])
+def test_a_long_pipeline_is_timed_from_two_probes_as_its_whole_replay(schedule, zero, tp):
+    """With m > 12 pp micro-batches the search replays 3 pp and 6 pp and extends the times
+    linearly (stg/explore/probe.py); the step stays within 0.5 % of replaying all m (the
+    periodic regime of a max-plus system), the memory and FLOPs are the plan's own."""
+    from stg.explore.probe import plan_timings, probe_counts
+
+    plan = Plan(dp=2, tp=tp, pp=2, schedule=schedule, vpp=2 if schedule == "interleaved" else 1, zero=zero,
+                global_batch=2 * 26, seq=512)
+    assert probe_counts(plan) == (6, 12)
+    network = load_network("dgx-h100-superpod")
+    whole = estimate(build(MID, plan), network)
+    probed = estimate(build(MID, plan, nodes=False), network, plan_timings(MID, plan, network))
+    assert probed.step_us == pytest.approx(whole.step_us, rel=0.005)
+    assert probed.compute_us == pytest.approx(whole.compute_us, rel=0.005)
+    assert (probed.peak_memory, probed.model_flops) == (whole.peak_memory, whole.model_flops)

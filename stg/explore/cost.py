@@ -73,10 +73,12 @@ def slice_timings(workload, network: Network, variant: int = 0):
     return free, costed
 
 
-def estimate(workload, network: Network) -> Estimate:
-    """The step time, bubble, exposed communication, MFU and memory of a built plan."""
+def estimate(workload, network: Network, timings: list | None = None) -> Estimate:
+    """The step time, bubble, exposed communication, MFU and memory of a built plan;
+    `timings`: its slices' (free, costed) Timings per variant, when they were found otherwise
+    (stg/explore/probe.py; then the workload needs no nodes)."""
     plan = workload.plan
-    runs = [slice_timings(workload, network, v) for v in range(workload.variants)]
+    runs = timings or [slice_timings(workload, network, v) for v in range(workload.variants)]
     free = max((f for f, _ in runs), key=lambda t: t.makespan_us)
     timed = max((t for _, t in runs), key=lambda t: t.makespan_us)
     bubble = sum(free.idle_us) / (len(free.idle_us) * free.makespan_us) if free.makespan_us else 0.0
