@@ -279,12 +279,12 @@ def _check_sensible(model: Model, plan: Plan, sharded: ShardedGraph) -> None:
     """Refuse, before lowering, a program too large to hold in memory (every micro-batch is
     its own nodes: about the per-micro-batch ops of a stage times the micro-batches), and plan
     fields that would be silently ignored by this model."""
-    per_microbatch = sum(1 for op in sharded.graph.ops if op.phase is not Phase.STEP) // plan.pp
+    per_microbatch = _work_ops(sharded) // plan.pp
     if plan.microbatches * per_microbatch > MAX_NODES:
         raise PlanError(f"global_batch={plan.global_batch}: {plan.microbatches:,} micro-batches of about "
                         f"{per_microbatch:,} nodes each is more than {MAX_NODES:,} trace nodes per rank; "
                         "raise micro_batch or dp, or lower global_batch")
-    named = {dim for tensor in sharded.graph.tensors.values() for dim in tensor.dims}
+    named = _logical_axes(sharded)
     for logical, _ in plan.rules or ():
         if logical not in named:
             raise PlanError(f"rules: {logical}: model {model.name} has no logical axis {logical!r}; it has "
@@ -293,6 +293,33 @@ def _check_sensible(model: Model, plan: Plan, sharded: ShardedGraph) -> None:
         for name, default in (("capacity_factor", 1.0), ("expert_skew", 0.0)):
             if getattr(plan, name) != default:
                 raise PlanError(f"{name}: applies to mixture-of-experts models, not {model.name} (no experts)")
+
+
+@per_graph
+def _work_ops(sharded: ShardedGraph) -> int:
+    """Ops of one micro-batch (all but the step's)."""
+    return sum(1 for op in sharded.graph.ops if op.phase is not Phase.STEP)
+
+
+@per_graph
+def _logical_axes(sharded: ShardedGraph) -> frozenset[str]:
+    return frozenset(dim for tensor in sharded.graph.tensors.values() for dim in tensor.dims)
+
+
+@per_graph
+def _weight_on_stages(sharded: ShardedGraph, stages) -> tuple[str, list[int]] | None:
+    """The first weight that ops of two stages read, and those stages (None: there is none)."""
+    for weight in sharded.graph.weights:
+        used_on = {stages.virtual_stage(op.layer) for op in sharded.graph.consumers.get(weight.name, ())
+                   if op.phase is not Phase.STEP}
+        if len(used_on) > 1:
+            return weight.name, sorted(used_on)
+    return None
+
+
+@per_graph
+def _cut(sharded: ShardedGraph, stages) -> tuple:
+    return tuple(cut(sharded.graph, stages))
 
 
 @dataclass(frozen=True)
@@ -424,14 +451,12 @@ TAG_LIMIT = 400_000_000  # below ASTRA-sim's 500,000,000 limit on comm_tag
 def _pipeline(model: Model, plan: Plan, sharded: ShardedGraph, stages) -> Pipeline:
     if stages is None:
         return Pipeline.single_stage(plan.microbatches)
-    for weight in sharded.graph.weights:  # e.g. an output layer tied to the embedding
-        used_on = {stages.virtual_stage(op.layer) for op in sharded.graph.consumers.get(weight.name, ())
-                   if op.phase is not Phase.STEP}
-        if len(used_on) > 1:
-            raise PlanError(f"pp={plan.pp}: weight {weight.name} of model {model.name} is used on pipeline stages "
-                            f"{sorted(used_on)}; a weight shared across stages (tied embeddings) is not supported yet")
+    shared = _weight_on_stages(sharded, stages)
+    if shared:  # e.g. an output layer tied to the embedding
+        raise PlanError(f"pp={plan.pp}: weight {shared[0]} of model {model.name} is used on pipeline stages "
+                        f"{shared[1]}; a weight shared across stages (tied embeddings) is not supported yet")
     schedule = make_schedule(plan.schedule, plan.pp, plan.microbatches, plan.vpp)
-    edges = tuple(cut(sharded.graph, stages))
+    edges = _cut(sharded, stages)
     if plan.microbatches * len(edges) >= TAG_LIMIT:
         raise PlanError(f"microbatches={plan.microbatches}: too many for unique send/recv tags below {TAG_LIMIT:,}")
     return Pipeline(stages, schedule, plan.schedule in SPLIT_BACKWARD, edges)

@@ -23,6 +23,7 @@ Collectives that move parameters or gradients are coalesced, as frameworks do:
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass
 from typing import Mapping
 
@@ -142,6 +143,34 @@ def _stage_work(sharded: ShardedGraph, stages: StagePlan, split_backward: bool) 
     return work
 
 
+@dataclass(frozen=True)
+class _Tally:
+    """What one action adds to a class's stats, for any bindings: (field, key, shared, expr)
+    -> how many times the expression's value is added; the node and collective counts; the
+    holes; the tensors it makes."""
+
+    terms: Counter
+    counts: ClassStats  # its flops and bytes are this plan's; only nodes and comm_count are read
+    holes: frozenset
+    made: tuple[str, ...]
+
+    def bind(self, evaluate: Evaluator, comm_evaluate: Evaluator) -> ClassStats:
+        stats = ClassStats(comm_count=Counter(self.counts.comm_count), nodes=Counter(self.counts.nodes))
+        for (field, key, comm, expr), times in self.terms.items():
+            value = times * (comm_evaluate if comm else evaluate)(expr)
+            if key is None:
+                setattr(stats, field, getattr(stats, field) + value)
+            else:
+                getattr(stats, field)[key] += value
+        return stats
+
+
+@per_graph
+def _tallies(sharded: ShardedGraph) -> dict:
+    """Action tallies of a structure, filled as plans are evaluated (_action_stats)."""
+    return {}
+
+
 class _ProgramBuilder:
     """Builds one class's nodes; with `keep_nodes=False` only its stats and holes (stg.evaluate):
     no node objects, and an action that repeats one already run (same chunk and kind, same
@@ -170,6 +199,7 @@ class _ProgramBuilder:
         self.keep_nodes = keep_nodes
         self.holes: set = set()  # without nodes, the holes they would have had
         self.repeats: dict[tuple, tuple[ClassStats, tuple[str, ...]]] = {}  # without nodes: per action key
+        self.terms: Counter | None = None  # the tally of the action being run, without nodes
 
     def _add(self, **kwargs) -> int:
         node = TraceNode(id=len(self.nodes), **kwargs)
@@ -182,6 +212,18 @@ class _ProgramBuilder:
         self.stats.nodes[kind.name] += 1
         self.holes.update(holes)
 
+    def _count(self, field: str, key: str | None, expr, comm: bool = False) -> int:
+        """Add `expr`'s value (under the shared evaluator when `comm`) to a stats field (at
+        `key` of a Counter field); the action being tallied records the term. The value."""
+        value = (self.comm_ev if comm else self.ev)(expr)
+        if key is None:
+            setattr(self.stats, field, getattr(self.stats, field) + value)
+        else:
+            getattr(self.stats, field)[key] += value
+        if self.terms is not None:
+            self.terms[(field, key, comm, expr)] += 1
+        return value
+
     def producer(self, tensor: str, where: dict[str, int]) -> int | None:
         while tensor in self.alias:
             tensor = self.alias[tensor]
@@ -191,13 +233,12 @@ class _ProgramBuilder:
         return node_id is not None and self.nodes[node_id].type is not NodeType.COMP_NODE
 
     def compute(self, op: Op, label: str, where: dict[str, int]) -> None:
-        flops, nbytes = self.ev(op.flops), self.ev(op.bytes)
-        self.stats.flops_by_phase[op.phase.value] += flops
-        self.stats.compute_bytes += nbytes
+        flops = self._count("flops_by_phase", op.phase.value, op.flops)
+        nbytes = self._count("compute_bytes", None, op.bytes)
         if op.attrs.get("recompute"):
-            self.stats.recompute_flops += flops
+            self._count("recompute_flops", None, op.flops)
         if op.kind is OpKind.EINSUM and op.phase is not Phase.STEP:
-            self.stats.matmul_flops += flops
+            self._count("matmul_flops", None, op.flops)
         if not self.keep_nodes:
             self._tally(NodeType.COMP_NODE)
             where.update(dict.fromkeys(op.outputs))
@@ -230,8 +271,7 @@ class _ProgramBuilder:
     def collective(self, name: str, members: list[Op], where: dict[str, int], extra_deps=()) -> int:
         first = members[0]
         axes, collective = first.attrs["axes"], first.attrs["collective"]
-        nbytes = sum(self.comm_ev(op.bytes) for op in members)
-        self.stats.comm_bytes[collective.name] += nbytes
+        nbytes = sum(self._count("comm_bytes", collective.name, op.bytes, comm=True) for op in members)
         self.stats.comm_count[collective.name] += 1
         group = GroupHole(axes, first.attrs.get("members"))
         if not self.keep_nodes:
@@ -269,8 +309,7 @@ class _ProgramBuilder:
         return microbatch * len(self.pipeline.edges) + edge.index
 
     def send(self, edge: Edge, microbatch: int, where: dict[str, int]) -> None:
-        nbytes = self.comm_ev(self.graph.tensors[edge.tensor].nbytes)
-        self.stats.send_bytes += nbytes
+        nbytes = self._count("send_bytes", None, self.graph.tensors[edge.tensor].nbytes, comm=True)
         if not self.keep_nodes:
             return self._tally(NodeType.COMM_SEND_NODE, RankHole(), self._peer(edge.target))
         deps = [d for d in (self.producer(edge.tensor, where), self.last_comm) if d is not None]
@@ -280,8 +319,7 @@ class _ProgramBuilder:
         )
 
     def recv(self, edge: Edge, microbatch: int, where: dict[str, int]) -> None:
-        nbytes = self.comm_ev(self.graph.tensors[edge.tensor].nbytes)
-        self.stats.recv_bytes += nbytes
+        nbytes = self._count("recv_bytes", None, self.graph.tensors[edge.tensor].nbytes, comm=True)
         if not self.keep_nodes:
             where[edge.tensor] = None
             return self._tally(NodeType.COMM_RECV_NODE, self._peer(edge.source), RankHole())
@@ -340,6 +378,26 @@ class _ProgramBuilder:
             op = self.graph.producer.get(op.inputs[0])
         return op
 
+    def _action_stats(self, action: Action, ops: list[Op], units: dict, here: dict, key: tuple):
+        """An action's stats (without nodes) and the tensors it makes. Its tally -- how many
+        times each expression is added to each field, and its node counts -- holds for every
+        plan of this structure and stage cut (a final action's buckets are part of the key), so
+        a later plan binds the tally to its own numbers instead of running the ops again."""
+        flushes = tuple((op.name, tuple(len(b) for b in self.flush_after[op.name]))
+                        for op in ops if op.name in self.flush_after) if key[2] else ()
+        tallies = _tallies(self.sharded)
+        shared = (self.pipeline.stages, self.pipeline.split_backward, self.rank, key, flushes)
+        if shared not in tallies:
+            total, holes, before = self.stats, self.holes, set(here)
+            self.stats, self.holes, self.terms = ClassStats(), set(), Counter()
+            self.action(action, ops, units, here, final=key[2])
+            tallies[shared] = _Tally(self.terms, self.stats, frozenset(self.holes),
+                                     tuple(t for t in here if t not in before))
+            self.stats, self.holes, self.terms = total, holes | self.holes, None
+        tally = tallies[shared]
+        self.holes |= tally.holes
+        return tally.bind(self.ev, self.comm_ev), tally.made
+
     def plan_gradient_buckets(self, step: list[Op], runs: dict) -> None:
         """The step's reductions of gradients the micro-batches make go out in buckets as the
         last backward makes them (PyTorch DDP's overlap): each bucket right after the op that
@@ -396,10 +454,7 @@ class _ProgramBuilder:
             key = (stage, action.kind, is_final, history.get(action.microbatch, ()))
             history[action.microbatch] = key[3] + (key[:2],)
             if key not in self.repeats:
-                total, self.stats, before = self.stats, ClassStats(), set(here)
-                self.action(action, ops, units, here, final=is_final)
-                self.repeats[key] = (self.stats, tuple(t for t in here if t not in before))
-                self.stats = total
+                self.repeats[key] = self._action_stats(action, ops, units, here, key)
             stats, made = self.repeats[key]
             self.stats.add(stats)
             here.update(dict.fromkeys(made))

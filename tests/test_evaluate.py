@@ -23,10 +23,12 @@ def test_evaluate_equals_the_written_summary(tmp_path):
 @pytest.mark.parametrize("name", sorted(PLANS))
 def test_counting_without_nodes_equals_lowering_them(name, tmp_path):
     """evaluate lowers no nodes and counts a repeated action once: the same stats and groups
-    as the programs `stg generate` writes, for every strategy of the digest matrix, and with
-    more micro-batches than stages (so that actions repeat)."""
+    as the programs `stg generate` writes, for every strategy of the digest matrix, with
+    more micro-batches than stages (so that actions repeat), and for a second sequence length
+    (the tallies of the first plan's actions bound to other numbers)."""
     model, plan = model_of(name, tmp_path), PLANS[name][1]
-    for extra in ({}, {"global_batch": plan.get("global_batch", 1) * 4} if "micro_batch" not in plan else {}):
+    for extra in ({}, {"global_batch": plan.get("global_batch", 1) * 4} if "micro_batch" not in plan else {},
+                  {"seq": 64}):
         plan = {"seq": 32, **plan, **extra}
         assert build(model, plan, nodes=False).summary() == build(model, plan).summary(), (name, extra)
 
