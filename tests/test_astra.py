@@ -118,11 +118,12 @@ def test_bad_astra_choices_name_the_field(bad, field):
 # --- ASTRA-sim's output ----------------------------------------------------------------------
 
 def test_parse_captured_log():
+    # ASTRA-sim 518bd51's stdout on a 4-rank dp2 x tp2 set (ranks report in reverse order)
     text = (FIXTURES / "astra_sim_4ranks.log").read_text()
     run = parse_output(text, 4)
-    assert run.finished_ns == (131072, 131072, 131072, 131072) or all(run.finished_ns)
-    assert run.complete and run.problem() is None
-    assert run.time_us == max(run.finished_ns) / 1e3
+    assert run.finished_ns == (156328, 156328, 156328, 156328)
+    assert run.complete and run.problem() is None and run.time_us == 156.328
+    assert parse_output(text, 5).problem().startswith("1 of 5 ranks did not finish (ranks 4;")
 
 
 def test_missing_finished_lines_and_critical_lines_are_problems():
