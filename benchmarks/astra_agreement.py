@@ -10,7 +10,9 @@ then the largest deviation and Spearman's rank correlation of the two columns.
 
 The networks are two-tier switched clusters (4 or 8 GPUs per node) with `hierarchical: true`
 (a collective over every rank runs node tier, then fabric tier, as ASTRA-sim's
-multi-dimensional collectives) and `all_to_all: ring` (ASTRA-sim's ring all-to-all). Every
+multi-dimensional collectives), `all_to_all: ring` (ASTRA-sim's ring all-to-all) and
+`reduction_gbps` = the device's memory bandwidth (ASTRA-sim's local-mem-bw charge on every
+reducing step; --free-reduction leaves it out, stg's default), or --network NAME for all. Every
 plan's groups are aligned with the tiers (the node size is a product of the innermost mesh
 axes), so that ASTRA-sim's per-hop routing (the lowest dimension in which two ranks differ)
 charges the tier stg charges; a plan where that fails is flagged (stg.explore.astra.misaligned).
@@ -23,19 +25,21 @@ import argparse
 import json
 import sys
 import tempfile
+from dataclasses import replace
 from pathlib import Path
 
 from stg.api import build, generate
 from stg.device import device_spec
 from stg.explore.astra import find_binary, misaligned, simulate
 from stg.explore.cost import estimate, peak_tflops
-from stg.explore.network import network_from_dict
+from stg.explore.network import load_network, network_from_dict
 from stg.explore.search import label
 from stg.plan import Plan
 
 
-def two_tier(node: int) -> dict:
-    return {"name": f"switched-{node}", "hierarchical": True, "all_to_all": "ring", "tiers": [
+def two_tier(node: int, reduction_gbps: float | None = None) -> dict:
+    return {"name": f"switched-{node}", "hierarchical": True, "all_to_all": "ring", "reduction_gbps": reduction_gbps,
+            "tiers": [
         {"name": "node", "size": node, "topology": "switch", "bandwidth_gbps": 200, "latency_us": 2, "efficiency": 0.9},
         {"name": "fabric", "size": None, "topology": "switch", "bandwidth_gbps": 25, "latency_us": 5, "efficiency": 0.9}]}
 
@@ -96,6 +100,9 @@ def main() -> int:
     parser.add_argument("--astra-sim", help="the ASTRA-sim binary [default: $STG_ASTRA_SIM]")
     parser.add_argument("--keep", type=Path, help="write the sets here (default: a temporary folder)")
     parser.add_argument("--only", type=int, nargs="*", help="case numbers (1-based) to run")
+    parser.add_argument("--network", help="one network (name or YAML) for every case instead of the two-tier ones")
+    parser.add_argument("--free-reduction", action="store_true",
+                        help="stg's default network model: reductions free (ASTRA-sim charges them at local-mem-bw)")
     args = parser.parse_args()
     binary = find_binary(args.astra_sim)
     out = args.keep or Path(tempfile.mkdtemp(prefix="stg-astra-agreement-"))
@@ -104,7 +111,11 @@ def main() -> int:
     for i, (model, plan, node) in enumerate(CASES, 1):
         if args.only and i not in args.only:
             continue
-        network = network_from_dict(two_tier(node))
+        memory_gbps = device_spec(plan.device).memory_tbps * 1e3
+        network = load_network(args.network) if args.network else \
+            network_from_dict(two_tier(node, None if args.free_reduction else memory_gbps))
+        if args.network and not args.free_reduction:
+            network = replace(network, reduction_gbps=memory_gbps)
         workload = build(model, plan)
         ours = estimate(workload, network).step_us
         folder = out / f"{i:02d}-{label(plan)}"
@@ -112,8 +123,7 @@ def main() -> int:
         world = workload.mesh.size
         groups = {int(k): v for k, v in json.loads((folder / "workload.json").read_text()).items()}
         odd = misaligned(network, groups, world)
-        run = simulate(binary, folder, network, peak_tflops(plan, workload.model),
-                       device_spec(plan.device).memory_tbps * 1e3, timeout_s=900)
+        run = simulate(binary, folder, network, peak_tflops(plan, workload.model), memory_gbps, timeout_s=900)
         problem = run.problem()
         theirs = run.time_us if problem is None else float("nan")
         flag = (f"  misaligned groups {odd}" if odd else "") + (f"  {problem}" if problem else "")

@@ -95,6 +95,17 @@ def test_collective_over_every_rank_runs_tier_by_tier():
     assert _cost(flat, pb.ALL_REDUCE, S, range(16), 16) == pytest.approx(30 * 5 + 2 * 15 / 16 * S / 1e4)
 
 
+def test_reduction_steps_read_two_and_write_one_message_at_memory_bandwidth():
+    # ASTRA-sim's local-mem-bw: each of the n-1 reducing steps moves 3 messages of S/n
+    slow = network_from_dict({"reduction_gbps": 1000, "tiers": [
+        {"size": None, "bandwidth_gbps": 100, "latency_us": 2, "efficiency": 1.0}]})
+    S = 8 * 10**6  # 4 ranks; network 1e5 B/us, memory 1e6 B/us
+    extra = 3 * 3 / 4 * S / 1e6
+    assert _cost(slow, pb.ALL_REDUCE, S, range(4), 4) == pytest.approx(6 * 2 + 2 * 3 / 4 * S / 1e5 + extra)
+    assert _cost(slow, pb.REDUCE_SCATTER, S, range(4), 4) == pytest.approx(3 * 2 + 3 / 4 * S / 1e5 + extra)
+    assert _cost(slow, pb.ALL_GATHER, S // 4, range(4), 4) == pytest.approx(3 * 2 + 3 * (S // 4) / 1e5)  # no reduction
+
+
 def test_groups_that_astra_routes_on_another_tier_are_flagged():
     groups = {1: list(range(4)), 2: [0, 4, 8, 12], 3: list(range(8)), 4: list(range(16)), 5: [1, 5, 9, 13]}
     # ranks 3 -> 4 differ first in dimension 0: ASTRA-sim charges the node tier, stg the fabric
@@ -107,6 +118,7 @@ def test_groups_that_astra_routes_on_another_tier_are_flagged():
 @pytest.mark.parametrize("bad, field", [
     ({"all_to_all": "mesh"}, "all_to_all"),
     ({"hierarchical": "yes"}, "hierarchical"),
+    ({"reduction_gbps": 0}, "reduction_gbps"),
     ({"tiers": [{"size": None, "bandwidth_gbps": 1, "latency_us": 1, "efficiency": 1, "topology": "star"}]}, "topology"),
 ])
 def test_bad_astra_choices_name_the_field(bad, field):

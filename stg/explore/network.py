@@ -34,6 +34,10 @@ its configuration from the same file):
                          outermost, all-gather back out; reduce-scatter inner to outer,
                          all-gather outer to inner, all-to-all the whole buffer on every tier.
                          A tier's "size" in ranks is its domain over the inner tier's domain.
+    reduction_gbps: R    each of a ring reduce-scatter's or all-reduce's n-1 reducing steps
+                         reads two messages and writes one at R GB/s: + 3(n-1)/n · S / R, as
+                         ASTRA-sim charges its `local-mem-bw` (set R to the device's memory
+                         bandwidth to match it; default: free, as NCCL overlaps it)
 """
 
 from __future__ import annotations
@@ -96,6 +100,7 @@ class Network:
     all_reduce: Algorithm = Algorithm.RING
     all_to_all: AllToAll = AllToAll.DIRECT
     hierarchical: bool = False  # a collective over every rank runs tier by tier
+    reduction_gbps: float | None = None  # local memory bandwidth of a reduction step (None: free)
 
     def __post_init__(self) -> None:
         if not self.tiers:
@@ -124,7 +129,10 @@ class Network:
         if ctype == pb.ALL_TO_ALL and self.all_to_all is AllToAll.RING:
             return n * (n - 1) / 2 * tier.latency_us + (n - 1) / 2 * size / tier.bytes_per_us
         steps = 2 * (n - 1) if ctype == pb.ALL_REDUCE else n - 1
-        return steps * tier.latency_us + RING_FACTOR[ctype](n) * size / tier.bytes_per_us
+        reduce = 0.0
+        if self.reduction_gbps and ctype in (pb.ALL_REDUCE, pb.REDUCE_SCATTER):
+            reduce = 3 * (n - 1) / n * size / (self.reduction_gbps * 1e3)  # n-1 steps: read 2, write 1 message
+        return steps * tier.latency_us + RING_FACTOR[ctype](n) * size / tier.bytes_per_us + reduce
 
     def dims(self, world: int) -> list[int]:
         """Ranks per tier domain over the inner tier's domain (ASTRA-sim's npus_count per
@@ -237,8 +245,9 @@ def network_from_dict(data: Mapping, where: str = "network") -> Network:
     hierarchical = data.get("hierarchical", False)
     if not isinstance(hierarchical, bool):
         raise PlanError(f"{where}.hierarchical: must be true or false, got {hierarchical!r}")
+    reduction = None if data.get("reduction_gbps") is None else _number(data, "reduction_gbps", where)
     return Network(str(data.get("name", where)), tuple(parsed), _choice(data, "all_reduce", Algorithm, where),
-                   _choice(data, "all_to_all", AllToAll, where), hierarchical)
+                   _choice(data, "all_to_all", AllToAll, where), hierarchical, reduction)
 
 
 def _choice(data: Mapping, key: str, kind: type[Enum], where: str):
