@@ -3,6 +3,7 @@ description (numbers by hand), the models that match ASTRA-sim's algorithms (rin
 per-tier collectives over every rank), the parsing of a captured ASTRA-sim log, and the
 one-line error when no binary is found."""
 
+import os
 from pathlib import Path
 
 import pytest
@@ -171,3 +172,24 @@ def test_binary_from_the_environment(monkeypatch, tmp_path):
     binary.chmod(0o644)
     with pytest.raises(PlanError, match="astra_sim"):
         find_binary(None)
+
+
+# --- with a binary ($STG_ASTRA_SIM), the real thing; skipped without one ----------------------
+
+@pytest.mark.skipif(not os.environ.get(ENV), reason=f"no ASTRA-sim binary (set {ENV})")
+def test_astra_sim_agrees_with_the_estimate_on_an_aligned_plan(tmp_path):
+    from stg.api import build, generate
+    from stg.explore.astra import simulate
+    from stg.explore.cost import estimate
+    from stg.plan import Plan
+
+    model = dict(name="mid-llama", family="llama", layers=4, hidden=1024, ffn=2816, heads=16, kv_heads=4, vocab=4096)
+    plan = Plan(tp=2, dp=2, pp=2, global_batch=8, seq=512)  # 2-GPU nodes: tp inside, dp and pp across
+    network = network_from_dict({"hierarchical": True, "all_to_all": "ring", "reduction_gbps": 3350, "tiers": [
+        {"size": 2, "bandwidth_gbps": 200, "latency_us": 2, "efficiency": 0.9},
+        {"size": None, "bandwidth_gbps": 25, "latency_us": 5, "efficiency": 0.9}]})
+    ours = estimate(build(model, plan), network).step_us
+    generate(model, plan, tmp_path)
+    run = simulate(find_binary(None), tmp_path, network, 989.4, 3350, timeout_s=600)
+    assert run.problem() is None
+    assert ours == pytest.approx(run.time_us, rel=0.10)
