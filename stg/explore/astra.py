@@ -231,5 +231,17 @@ def simulate_rows(model, result, top: int, out: Path | None, binary: Path, netwo
             groups = json.loads((folder / "workload.json").read_text())
             odd = misaligned(network, {int(k): v for k, v in groups.items()}, set_ranks(folder))
             note = f"  (ASTRA-sim routes {len(odd)} group(s) on other tiers than stg)" if odd else ""
+            if uses_all_to_all(folder) and network.all_to_all is AllToAll.DIRECT and \
+                    len([n for n in network.dims(set_ranks(folder)) if n > 1]) > 1:
+                note += "  (ASTRA-sim runs a sub-group's all-to-all as a ring here: use all_to_all: ring)"
             lines.append(f"{label(row.plan):<44} {stg_ms:10.3f} {astra}{note}")
     return lines
+
+
+def uses_all_to_all(set_dir: Path) -> bool:
+    """Whether a written set's summary counts any ALL_TO_ALL."""
+    try:
+        summary = json.loads((Path(set_dir) / "summary.json").read_text())
+    except (OSError, ValueError):
+        return False
+    return any(c.get("comm_count", {}).get("ALL_TO_ALL") for c in summary.get("rank_classes", []))
