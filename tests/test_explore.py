@@ -107,16 +107,49 @@ MOE = dict(name="mid-moe", family="mixtral", layers=4, hidden=1024, ffn=2048, he
     (MOE, Plan(dp=4, ep=4, tp=2, global_batch=8, seq=512)),
     (MOE, Plan(dp=4, ep=2, pp=2, global_batch=8, seq=512, expert_skew=1.0)),  # variants: skewed expert loads
     ("dlrm-kaggle", Plan(dp=8, global_batch=8 * 2048, micro_batch=2048, embedding_sharding="table_wise")),
-], ids=["tp-pp-zero1", "interleaved-recompute", "cp-zero3", "zb-h1", "moe-ep-tp", "moe-skew-pp", "dlrm"])
+    (MID, Plan(dp=8, global_batch=16, seq=512)),
+    (MID, Plan(dp=4, zero=2, global_batch=8, seq=512)),
+    (MID, Plan(tp=4, sp=False, dp=2, global_batch=4, seq=512)),
+    (MID, Plan(tp=4, sp=True, dp=2, global_batch=4, seq=512, recompute="selective")),
+    (MID, Plan(tp=2, pp=4, schedule="gpipe", global_batch=8, seq=512)),
+    (MID, Plan(dp=2, pp=4, schedule="1f1b", global_batch=16, seq=512, micro_batch=2)),
+    (MID, Plan(pp=2, dp=2, tp=2, schedule="interleaved", vpp=2, global_batch=8, seq=512)),
+    (MID, Plan(pp=4, dp=2, schedule="zb-h1", global_batch=8, seq=512, recompute="full")),
+    (MID, Plan(tp=2, cp=2, dp=2, global_batch=4, seq=1024)),
+    (MID, Plan(cp=2, pp=2, dp=2, zero=1, global_batch=8, seq=1024)),
+    (MID, Plan(tp=2, dp=4, zero=3, global_batch=8, seq=512, recompute="full")),
+    (MID, Plan(pp=2, dp=4, zero=2, schedule="gpipe", global_batch=8, seq=512)),
+    (MOE, Plan(dp=8, ep=8, global_batch=8, seq=512)),
+    (MOE, Plan(dp=4, ep=4, zero=1, global_batch=8, seq=512)),
+    (MOE, Plan(tp=2, sp=True, dp=4, ep=2, pp=2, global_batch=8, seq=512)),
+    (MOE, Plan(dp=2, ep=2, cp=2, global_batch=4, seq=1024)),
+    (MOE, Plan(dp=4, ep=4, pp=2, schedule="interleaved", vpp=2, global_batch=8, seq=512)),
+    (MOE, Plan(dp=8, ep=4, zero=3, global_batch=8, seq=512)),
+    ("dlrm-kaggle", Plan(dp=8, global_batch=8 * 2048, micro_batch=2048, embedding_sharding="row_wise")),
+    ("dlrm-kaggle", Plan(dp=4, global_batch=4 * 2048, micro_batch=2048, embedding_sharding="column_wise")),
+    ("dlrm-kaggle", Plan(dp=8, global_batch=8 * 2048, micro_batch=2048, embedding_sharding="data_parallel")),
+    ("dlrm-kaggle", Plan(dp=2, local_world_size=4, global_batch=8 * 2048, micro_batch=2048,
+                         embedding_sharding="table_row_wise")),
+    (MID, Plan(dp=4, pp=2, tp=2, schedule="1f1b", global_batch=16, seq=512, zero=1, recompute="selective")),
+], ids=["tp-pp-zero1", "interleaved-recompute", "cp-zero3", "zb-h1", "moe-ep-tp", "moe-skew-pp", "dlrm",
+        "dp", "zero2", "tp", "tp-sp-selective", "gpipe", "1f1b-mb2", "interleaved-tp", "zb-h1-full", "tp-cp",
+        "cp-pp-zero1", "tp-zero3-full", "gpipe-zero2", "moe-ep8", "moe-ep-zero1", "moe-tp-sp-ep-pp", "moe-cp",
+        "moe-interleaved", "moe-zero3", "dlrm-row", "dlrm-column", "dlrm-dp", "dlrm-table-row", "dp-pp-tp-selective"])
 def test_estimate_equals_the_timed_replay_of_the_written_set(model, plan, tmp_path):
     network = load_network("dgx-h100-superpod")
     # 4 GPUs per node here, so the dp and pp groups cross the slow tier
     small_nodes = network_from_dict({"tiers": [
         {"size": 4, "bandwidth_gbps": 450, "latency_us": 3.4, "efficiency": 0.8},
         {"size": None, "bandwidth_gbps": 50, "latency_us": 5, "efficiency": 0.9}]})
+    # ASTRA-sim's choices: groups of every rank tier by tier, all-to-all relayed around the ring
+    astra_like = network_from_dict({"hierarchical": True, "all_to_all": "ring", "tiers": [
+        {"size": 2, "bandwidth_gbps": 200, "latency_us": 2, "efficiency": 0.9},
+        {"size": None, "bandwidth_gbps": 25, "latency_us": 5, "efficiency": 0.9}]})
     workload = build(model, plan)
     generate(model, plan, tmp_path)
-    for net in (network, small_nodes):
+    # the ASTRA-like paths (per-tier collectives over every rank, ring all-to-all) where they apply
+    astra = (astra_like,) if plan.ep > 1 or plan.dp * plan.local_world_size == workload.mesh.size else ()
+    for net in (network, small_nodes, *astra):
         ours = estimate(workload, net).step_us
         replayed = timed_replay(tmp_path, comm="alpha-beta", network=net).makespan_us
         assert ours == pytest.approx(replayed, rel=0.02)

@@ -183,8 +183,6 @@ def timed_replay(out_dir: str | Path, *, comm: CommModel | str = CommModel.FREE,
         except ValueError:
             raise ValueError(f"comm must be one of {[m.value for m in CommModel]}, got {comm!r}") from None
     cost = CommCost(comm, alpha_us, bandwidth_gbps)
-    if network is not None and comm is CommModel.ALPHA_BETA:
-        cost = network  # bound to the set's groups by the replay
     loaded = _load_and_check(Path(out_dir), progress, durations=True)
     if loaded.problems:
         n = len(loaded.problems)
@@ -194,4 +192,6 @@ def timed_replay(out_dir: str | Path, *, comm: CommModel | str = CommModel.FREE,
     bad = sorted(r for r in record if not 0 <= r < len(loaded.graphs))
     if bad:
         raise ValueError(f"record: ranks {bad} are not in 0..{len(loaded.graphs) - 1}")
+    if network is not None and comm is CommModel.ALPHA_BETA:
+        cost = network.bind(loaded.groups, world=len(loaded.graphs))
     return TimedReplay(loaded.graphs, loaded.groups, loaded.durations, cost, record).run()

@@ -54,6 +54,8 @@ def explore(
     as_csv: bool = typer.Option(False, "--csv", help="Print every valid plan as CSV."),
     plot: Optional[Path] = typer.Option(None, help="Draw peak memory against step time with the Pareto front, FILE.png or FILE.svg (needs matplotlib: pip install 'stg[plot]')."),
     workers: Optional[int] = typer.Option(None, help="Processes evaluating plans (forked; the ranking does not depend on it). [default: all cores]"),
+    simulate: Optional[str] = typer.Option(None, help="Also run the --top trace sets (written under --write, or a temporary folder) through a simulator and print its step time next to stg's estimate: astra-sim (ASTRA-sim's analytical congestion-unaware backend, its network and system files derived from --network and --device; see README, ASTRA-sim)."),
+    astra_sim: Optional[str] = typer.Option(None, help="The ASTRA-sim binary for --simulate astra-sim (build/astra_analytical/build/bin/AstraSim_Analytical_Congestion_Unaware). [default: $STG_ASTRA_SIM]"),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress bar."),
 ):
     """Search parallelism plans: build each plan's rank programs, drop those that do not divide or do not fit in memory, time the rest by replaying one pipeline slice on the device and network models, and rank them by step time."""
@@ -72,6 +74,13 @@ def explore(
             raise PlanError("json: --json and --csv exclude each other")
         if top < 1:
             raise PlanError(f"top: must be at least 1, got {top}")
+        binary = None
+        if simulate is not None:
+            from stg.explore.astra import find_binary
+
+            if simulate != "astra-sim":
+                raise PlanError(f"simulate: must be astra-sim, got {simulate!r}")
+            binary = find_binary(astra_sim)
         space = Space(tp=_list("tp", tp), pp=_list("pp", pp), cp=_list("cp", cp), ep=_list("ep", ep),
                       sp=_list("sp", sp, _flag), zero=_list("zero", zero), recompute=_list("recompute", recompute, str),
                       micro_batch=_list("micro_batch", micro_batch), schedule=_list("schedule", schedule, str),
@@ -93,3 +102,9 @@ def explore(
         if write is not None:
             for folder in write_top(model, result, top, write):
                 err.print(f"wrote {folder}", highlight=False)
+        if binary is not None:
+            from stg.explore.astra import simulate_rows
+
+            lines = simulate_rows(model, result, top, write, binary, network)
+            for line in lines:
+                (err.print(line, highlight=False) if as_json or as_csv else typer.echo(line))

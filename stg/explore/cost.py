@@ -69,8 +69,15 @@ def slice_timings(workload, network: Network, variant: int = 0):
         by_id = {n.id: n.duration_us for n in workload.programs[workload.class_of(rank)].nodes}
         durations.append(array("d", (by_id[i] for i in graph.ids)))
     free = TimedReplay(graphs, members, durations, CommCost()).run()
-    costed = TimedReplay(graphs, members, durations, network.bind(real_groups(workload, ranks), ranks)).run()
+    costed = TimedReplay(graphs, members, durations, network.bind(real_groups(workload, ranks), ranks, workload.mesh.size)).run()
     return free, costed
+
+
+def peak_tflops(plan, model) -> float:
+    """The device's dense peak for the plan's dtype (fp8, tf32 for fp32 models, else bf16)."""
+    dtype = getattr(model.config, "dtype", None)
+    device = device_spec(plan.device)
+    return device.fp8_tflops if plan.fp8 else device.tf32_tflops if dtype == "fp32" else device.peak_tflops
 
 
 def estimate(workload, network: Network, timings: list | None = None) -> Estimate:
@@ -87,9 +94,7 @@ def estimate(workload, network: Network, timings: list | None = None) -> Estimat
         stats = program.stats.to_dict()
         model_flops += (stats["flops_forward_backward"] - stats["flops_recompute"]) * workload.class_count(cls)
     heaviest = max(range(len(workload.memory)), key=lambda c: workload.memory[c].peak)
-    dtype = getattr(workload.model.config, "dtype", None)
-    device = device_spec(plan.device)
-    peak = (device.fp8_tflops if plan.fp8 else device.tf32_tflops if dtype == "fp32" else device.peak_tflops) * 1e12
+    peak = peak_tflops(plan, workload.model) * 1e12
     return Estimate(step_us=timed.makespan_us, compute_us=max(timed.busy_us), bubble=bubble,
                     exposed_comm_us=timed.makespan_us - free.makespan_us, model_flops=model_flops,
                     peak_memory=workload.memory[heaviest].peak, memory=workload.memory[heaviest].to_dict(),
