@@ -171,6 +171,9 @@ def _tallies(sharded: ShardedGraph) -> dict:
     return {}
 
 
+_TYPE_NAMES = {kind: kind.name for kind in NodeType}
+
+
 class _ProgramBuilder:
     """Builds one class's nodes; with `keep_nodes=False` only its stats and holes (stg.evaluate):
     no node objects, and an action that repeats one already run (same chunk and kind, same
@@ -200,11 +203,15 @@ class _ProgramBuilder:
         self.holes: set = set()  # without nodes, the holes they would have had
         self.repeats: dict[tuple, tuple[ClassStats, tuple[str, ...]]] = {}  # without nodes: per action key
         self.terms: Counter | None = None  # the tally of the action being run, without nodes
+        self.op_costs: dict[str, tuple[int, int, float, str]] = {}
+        self.comm_ids: set[int] = set()  # nodes that are not COMP
 
     def _add(self, **kwargs) -> int:
         node = TraceNode(id=len(self.nodes), **kwargs)
         self.nodes.append(node)
-        self.stats.nodes[node.type.name] += 1
+        self.stats.nodes[_TYPE_NAMES[node.type]] += 1
+        if node.type is not NodeType.COMP_NODE:
+            self.comm_ids.add(node.id)
         return node.id
 
     def _tally(self, kind: NodeType, *holes) -> None:
@@ -212,10 +219,11 @@ class _ProgramBuilder:
         self.stats.nodes[kind.name] += 1
         self.holes.update(holes)
 
-    def _count(self, field: str, key: str | None, expr, comm: bool = False) -> int:
-        """Add `expr`'s value (under the shared evaluator when `comm`) to a stats field (at
-        `key` of a Counter field); the action being tallied records the term. The value."""
-        value = (self.comm_ev if comm else self.ev)(expr)
+    def _count(self, field: str, key: str | None, expr, comm: bool = False, value: int | None = None) -> int:
+        """Add `expr`'s value (under the shared evaluator when `comm`; `value` when known) to a
+        stats field (at `key` of a Counter field); the action being tallied records the term."""
+        if value is None:
+            value = (self.comm_ev if comm else self.ev)(expr)
         if key is None:
             setattr(self.stats, field, getattr(self.stats, field) + value)
         else:
@@ -229,30 +237,38 @@ class _ProgramBuilder:
             tensor = self.alias[tensor]
         return where.get(tensor)
 
-    def _is_comm(self, node_id: int | None) -> bool:
-        return node_id is not None and self.nodes[node_id].type is not NodeType.COMP_NODE
+    def _costs(self, op: Op) -> tuple[int, int, float, str]:
+        """An op's FLOPs, bytes, unrounded duration and type label, once per class (every
+        micro-batch runs it)."""
+        costs = self.op_costs.get(op.name)
+        if costs is None:
+            flops, nbytes = self.ev(op.flops), self.ev(op.bytes)
+            exact = self.device.duration_us(flops, nbytes, self._operand_dtype(op)) if self.keep_nodes else 0.0
+            costs = self.op_costs[op.name] = (flops, nbytes, exact, op.label())
+        return costs
 
     def compute(self, op: Op, label: str, where: dict[str, int]) -> None:
-        flops = self._count("flops_by_phase", op.phase.value, op.flops)
-        nbytes = self._count("compute_bytes", None, op.bytes)
+        flops, nbytes, exact, op_type = self._costs(op)
+        self._count("flops_by_phase", op.phase.value, op.flops, value=flops)
+        self._count("compute_bytes", None, op.bytes, value=nbytes)
         if op.attrs.get("recompute"):
-            self._count("recompute_flops", None, op.flops)
+            self._count("recompute_flops", None, op.flops, value=flops)
         if op.kind is OpKind.EINSUM and op.phase is not Phase.STEP:
-            self._count("matmul_flops", None, op.flops)
+            self._count("matmul_flops", None, op.flops, value=flops)
         if not self.keep_nodes:
             self._tally(NodeType.COMP_NODE)
             where.update(dict.fromkeys(op.outputs))
             return
         # whole microseconds, with the rounding error carried to the next node so that a long
         # chain of sub-microsecond ops keeps its total (ASTRA-sim replays 0 as 1 ns)
-        exact = self.device.duration_us(flops, nbytes, self._operand_dtype(op)) + self.carry
+        exact += self.carry
         duration = max(0, round(exact))
         self.carry = exact - duration
         deps = [self.last_compute] if self.last_compute is not None else []
-        deps += sorted({p for i in op.inputs if self._is_comm(p := self.producer(i, where))})
+        deps += sorted({p for i in op.inputs if (p := self.producer(i, where)) in self.comm_ids})
         node = self._add(
             name=f"{label} {op.name}", type=NodeType.COMP_NODE, deps=tuple(deps), flops=flops, nbytes=nbytes,
-            duration_us=duration, op_type=op.label(),
+            duration_us=duration, op_type=op_type,
         )
         self.last_compute = node
         for out in op.outputs:
