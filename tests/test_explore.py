@@ -276,12 +276,30 @@ def test_cli_explore_json_and_validate_with_the_same_network(tmp_path):
     (["--global-batch-tokens", "1000"], "global_batch"),
     (["--top", "0"], "top"),
     (["--headroom", "1.5"], "headroom"),
+    (["--nodes", "2"], "gpus"),  # --gpus and --nodes both given
 ])
 def test_cli_explore_bad_input_is_one_line_exit_2(args, field):
     base = ["explore", "llama3-8b", "--gpus", "8", "--global-batch", "8", "--seq", "1024", "-q"]
     done = CliRunner().invoke(app, base + args)
     assert done.exit_code == 2
     assert f"error: {field}" in done.output and "Traceback" not in done.output
+
+
+def test_cli_nodes_count_gpus_per_node(tmp_path):
+    """--nodes 2 --gpus-per-node 4 is an 8-GPU cluster, as --gpus 8 is."""
+    args = ["explore", str(_mid_file(tmp_path)), "--global-batch", "8", "--seq", "512", "--tp", "2", "--pp", "1",
+            "--recompute", "none", "--micro-batch", "1", "--json", "--workers", "1"]
+    by_nodes = CliRunner().invoke(app, args + ["--nodes", "2", "--gpus-per-node", "4"])
+    by_gpus = CliRunner().invoke(app, args + ["--gpus", "8", "--gpus-per-node", "4"])
+    assert by_nodes.exit_code == 0, by_nodes.output
+    rows = json.loads(by_nodes.output)["rows"]
+    assert by_nodes.output == by_gpus.output and [(r["dp"], r["tp"]) for r in rows] == [(4, 2)]
+
+
+def _mid_file(tmp_path):
+    path = tmp_path / "mid.yaml"
+    path.write_text(yaml.safe_dump(MID))
+    return path
 
 
 def test_recommendation_models_search_their_table_sharding():

@@ -28,7 +28,8 @@ def _flag(text: str) -> bool:
 
 def explore(
     model: str = typer.Argument(..., help="A zoo name (llama3-70b, ...), a model YAML, or a HuggingFace config.json."),
-    gpus: int = typer.Option(..., help="GPUs in the cluster."),
+    gpus: Optional[int] = typer.Option(None, help="GPUs in the cluster (or give --nodes)."),
+    nodes: Optional[int] = typer.Option(None, help="Nodes in the cluster, of --gpus-per-node GPUs each (instead of --gpus)."),
     global_batch: Optional[int] = typer.Option(None, help="Sequences per optimizer step."),
     global_batch_tokens: Optional[int] = typer.Option(None, help="Tokens per optimizer step (instead of --global-batch; a multiple of --seq)."),
     seq: int = typer.Option(..., help="Sequence length (ignored for recommendation models)."),
@@ -64,6 +65,12 @@ def explore(
     from stg.explore.report import footer, table, to_csv, to_json
 
     with _user_errors():
+        if (gpus is None) == (nodes is None):
+            raise PlanError("gpus: give exactly one of --gpus and --nodes")
+        if nodes is not None:
+            if nodes < 1:
+                raise PlanError(f"nodes: must be a positive integer, got {nodes}")
+            gpus = nodes * gpus_per_node
         if (global_batch is None) == (global_batch_tokens is None):
             raise PlanError("global_batch: give exactly one of --global-batch and --global-batch-tokens")
         if global_batch_tokens is not None:
