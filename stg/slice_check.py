@@ -17,6 +17,8 @@ axes get sizes every member shares).
 from __future__ import annotations
 
 import re
+from array import array
+from dataclasses import dataclass
 
 from stg.chakra.load import build_graph
 from stg.chakra.rank_graph import Problem, RankGraph
@@ -31,23 +33,77 @@ class SliceCheckError(StgError):
     the set would give a simulator a trace that hangs or runs too fast."""
 
 
+@dataclass(frozen=True)
+class _Chains:
+    """A program for the replay with each run of COMP nodes that nothing else touches merged
+    into its first: where COMP nodes form one chain (lowering's single compute stream), a COMP
+    node whose only dependency is a COMP node with no other dependent starts the moment that
+    one ends, so the run is one node lasting their sum, and every start, finish and wait of
+    the replay is unchanged."""
+
+    nodes: tuple  # the kept nodes (each run's first), in program order
+    deps: tuple[tuple[int, ...], ...]  # their dependencies, runs' last nodes read as their first
+    durations: tuple[float, ...]  # their durations, a run's summed
+
+
+def _chains(program: RankProgram) -> _Chains:
+    hit = _CHAINS.get(id(program))
+    if hit is not None and hit[0] is program:
+        return hit[1]
+    nodes = program.nodes
+    dependents = [0] * len(nodes)
+    previous, one_stream = None, True  # do COMP nodes form one chain (so only a run's next can start)?
+    for node in nodes:
+        for d in node.deps:
+            dependents[d] += 1
+        if node.type is NodeType.COMP_NODE:
+            one_stream = one_stream and (previous is None or previous in node.deps)
+            previous = node.id
+    head = list(range(len(nodes)))  # node id -> the first node of its run
+    kept, durations = [], {}
+    for node in nodes:
+        d = node.deps[0] if len(node.deps) == 1 else None
+        if (one_stream and node.type is NodeType.COMP_NODE and d is not None
+                and nodes[d].type is NodeType.COMP_NODE and dependents[d] == 1):
+            head[node.id] = head[d]
+            durations[head[d]] += node.duration_us
+        else:
+            kept.append(node)
+            durations[node.id] = node.duration_us
+    chains = _Chains(tuple(kept), tuple(tuple(sorted({head[d] for d in n.deps})) for n in kept),
+                     tuple(durations[n.id] for n in kept))
+    if len(_CHAINS) >= 64:
+        _CHAINS.clear()
+    _CHAINS[id(program)] = (program, chains)
+    return chains
+
+
+_CHAINS: dict[int, tuple] = {}
+
+
 def _graph(index: int, rank: int, program: RankProgram, index_of: dict[int, int], workload) -> RankGraph:
-    """Rank `rank`'s program as the replay's compact graph, ranks renumbered by `index_of`."""
+    """Rank `rank`'s program as the replay's compact graph (runs of COMP nodes merged, see
+    _Chains), ranks renumbered by `index_of`."""
     # a hole's value once per rank, not per node (a big program has tens of thousands of nodes)
     value = {hole: workload.group_ids.id(rank, hole) if isinstance(hole, GroupHole)
              else index_of.get(workload.peer(rank, hole)) for hole in program.holes}
-    comm = {}
-    for node in program.nodes:
+    chains = _chains(program)
+    comm = {}  # by position in the node list
+    for position, node in enumerate(chains.nodes):
         if node.type is NodeType.COMM_COLL_NODE:
-            comm[node.id] = (value[node.group], node.collective.value, node.comm_bytes)
+            comm[position] = (value[node.group], node.collective.value, node.comm_bytes)
         elif node.type in (NodeType.COMM_SEND_NODE, NodeType.COMM_RECV_NODE):
-            comm[node.id] = (value[node.src], value[node.dst], node.tag, node.comm_bytes)
+            comm[position] = (value[node.src], value[node.dst], node.tag, node.comm_bytes)
     problems: list[Problem] = []
-    graph, _ = build_graph(index, [n.id for n in program.nodes], [int(n.type) for n in program.nodes],
-                           [len(n.deps) for n in program.nodes], [d for n in program.nodes for d in n.deps],
-                           comm, problems)
+    graph, _ = build_graph(index, [n.id for n in chains.nodes], [int(n.type) for n in chains.nodes],
+                           [len(d) for d in chains.deps], [d for deps in chains.deps for d in deps], comm, problems)
     assert not problems, problems  # lowering numbers nodes 0..n-1, each depending on earlier ones
     return graph
+
+
+def replay_durations(program: RankProgram) -> array:
+    """The durations of the replay graph's nodes (_graph's), in its order."""
+    return array("d", _chains(program).durations)
 
 
 def rank_graphs(workload, ranks: list[int]) -> tuple[list[RankGraph], dict[int, tuple[int, ...]]]:

@@ -15,14 +15,13 @@ bubble, the difference of the two makespans the communication that compute did n
 
 from __future__ import annotations
 
-from array import array
 from dataclasses import dataclass
 
 from stg.chakra.replay import CommCost, TimedReplay
 from stg.device import device_spec
 from stg.explore.network import Network
 from stg.program import GroupHole
-from stg.slice_check import rank_graphs, slice_ranks
+from stg.slice_check import rank_graphs, replay_durations, slice_ranks
 
 
 @dataclass(frozen=True)
@@ -64,10 +63,7 @@ def slice_timings(workload, network: Network, variant: int = 0):
     """The Timings of one pipeline slice under free communication and on `network`."""
     ranks = slice_ranks(workload, variant)
     graphs, members = rank_graphs(workload, ranks)  # read-only to the replay: built once, run twice
-    durations = []
-    for rank, graph in zip(ranks, graphs):
-        by_id = {n.id: n.duration_us for n in workload.programs[workload.class_of(rank)].nodes}
-        durations.append(array("d", (by_id[i] for i in graph.ids)))
+    durations = [replay_durations(workload.programs[workload.class_of(rank)]) for rank in ranks]
     free = TimedReplay(graphs, members, durations, CommCost()).run()
     costed = TimedReplay(graphs, members, durations, network.bind(real_groups(workload, ranks), ranks, workload.mesh.size)).run()
     return free, costed
