@@ -22,7 +22,6 @@ A request's token is out when its iteration leaves the last stage.
 
 from __future__ import annotations
 
-import json
 import math
 import shutil
 from collections import deque
@@ -30,6 +29,8 @@ from dataclasses import dataclass, replace
 from enum import Enum
 from pathlib import Path
 from typing import Mapping, Sequence
+
+import numpy as np
 
 from model_zoo import Model, load_model
 from stg import __version__
@@ -39,6 +40,7 @@ from stg.errors import OutputError, PlanError
 from stg.plan import Plan
 from stg.program import NodeType, RankProgram
 from stg.serve.engine import Engine, ServePlan
+from stg.serve.records import FILE as ITERATIONS_FILE, dump_summary, write_iterations
 from stg.serve.kvcache import KVPlan, kv_bytes_per_token_per_layer, plan_kv_cache
 from stg.serve.scheduler import Iteration, Request, Scheduler, SchedulerConfig, Slot
 from stg.serve.step import StepShape, uniform
@@ -296,19 +298,44 @@ def generate_serving(model: Model | str | Path | Mapping, plan: ServePlan | Mapp
                             f"{kv.blocks} (num_kv_blocks)")
         if plan.speculative:
             raise PlanError("speculative: applies to serve mode (a request trace)")
-        steps_of = [(prompt, 0)] if mode is Mode.PREFILL else [(1, context + i) for i in range(steps)]
-        now, timed = 0.0, []
-        for index, (q, c) in enumerate(steps_of):
-            engines = tuple(Iteration(index, uniform(per_engine, q, c, first=e * per_engine), need)
-                            for e in range(plan.ep))
-            shape = StepShape.of(engines[0].slots, plan.attention_flops)
-            end = now + clock.step_us(shape) / 1e6
-            timed.append(Timed(engines, shape, now, end))
-            now = end
-        replicas = [timed]
+        replicas = [UniformSteps(clock, plan, per_engine, need, prompt if mode is Mode.PREFILL else 1,
+                                 0 if mode is Mode.PREFILL else context, 1 if mode is Mode.PREFILL else steps)]
     summary = _summary(model, plan, mode, engine, kv, replicas, requests, slo_ttft_ms, slo_tpot_ms)
     _write(Path(out), model, plan, engine, replicas, summary, draft)
     return summary
+
+
+class UniformSteps(Sequence):
+    """The steps of prefill and decode modes, built when asked for (10,000 decode steps held as
+    Timed objects grew the memory): step i runs `batch` requests per engine of q new tokens on
+    c + i cached ones; only the end times are kept (one float a step)."""
+
+    def __init__(self, clock: Clock, plan: ServePlan, batch: int, blocks: int, q: int, c: int, steps: int):
+        self.plan, self.batch, self.blocks, self.q, self.c = plan, batch, blocks, q, c
+        ends, now = [], 0.0
+        for index in range(steps):  # the clock's cache keeps a shape's time, not the shape's slots
+            now += clock.step_us(self._shape(index)) / 1e6
+            ends.append(now)
+        self.ends = np.array(ends)
+
+    def _engines(self, index: int) -> tuple[Iteration, ...]:
+        return tuple(Iteration(index, uniform(self.batch, self.q, self.c + index, first=e * self.batch), self.blocks)
+                     for e in range(self.plan.ep))
+
+    def _shape(self, index: int) -> StepShape:
+        return StepShape.of(uniform(self.batch, self.q, self.c + index), self.plan.attention_flops)
+
+    def __len__(self) -> int:
+        return len(self.ends)
+
+    def __getitem__(self, index):
+        if isinstance(index, slice):
+            return [self[i] for i in range(*index.indices(len(self)))]
+        index = index + len(self) if index < 0 else index
+        if not 0 <= index < len(self):
+            raise IndexError(index)
+        start = float(self.ends[index - 1]) if index else 0.0
+        return Timed(self._engines(index), self._shape(index), start, float(self.ends[index]))
 
 
 def _check_positions(model: Model, mode: Mode, prompt: int, decoded: int, requests) -> None:
@@ -397,9 +424,10 @@ def _write(out: Path, model: Model, plan: ServePlan, engine: Engine, replicas: l
                             "count": len(members[cls]), **_stats_dict(stats)})
         summary["rank_classes"] = classes
         summary["rank_class"] = [workload.class_of(r) for r in range(world)]
-        with open(folder / "summary.json", "w") as f:  # streamed: it holds every iteration
-            json.dump(summary, f, indent=1)
-            f.write("\n")
+        for entry, log in zip(summary["replicas"], write_iterations(folder, out, replicas, "replica")):
+            entry["iterations"] = log
+        summary["iterations_file"] = ITERATIONS_FILE
+        dump_summary(folder / "summary.json", summary)
         commit_output(folder, out)
     except OSError as err:
         shutil.rmtree(folder, ignore_errors=True)
@@ -434,8 +462,8 @@ def _header(model, plan, mode, kv) -> dict:
 def _summary(model, plan, mode, engine, kv, replicas, requests, slo_ttft_ms, slo_tpot_ms) -> dict:
     summary = {**_header(model, plan, mode, kv), "replicas": []}
     for index, timed in enumerate(replicas):
-        entry = {"replica": index, "iterations": [t.to_dict() for t in timed],
-                 "makespan_s": timed[-1].end_s if timed else 0.0}
+        entry = {"replica": index, "iterations": None,  # an IterationLog once written (stg/serve/records.py)
+                 "makespan_s": timed[-1].end_s if len(timed) else 0.0}
         if mode is Mode.SERVE:
             mine = list(requests[index::plan.dp])
             rows = request_metrics(mine, timed)
