@@ -226,11 +226,12 @@ def test_disaggregated_prefill_decode_moves_each_kv_cache_once(tmp_path):
     requests = load_requests(EXAMPLES + "/requests-azure.csv")
     moved = [r for r in requests if r.output > 1]
     assert sorted(t["request"] for t in summary["kv_transfers"]) == [r.id for r in moved]
-    # instances on dp: rank = stage * 6 + instance * 2 + tp; decode instance k gets ids with id % 2 == k - 1
+    # each instance a block of tp x pp = 4 ranks: rank = instance * 4 + stage * 2 + tp; decode
+    # instance k gets ids with id % 2 == k - 1
     per_token_per_layer = 2 * (4 // 2) * (64 // 8) * 2  # K and V, 2 of 4 KV heads, head_dim 8, bf16
     for instance in (1, 2):
         for stage in (0, 1):
-            rank = stage * 6 + instance * 2 + 1
+            rank = instance * 4 + stage * 2 + 1
             nodes = read_trace(out / f"workload.{rank}.et").nodes
             kv = [n for n in nodes if n.type == pb.COMM_RECV_NODE and n.name.startswith("kv ")]
             size = sum({a.name: a for a in n.attr}["comm_size"].int64_val for n in kv)

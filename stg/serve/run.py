@@ -260,8 +260,12 @@ def generate_serving(model: Model | str | Path | Mapping, plan: ServePlan | Mapp
         if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
             raise PlanError(f"{name}: must be a positive integer, got {value!r}")
     _check_positions(model, mode, prompt, context + steps, requests)
+    if plan.prefill_instances:
+        if mode is not Mode.SERVE:
+            raise PlanError("prefill_instances: disaggregated serving runs a request trace (mode serve)")
+        return _disaggregated(model, plan, out, requests, slo_ttft_ms, slo_tpot_ms)
     # pp virtual engines keep pp steps in flight in serve mode (decode and prefill modes run one batch)
-    engine = Engine(model, plan, lag=plan.pp if mode is Mode.SERVE and not plan.prefill_instances else 1)
+    engine = Engine(model, plan, lag=plan.pp if mode is Mode.SERVE else 1)
     draft = Engine(load_model(plan.draft), replace(plan, speculative=0, draft=None)) if plan.speculative else None
     kv = plan_kv_cache(engine, draft)
     clock = Clock(engine, draft=draft)
@@ -272,20 +276,11 @@ def generate_serving(model: Model | str | Path | Mapping, plan: ServePlan | Mapp
             from stg.serve.requests import load_requests
 
             requests = load_requests(requests)
-        if plan.prefill_instances:
-            from stg.serve.disagg import run_disaggregated
-
-            summary = _header(model, plan, mode, kv)
-            summary["world_size"] = (plan.prefill_instances + plan.decode_instances) * plan.tp * plan.pp
-            return run_disaggregated(model, plan, engine, kv, list(requests), Path(out), summary, _s(slo_ttft_ms),
-                                     _s(slo_tpot_ms))
         config = scheduler_config(plan, kv)
         shares = [list(requests[r::plan.dp]) for r in range(plan.dp)]  # round-robin in arrival order
         replicas = [run_replica(share, config, clock, plan.attention_flops, plan.ep, engine.lag) for share in shares]
         idle_replicas(replicas, "dp", plan.dp)
     else:
-        if plan.prefill_instances:
-            raise PlanError("prefill_instances: disaggregated serving runs a request trace (mode serve)")
         if requests is not None:
             raise PlanError(f"requests: a request trace runs in mode serve, not {mode.value}")
         if batch % plan.ep:
@@ -336,6 +331,31 @@ class UniformSteps(Sequence):
             raise IndexError(index)
         start = float(self.ends[index - 1]) if index else 0.0
         return Timed(self._engines(index), self._shape(index), start, float(self.ends[index]))
+
+
+def _disaggregated(model: Model, plan: ServePlan, out, requests, slo_ttft_ms, slo_tpot_ms) -> dict:
+    """Prefill and decode instances (stg/serve/disagg.py), each kind with its engine and KV pool."""
+    from stg.serve.disagg import Side, check_layouts, run_disaggregated
+
+    if requests is None:
+        raise PlanError("requests: serve mode needs a request trace (--requests FILE)")
+    if not isinstance(requests, (list, tuple)):
+        from stg.serve.requests import load_requests
+
+        requests = load_requests(requests)
+    check_layouts(model, plan)
+    sides = {}
+    for kind in ("prefill", "decode"):
+        own = plan.instance_plan(kind)
+        same = kind == "decode" and (own.tp, own.pp) == (sides["prefill"].engine.plan.tp, sides["prefill"].engine.plan.pp)
+        engine = sides["prefill"].engine if same else Engine(model, own)
+        kv = sides["prefill"].kv if same else plan_kv_cache(engine)
+        sides[kind] = Side(engine, sides["prefill"].clock if same else Clock(engine), scheduler_config(own, kv), kv)
+    summary = _header(model, plan, Mode.SERVE, sides["decode"].kv)
+    summary["kv_cache_prefill"] = _header(model, plan, Mode.SERVE, sides["prefill"].kv)["kv_cache"]
+    summary.pop("mesh")  # each instance's layout: summary["instances"]
+    return run_disaggregated(model, plan, sides["prefill"], sides["decode"], list(requests), Path(out), summary,
+                             _s(slo_ttft_ms), _s(slo_tpot_ms))
 
 
 def _check_positions(model: Model, mode: Mode, prompt: int, decoded: int, requests) -> None:
