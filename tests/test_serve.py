@@ -131,6 +131,7 @@ def test_planner_refuses_a_model_that_does_not_fit():
     ("decode", dict(tp=2, dp=2), dict(batch=4, context=100, steps=3)),
     ("serve", dict(tp=2, pp=2, dp=2, max_num_batched_tokens=64), dict(requests=EXAMPLES + "/requests-azure.csv")),
     ("serve", dict(dp=1, scheduler="vllm", num_kv_blocks=40), dict(requests=EXAMPLES + "/requests-azure.csv")),
+    ("serve", dict(tp=2, pp=2, sp=True, max_num_batched_tokens=64), dict(requests=EXAMPLES + "/requests-azure.csv")),
 ])
 def test_sets_validate(tmp_path, mode, plan, extra):
     out = tmp_path / "set"
@@ -328,3 +329,39 @@ def test_pipeline_keeps_pp_steps_in_flight_in_serve_mode(tmp_path):
     assert iterations[1]["start_s"] < iterations[0]["end_s"]  # in flight together
     replay = timed_replay(out, comm="alpha-beta")
     assert replay.makespan_us == pytest.approx(summary["replicas"][0]["makespan_s"] * 1e6, abs=len(iterations))
+
+
+def test_sequence_parallel_turns_each_all_reduce_into_reduce_scatter_and_all_gather(tmp_path):
+    """Megatron's sequence parallelism: per block the all-reduce of the N-byte activation
+    becomes a reduce-scatter (comm_size N, the input) after it and an all-gather (comm_size
+    N / tp, each rank's shard) before the next norm. On a ring of n ranks an all-reduce moves
+    2 (n - 1) / n N per rank, a reduce-scatter (n - 1) / n N and an all-gather (n - 1) N / n:
+    the same traffic, twice the collectives."""
+    hidden, layers, tp, tokens = TINY.config.hidden, TINY.layers, 2, 4
+    n_bytes = tokens * hidden * 2  # 4 decodes' activations, bf16
+    plain = generate_serving(TINY, ServePlan(tp=tp), tmp_path / "ar", mode="decode", batch=tokens, steps=1)
+    out = tmp_path / "sp"
+    split = generate_serving(TINY, ServePlan(tp=tp, sp=True), out, mode="decode", batch=tokens, steps=1)
+    assert validate(out, replay=True) == []
+    ar, sp = plain["rank_classes"][0], split["rank_classes"][0]
+    # 2 all-reduces a layer, one after the vocabulary-parallel embedding
+    assert ar["comm_count"]["ALL_REDUCE"] == 2 * layers + 1 and ar["comm_bytes"]["ALL_REDUCE"] == (2 * layers + 1) * n_bytes
+    assert "ALL_REDUCE" not in sp["comm_count"]
+    assert sp["comm_count"]["REDUCE_SCATTER"] == 2 * layers + 1
+    assert sp["comm_bytes"]["REDUCE_SCATTER"] == (2 * layers + 1) * n_bytes
+    # all-gathers: one before each of the 2 norms a layer and the final norm, besides the
+    # logits' gather that both sets have (sampled x vocabulary / tp x bf16)
+    logits = tokens * (1000 // tp) * 2
+    assert ar["comm_count"]["ALL_GATHER"] == 1 and ar["comm_bytes"]["ALL_GATHER"] == logits
+    assert sp["comm_count"]["ALL_GATHER"] == 2 * layers + 1 + 1
+    assert sp["comm_bytes"]["ALL_GATHER"] == (2 * layers + 1) * n_bytes // tp + logits
+    ring = lambda kind, size: {"ALL_REDUCE": 2 * (tp - 1) / tp * size, "REDUCE_SCATTER": (tp - 1) / tp * size,
+                               "ALL_GATHER": (tp - 1) * size}[kind]
+    per_layer_ar = 2 * ring("ALL_REDUCE", n_bytes)
+    per_layer_sp = 2 * ring("REDUCE_SCATTER", n_bytes) + 2 * ring("ALL_GATHER", n_bytes // tp)
+    assert per_layer_sp == per_layer_ar
+    # 3 tokens are padded to 4 (a multiple of tp): the reduce-scatters carry 4 tokens
+    padded = generate_serving(TINY, ServePlan(tp=tp, sp=True), tmp_path / "pad", mode="decode", batch=3, steps=1)
+    assert padded["rank_classes"][0]["comm_bytes"]["REDUCE_SCATTER"] == (2 * layers + 1) * n_bytes
+    with pytest.raises(PlanError, match="sp: sequence parallelism splits a step's tokens over tp, so it needs tp > 1"):
+        ServePlan(sp=True)

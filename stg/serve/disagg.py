@@ -33,7 +33,8 @@ from stg.program import ClassStats, GroupHole, NodeType, RankHole, RankProgram, 
 from stg.serve.instances import InstanceSet, KVPeer, Layout
 from stg.serve.kvcache import kv_bytes_per_token_per_layer
 from stg.serve.records import FILE as ITERATIONS_FILE, write_iterations
-from stg.serve.run import TAG_LIMIT, Timed, idle_replicas, request_metrics, run_replica, scheduler_config, totals
+from stg.serve.metrics import request_metrics, totals
+from stg.serve.run import TAG_LIMIT, Timed, idle_replicas, run_replica, scheduler_config
 from stg.serve.scheduler import Request
 from stg.serve.stream import links
 from stg.slice_check import replay_ranks
