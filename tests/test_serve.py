@@ -365,3 +365,49 @@ def test_sequence_parallel_turns_each_all_reduce_into_reduce_scatter_and_all_gat
     assert padded["rank_classes"][0]["comm_bytes"]["REDUCE_SCATTER"] == (2 * layers + 1) * n_bytes
     with pytest.raises(PlanError, match="sp: sequence parallelism splits a step's tokens over tp, so it needs tp > 1"):
         ServePlan(sp=True)
+
+
+DRAFT = dict(name="tiny-draft", family="llama", layers=1, hidden=32, ffn=64, heads=4, kv_heads=2, vocab=1000)
+
+
+def test_speculative_decoding_under_pp_drafts_on_the_first_stage(tmp_path):
+    """The draft runs on the first stage's ranks before the target's step enters it: per
+    step, the first stage's all-reduces are the target's 2 a layer for its 2 layers plus the
+    embedding's (5), the last stage's 2 a layer (4); each draft step adds the draft's 2 for its
+    one layer plus its embedding's (3) on the first stage only. The timed replay of the
+    written set agrees with the scheduler's clock (a closed batch)."""
+    from stg.chakra.validate import timed_replay
+
+    closed = tmp_path / "closed.jsonl"
+    closed.write_text("".join(json.dumps({"timestamp": 0, "input_length": p, "output_length": o}) + "\n"
+                              for p, o in [(90, 12), (40, 30), (120, 5), (60, 20)]))
+    out = tmp_path / "spec-pp"
+    plan = ServePlan(tp=2, pp=2, speculative=3, draft=DRAFT, acceptance_rate=0.5, max_num_batched_tokens=64)
+    summary = generate_serving(TINY, plan, out, mode="serve", requests=closed)
+    assert validate(out, replay=True) == []
+    iterations = summary["replicas"][0]["iterations"]
+    steps, drafts = len(iterations), sum(it.get("draft_steps", 0) for it in iterations)
+    assert drafts > 0
+    first, last = summary["rank_classes"]
+    assert first["comm_count"]["ALL_REDUCE"] == 5 * steps + 3 * drafts
+    assert last["comm_count"]["ALL_REDUCE"] == 4 * steps
+    replay = timed_replay(out, comm="alpha-beta")
+    assert replay.makespan_us == pytest.approx(summary["replicas"][0]["makespan_s"] * 1e6, abs=steps + drafts)
+
+
+def test_speculative_decoding_with_expert_parallel_engines(tmp_path):
+    """Each ep engine drafts for its own requests with its own copy of the (dense) draft: the
+    draft adds no all-to-all, so each step still has a dispatch and a combine per MoE layer
+    (2 layers), and the draft's steps add 3 all-reduces each (tp 2, one layer + embedding)."""
+    out = tmp_path / "spec-ep"
+    plan = ServePlan(tp=2, ep=2, speculative=2, draft=DRAFT, max_num_batched_tokens=64)
+    summary = generate_serving(TINY_MOE, plan, out, mode="serve", requests=EXAMPLES + "/requests-azure.csv")
+    assert validate(out, replay=True) == []
+    iterations = summary["replicas"][0]["iterations"]
+    steps, drafts = len(iterations), sum(it.get("draft_steps", 0) for it in iterations)
+    assert drafts > 0
+    stats = summary["rank_classes"][0]
+    assert stats["comm_count"]["ALL_TO_ALL"] == 2 * 2 * steps
+    plain = generate_serving(TINY_MOE, ServePlan(tp=2, ep=2), tmp_path / "d", mode="decode", batch=2, steps=1)
+    per_step = plain["rank_classes"][0]["comm_count"]["ALL_REDUCE"]
+    assert stats["comm_count"]["ALL_REDUCE"] == per_step * steps + 3 * drafts

@@ -141,6 +141,8 @@ def test_expert_parallel_instances(tmp_path):
     (dict(prefill_tp=2), "prefill_tp: applies to disaggregated serving"),
     (dict(prefill_instances=1, decode_instances=1, decode_tp=3), "decode_tp: 3 does not divide model tiny-llama's 4 KV heads"),
     (dict(prefill_instances=1, decode_instances=1, prefill_pp=0), "prefill_pp: must be a positive integer"),
+    (dict(prefill_instances=1, decode_instances=1, speculative=2, draft="llama3-8b"),
+     "speculative: not with prefill and decode instances"),
 ])
 def test_bad_layouts(tmp_path, plan, message):
     with pytest.raises(PlanError, match=message):

@@ -73,8 +73,9 @@ class ServePlan:
     prefill_pp: int | None = None
     decode_tp: int | None = None
     decode_pp: int | None = None
-    # speculative decoding: a draft model (a zoo name or model file; same tp, pp 1) proposes
-    # `speculative` tokens per decode in as many steps, the target verifies them in one
+    # speculative decoding: a draft model (a zoo name or model file; same tp, on the first
+    # pipeline stage's ranks, one copy per ep engine) proposes `speculative` tokens per decode in
+    # as many steps, the target verifies them in one
     speculative: int = 0
     draft: str | None = None
     acceptance_rate: float = 0.7  # per draft token (stg/serve/scheduler.py: expected tokens)
@@ -110,8 +111,11 @@ class ServePlan:
             raise PlanError(f"dp={self.dp}: with prefill and decode instances the instances are the replicas; leave dp 1")
         if isinstance(self.speculative, bool) or not isinstance(self.speculative, int) or self.speculative < 0:
             raise PlanError(f"speculative: must be a whole number of draft tokens, got {self.speculative!r}")
-        if self.speculative and (self.draft is None or self.pp > 1 or self.prefill_instances or self.ep > 1):
-            raise PlanError("speculative: needs a draft model (draft), pp 1, ep 1 and no disaggregation")
+        if self.speculative and self.draft is None:
+            raise PlanError("speculative: needs a draft model (draft)")
+        if self.speculative and self.prefill_instances:
+            raise PlanError("speculative: not with prefill and decode instances (the draft's own KV cache would "
+                            "have to move with the target's; not implemented)")
         for name in ("dtype", "kv_cache_dtype"):
             if getattr(self, name) not in DTYPES:
                 raise PlanError(f"{name}: must be one of {list(DTYPES)}, got {getattr(self, name)!r}")

@@ -189,7 +189,9 @@ def run_replica(requests: Sequence[Request], config: SchedulerConfig, clock: Clo
             continue
         iterations = tuple(s.step() or Iteration(s.iterations, (), 0) for s in schedulers[k % lag])
         shape = StepShape.widest(StepShape.of(it.slots, attention) for it in iterations)
-        draft = draft_steps(iterations[0].slots, config.speculative, attention)
+        # each ep engine drafts for its own requests; all run the widest engine's draft steps
+        drafts = [draft_steps(it.slots, config.speculative, attention) for it in iterations]
+        draft = tuple(StepShape.widest(d[j] for d in drafts if j < len(d)) for j in range(max(map(len, drafts))))
         at = start + sum(clock.draft.stage_us(0, d) for d in draft) / 1e6 if draft else start
         for stage in range(stages):
             at = max(at, free[stage]) + clock.stage_us(stage, shape) / 1e6
@@ -228,7 +230,9 @@ def generate_serving(model: Model | str | Path | Mapping, plan: ServePlan | Mapp
         return _disaggregated(model, plan, out, requests, slo_ttft_ms, slo_tpot_ms)
     # pp virtual engines keep pp steps in flight in serve mode (decode and prefill modes run one batch)
     engine = Engine(model, plan, lag=plan.pp if mode is Mode.SERVE else 1)
-    draft = Engine(load_model(plan.draft), replace(plan, speculative=0, draft=None)) if plan.speculative else None
+    # the draft: on the first stage's ranks (pp 1), a whole copy per ep engine (ep 1), the plan's tp
+    draft = Engine(load_model(plan.draft), replace(plan, speculative=0, draft=None, pp=1, ep=1)) \
+        if plan.speculative else None
     kv = plan_kv_cache(engine, draft)
     clock = Clock(engine, draft=draft)
     if mode is Mode.SERVE:
@@ -383,7 +387,7 @@ def _write(out: Path, model: Model, plan: ServePlan, engine: Engine, replicas: l
                            | set(small.program.holes if small else ()), key=str)
             widths = {h: len(v) for h, v in workload.hole_values(members[cls][0], holes).items()}
             writers = {key: StageWriter(t, engine.edges, id_width, widths) for key, t in kinds.items()}
-            proposer = StageWriter(small, 0, id_width, widths) if small else None
+            proposer = StageWriter(small, 0, id_width, widths, counts=False) if small else None
             stats: dict = {}
 
             def steps():
@@ -392,7 +396,7 @@ def _write(out: Path, model: Model, plan: ServePlan, engine: Engine, replicas: l
                     shape = StepShape(0, 0, 0, 0)
                     if is_step:
                         t = next(timed)
-                        for draft_shape in t.draft:
+                        for draft_shape in t.draft if stage == 0 else ():
                             v = small.values(draft_shape, draft.device)
                             stage_stats(small, v, stats)
                             yield proposer, v
