@@ -2,7 +2,11 @@
 RSS over a growing number of decode iterations.
 
     python benchmarks/bench_serve.py requests --requests 1000 --rate 20
-    python benchmarks/bench_serve.py decode --steps 1000 10000
+    python benchmarks/bench_serve.py decode --model llama3-8b --steps 1000 10000
+
+decode reports the peak RSS of each run and the growth from the fewest to the most steps,
+against --flat-mb (10): the per-iteration records go to iterations.jsonl as they are made
+and the steps are built on demand, so the memory should not grow with the iterations.
 
 The request trace is synthetic, in the Azure schema, seeded: Poisson arrivals at --rate per
 second, prompt and output lengths log-normal around the Azure 2023 traces' means (--profile
@@ -58,6 +62,7 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=16, help="decode: requests per step")
     parser.add_argument("--steps", type=int, nargs="+", default=[1000, 10000])
     parser.add_argument("--scratch", type=Path, default=Path(tempfile.gettempdir()))
+    parser.add_argument("--flat-mb", type=float, default=10.0, help="decode: allowed RSS growth over the step counts")
     args = parser.parse_args()
     scratch = Path(tempfile.mkdtemp(dir=args.scratch))
     try:
@@ -68,11 +73,12 @@ def main() -> None:
                                     "--tp", str(args.tp), "--dp", str(args.dp), "-q"])
             summary = json.loads((scratch / "set" / "summary.json").read_text())
             size = sum(p.stat().st_size for p in (scratch / "set").iterdir())
-            iterations = sum(len(r["iterations"]) for r in summary["replicas"])
+            iterations = sum(r["iterations"]["count"] for r in summary["replicas"])  # records: iterations.jsonl
             print(f"{args.requests} {args.profile} requests at {args.rate:g}/s, {args.model} tp{args.tp} x {args.dp} replicas: {wall:.1f} s, "
                   f"{rss:.0f} MB peak RSS, {iterations} iterations, {size / 1e9:.2f} GB; "
                   f"throughput {summary['totals']['throughput_tokens_per_s']:,.0f} tokens/s")
         else:
+            peaks = {}
             for steps in args.steps:
                 wall, rss, _ = run_stg(["serve", args.model, "-o", str(scratch / f"d{steps}"), "--mode", "decode",
                                         "--batch", str(args.batch), "--context", "1024", "--steps", str(steps),
@@ -81,6 +87,11 @@ def main() -> None:
                 shutil.rmtree(scratch / f"d{steps}")
                 print(f"decode {steps} iterations, {args.model} tp{args.tp}: {wall:.1f} s, {rss:.0f} MB peak RSS, "
                       f"{size / 1e9:.2f} GB")
+                peaks[steps] = rss
+            low, high = min(peaks), max(peaks)
+            growth = peaks[high] - peaks[low]
+            verdict = "flat" if abs(growth) <= args.flat_mb else "GROWS"
+            print(f"RSS from {low} to {high} iterations: {growth:+.0f} MB ({verdict}, limit +-{args.flat_mb:g} MB)")
     finally:
         shutil.rmtree(scratch)
 

@@ -148,3 +148,24 @@ def test_bad_layouts(tmp_path, plan, message):
     with pytest.raises(PlanError, match=message):
         generate_serving(TINY, ServePlan(**plan), tmp_path / "o", mode="serve", requests=AZURE)
     assert not (tmp_path / "o").exists()
+
+
+def test_same_input_same_bytes_and_summary_references_the_records(tmp_path):
+    import json
+
+    plan = ServePlan(prefill_instances=1, decode_instances=2, prefill_tp=4, decode_tp=2, decode_pp=2,
+                     max_num_batched_tokens=64)
+    for name in ("a", "b"):
+        generate_serving(TINY, plan, tmp_path / name, mode="serve", requests=AZURE)
+    files = sorted(p.name for p in (tmp_path / "a").iterdir())
+    assert files == sorted(p.name for p in (tmp_path / "b").iterdir()) and "iterations.jsonl" in files
+    assert all((tmp_path / "a" / f).read_bytes() == (tmp_path / "b" / f).read_bytes() for f in files)
+    summary = json.loads((tmp_path / "a" / "summary.json").read_text())
+    lines = (tmp_path / "a" / "iterations.jsonl").read_text().splitlines()
+    first = 0
+    for entry in summary["instances"]:
+        ref = entry["iterations"]
+        assert ref["file"] == summary["iterations_file"] == "iterations.jsonl" and ref["first_line"] == first
+        assert all(json.loads(line)["instance"] == entry["instance"] for line in lines[first:first + ref["count"]])
+        first += ref["count"]
+    assert first == len(lines)
