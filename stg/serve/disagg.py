@@ -24,6 +24,7 @@ TTFT comes from the prefill instance, the other tokens from the decode instance.
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from functools import cached_property
 from pathlib import Path
 
 from stg.emit import write_trace_set
@@ -34,7 +35,7 @@ from stg.serve.instances import InstanceSet, KVPeer, Layout
 from stg.serve.kvcache import kv_bytes_per_token_per_layer
 from stg.serve.records import FILE as ITERATIONS_FILE, write_iterations
 from stg.serve.metrics import request_metrics, totals
-from stg.serve.run import TAG_LIMIT, Timed, idle_replicas, run_replica, scheduler_config
+from stg.serve.run import TAG_LIMIT, Timed, idle_replicas, run_replica
 from stg.serve.scheduler import Request
 from stg.serve.stream import links
 from stg.slice_check import replay_ranks
@@ -71,9 +72,14 @@ class Side:
         plan = self.engine.plan
         return Layout(plan.tp, plan.pp, plan.ep)
 
+    @cached_property
+    def _layers(self) -> list[list[int]]:
+        return [[op.layer for op in self.engine.stage_ops(stage) if op.kind is OpKind.ATTENTION]
+                for stage in range(self.engine.plan.pp)]
+
     def layers(self, stage: int) -> list[int]:
         """The attention layers (graph layer numbers) of `stage`, in order."""
-        return [op.layer for op in self.engine.stage_ops(stage) if op.kind is OpKind.ATTENTION]
+        return self._layers[stage]
 
 
 def _materialize(template, values) -> list[TraceNode]:
@@ -218,7 +224,7 @@ def _schedule(plan, requests, prefill: Side, decode: Side, transfer_s):
     sends = {key: {i: [transfers[rid] for rid in rids] for i, rids in per.items()} for key, per in sends.items()}
     idle_replicas(prefill_timed, "prefill_instances", P)
     idle_replicas(decode_timed, "decode_instances", D)
-    return prefill_timed + decode_timed, sends, recvs, transfers
+    return prefill_timed + decode_timed, sends, recvs
 
 
 def run_disaggregated(model, plan, prefill: Side, decode: Side, requests: list[Request], out: Path, summary: dict,
@@ -231,12 +237,14 @@ def run_disaggregated(model, plan, prefill: Side, decode: Side, requests: list[R
     layer_index = {layer: i for i, layer in enumerate(sorted(l for s in range(decode.layout.pp) for l in decode.layers(s)))}
     send_us = prefill.clock.comm.send_us
 
+    layers = {len(prefill.layers(stage)) for stage in range(prefill.layout.pp)}
+
     def transfer_s(prompt: int) -> float:
         """The busiest prefill rank's sends of one request, one after another."""
-        return max(len(prefill.layers(stage)) * sum(send_us(prompt * u * unit_bytes) for u in signature)
-                   for stage in range(prefill.layout.pp) for signature in instances.variants[0]) / 1e6
+        return max(n * sum(send_us(prompt * u * unit_bytes) for u in signature)
+                   for n in layers for signature in instances.variants[0]) / 1e6
 
-    timed, sends, recvs, transfers = _schedule(plan, requests, prefill, decode, transfer_s)
+    timed, sends, recvs = _schedule(plan, requests, prefill, decode, transfer_s)
     edges = max(prefill.engine.edges, decode.engine.edges, 1)
     if max(len(t) for t in timed) * edges >= KV_TAG_BASE or KV_TAG_BASE + len(requests) * len(layer_index) >= TAG_LIMIT:
         raise PlanError(f"requests: {len(requests)} are too many for unique send/recv tags below {TAG_LIMIT:,}")

@@ -34,7 +34,7 @@ from functools import cached_property
 from stg.chakra.writer import fixed_varint, rank_width
 from stg.groups import MODULUS, GroupIds
 from stg.plan import Plan
-from stg.program import GroupHole, RankHole
+from stg.program import GroupHole
 
 
 @dataclass(frozen=True)
