@@ -169,3 +169,15 @@ def test_same_input_same_bytes_and_summary_references_the_records(tmp_path):
         assert all(json.loads(line)["instance"] == entry["instance"] for line in lines[first:first + ref["count"]])
         first += ref["count"]
     assert first == len(lines)
+
+
+def test_no_communication_of_zero_bytes(tmp_path):
+    """A prompt longer than the token budget runs in chunks; a chunk that samples nothing
+    gathers no logits. ASTRA-sim hangs on a 0-byte collective (README, ASTRA-sim), so such a
+    node carries 4 KiB, as the other serving modes write it (a set of this kind hung there)."""
+    out = tmp_path / "d"
+    plan = ServePlan(tp=2, prefill_instances=1, decode_instances=1, max_num_batched_tokens=64)
+    generate_serving(TINY, plan, out, mode="serve", requests=AZURE)  # prompts of up to 300 tokens
+    sizes = [{a.name: a for a in n.attr}["comm_size"].int64_val for rank in range(4)
+             for n in read_trace(out / f"workload.{rank}.et").nodes if n.type != pb.COMP_NODE]
+    assert min(sizes) > 0 and 4096 in sizes

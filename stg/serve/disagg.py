@@ -37,7 +37,7 @@ from stg.serve.records import FILE as ITERATIONS_FILE, write_iterations
 from stg.serve.metrics import request_metrics, totals
 from stg.serve.run import TAG_LIMIT, Timed, idle_replicas, run_replica
 from stg.serve.scheduler import Request
-from stg.serve.stream import links
+from stg.serve.stream import EMPTY_COMM_BYTES, links
 from stg.slice_check import replay_ranks
 
 
@@ -88,8 +88,8 @@ def _materialize(template, values) -> list[TraceNode]:
     for j, i in enumerate(template.compute):
         nodes[i] = replace(nodes[i], flops=int(values["flops"][j]), nbytes=int(values["nbytes"][j]),
                            duration_us=int(values["duration_us"][j]))
-    for j, i in enumerate(template.comm):
-        nodes[i] = replace(nodes[i], comm_bytes=int(values["comm_bytes"][j]))
+    for j, i in enumerate(template.comm):  # communication that moves nothing: 4 KiB, as stream.py writes it
+        nodes[i] = replace(nodes[i], comm_bytes=int(values["comm_bytes"][j]) or EMPTY_COMM_BYTES)
     return nodes
 
 
