@@ -3,6 +3,10 @@ RSS over a growing number of decode iterations.
 
     python benchmarks/bench_serve.py requests --requests 1000 --rate 20
     python benchmarks/bench_serve.py decode --model llama3-8b --steps 1000 10000
+    python benchmarks/bench_serve.py disagg --requests 200 --profile code --rate 20
+
+disagg: 2 prefill instances of tp 8 and 2 decode instances of tp 4 x pp 2 (32 ranks), the
+KV caches moved between the two layouts (such sets are built in memory, class by class).
 
 decode reports the peak RSS of each run and the growth from the fewest to the most steps,
 against --flat-mb (10): the per-iteration records go to iterations.jsonl as they are made
@@ -52,7 +56,7 @@ def azure_like(path: Path, count: int, rate: float, profile: str = "conversation
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("what", choices=["requests", "decode"])
+    parser.add_argument("what", choices=["requests", "decode", "disagg"])
     parser.add_argument("--model", default="llama3-70b")
     parser.add_argument("--tp", type=int, default=8)
     parser.add_argument("--dp", type=int, default=8)
@@ -66,7 +70,19 @@ def main() -> None:
     args = parser.parse_args()
     scratch = Path(tempfile.mkdtemp(dir=args.scratch))
     try:
-        if args.what == "requests":
+        if args.what == "disagg":
+            trace = scratch / "requests.csv"
+            azure_like(trace, args.requests, args.rate, args.profile)
+            wall, rss, _ = run_stg(["serve", args.model, "-o", str(scratch / "set"), "--requests", str(trace),
+                                    "--prefill-instances", "2", "--decode-instances", "2", "--prefill-tp", "8",
+                                    "--decode-tp", "4", "--decode-pp", "2", "-q"])
+            summary = json.loads((scratch / "set" / "summary.json").read_text())
+            size = sum(p.stat().st_size for p in (scratch / "set").iterdir())
+            iterations = sum(r["iterations"]["count"] for r in summary["instances"])
+            print(f"{args.requests} {args.profile} requests at {args.rate:g}/s, {args.model} disaggregated 2 x tp8 -> "
+                  f"2 x tp4 pp2 ({summary['world_size']} ranks): {wall:.1f} s, {rss:.0f} MB peak RSS, "
+                  f"{iterations} iterations, {len(summary['kv_transfers'])} KV transfers, {size / 1e9:.2f} GB")
+        elif args.what == "requests":
             trace = scratch / "requests.csv"
             azure_like(trace, args.requests, args.rate, args.profile)
             wall, rss, _ = run_stg(["serve", args.model, "-o", str(scratch / "set"), "--requests", str(trace),
