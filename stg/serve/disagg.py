@@ -82,24 +82,16 @@ class Side:
         return self._layers[stage]
 
 
-def _materialize(template, values) -> list[TraceNode]:
-    """The template's nodes with one step's numbers."""
-    nodes = list(template.program.nodes)
-    for j, i in enumerate(template.compute):
-        nodes[i] = replace(nodes[i], flops=int(values["flops"][j]), nbytes=int(values["nbytes"][j]),
-                           duration_us=int(values["duration_us"][j]))
-    for j, i in enumerate(template.comm):  # communication that moves nothing: 4 KiB, as stream.py writes it
-        nodes[i] = replace(nodes[i], comm_bytes=int(values["comm_bytes"][j]) or EMPTY_COMM_BYTES)
-    return nodes
-
-
 def _program(engine, stage: int, timed: list[Timed], sends: dict, recvs: dict, messages) -> RankProgram:
     """One instance's rank of `stage`: its iterations linked as stream.py links them, the KV
     receives (and a joining node) before iteration i for recvs[i], the sends after it for
     sends[i]; messages(transfer) gives each transfer's (layer position, peer hole, bytes)."""
     template = engine.template(stage)
     previous = links(template.program.nodes)
-    n = len(template.program.nodes)
+    n, last_compute = len(template.program.nodes), max(template.compute)
+    slot = {int(i): ("c", j) for j, i in enumerate(template.compute)} | {int(i): ("m", j) for j, i in enumerate(template.comm)}
+    messages_at = {i for i, node in enumerate(template.program.nodes)
+                   if node.type in (NodeType.COMM_SEND_NODE, NodeType.COMM_RECV_NODE)}
     nodes: list[TraceNode] = []
     last = {"compute": None, "comm": None}
 
@@ -120,15 +112,20 @@ def _program(engine, stage: int, timed: list[Timed], sends: dict, recvs: dict, m
             deps = tuple(sorted(set(arrived) | ({last["compute"]} if last["compute"] is not None else set())))
             last["compute"] = add(name=f"kv arrived i{index}", type=NodeType.COMP_NODE, deps=deps, op_type="kv_join")
         base = len(nodes)
-        for i, node in enumerate(_materialize(template, template.values(t.shape, engine.device))):
+        values = template.values(t.shape, engine.device)
+        flops, nbytes, durations, sizes = (values[k].tolist() for k in ("flops", "nbytes", "duration_us", "comm_bytes"))
+        for i, node in enumerate(template.program.nodes):  # one replace a node: the step's numbers, ids, links
             deps = {d + base for d in node.deps}
             for offset in previous[i] if index or arrived else ():
-                target = last["compute"] if offset + n == max(template.compute) else last["comm"]
+                target = last["compute"] if offset + n == last_compute else last["comm"]
                 if target is not None:
                     deps.add(target)
-            message = node.type in (NodeType.COMM_SEND_NODE, NodeType.COMM_RECV_NODE)
+            kind, j = slot[i]
+            # communication that moves nothing: 4 KiB, as stream.py writes it (ASTRA-sim hangs on 0 bytes)
+            numbers = dict(flops=flops[j], nbytes=nbytes[j], duration_us=durations[j]) if kind == "c" else \
+                dict(comm_bytes=sizes[j] or EMPTY_COMM_BYTES)
             nodes.append(replace(node, id=len(nodes), deps=tuple(sorted(deps)),
-                                 tag=node.tag + index * engine.edges if message else 0))
+                                 tag=node.tag + index * engine.edges if i in messages_at else 0, **numbers))
         for node in nodes[base:]:
             last["compute" if node.type is NodeType.COMP_NODE else "comm"] = node.id
         for tr in sends.get(index, ()):
