@@ -116,12 +116,14 @@ def split_ranks(ranks: range, pieces: int) -> list[range]:
 
 
 def write_trace_set(out: Path, workload, summary: Mapping, progress: Progress | None = None, *,
-                    ranks: range | None = None, workers: int = 1) -> None:
+                    ranks: range | None = None, workers: int = 1,
+                    before_summary: Callable[[Path], None] | None = None) -> None:
     """Write `workload` (stg.api.Workload) to OUT: workload.json, summary.json and the rank
     files of `ranks` (default all). A full set goes to a temporary directory renamed into
     place; a range (`--ranks A:B`, to split a set over machines) is written file by file,
     each atomically, into OUT, and its files equal those of a full run byte for byte.
-    `workers` > 1 stamps ranks in that many forked processes."""
+    `workers` > 1 stamps ranks in that many forked processes. `before_summary(folder)` may
+    write more files into the set (and complete the summary) before summary.json is written."""
     global _FORKED
     out = Path(out)
     world = workload.mesh.size
@@ -131,6 +133,8 @@ def write_trace_set(out: Path, workload, summary: Mapping, progress: Progress | 
     stamper = Stamper(workload)
     try:
         write_groups(folder / "workload.json", workload.group_ids)
+        if before_summary is not None:
+            before_summary(folder)
         write_json(folder / "summary.json", summary)
         for cls in range(len(workload.programs)):
             # build skeletons before forking, so the workers share them (others build on use)

@@ -131,6 +131,7 @@ def test_planner_refuses_a_model_that_does_not_fit():
     ("decode", dict(tp=2, dp=2), dict(batch=4, context=100, steps=3)),
     ("serve", dict(tp=2, pp=2, dp=2, max_num_batched_tokens=64), dict(requests=EXAMPLES + "/requests-azure.csv")),
     ("serve", dict(dp=1, scheduler="vllm", num_kv_blocks=40), dict(requests=EXAMPLES + "/requests-azure.csv")),
+    ("serve", dict(tp=2, pp=2, sp=True, max_num_batched_tokens=64), dict(requests=EXAMPLES + "/requests-azure.csv")),
 ])
 def test_sets_validate(tmp_path, mode, plan, extra):
     out = tmp_path / "set"
@@ -226,11 +227,12 @@ def test_disaggregated_prefill_decode_moves_each_kv_cache_once(tmp_path):
     requests = load_requests(EXAMPLES + "/requests-azure.csv")
     moved = [r for r in requests if r.output > 1]
     assert sorted(t["request"] for t in summary["kv_transfers"]) == [r.id for r in moved]
-    # instances on dp: rank = stage * 6 + instance * 2 + tp; decode instance k gets ids with id % 2 == k - 1
+    # each instance a block of tp x pp = 4 ranks: rank = instance * 4 + stage * 2 + tp; decode
+    # instance k gets ids with id % 2 == k - 1
     per_token_per_layer = 2 * (4 // 2) * (64 // 8) * 2  # K and V, 2 of 4 KV heads, head_dim 8, bf16
     for instance in (1, 2):
         for stage in (0, 1):
-            rank = stage * 6 + instance * 2 + 1
+            rank = instance * 4 + stage * 2 + 1
             nodes = read_trace(out / f"workload.{rank}.et").nodes
             kv = [n for n in nodes if n.type == pb.COMM_RECV_NODE and n.name.startswith("kv ")]
             size = sum({a.name: a for a in n.attr}["comm_size"].int64_val for n in kv)
@@ -327,3 +329,85 @@ def test_pipeline_keeps_pp_steps_in_flight_in_serve_mode(tmp_path):
     assert iterations[1]["start_s"] < iterations[0]["end_s"]  # in flight together
     replay = timed_replay(out, comm="alpha-beta")
     assert replay.makespan_us == pytest.approx(summary["replicas"][0]["makespan_s"] * 1e6, abs=len(iterations))
+
+
+def test_sequence_parallel_turns_each_all_reduce_into_reduce_scatter_and_all_gather(tmp_path):
+    """Megatron's sequence parallelism: per block the all-reduce of the N-byte activation
+    becomes a reduce-scatter (comm_size N, the input) after it and an all-gather (comm_size
+    N / tp, each rank's shard) before the next norm. On a ring of n ranks an all-reduce moves
+    2 (n - 1) / n N per rank, a reduce-scatter (n - 1) / n N and an all-gather (n - 1) N / n:
+    the same traffic, twice the collectives."""
+    hidden, layers, tp, tokens = TINY.config.hidden, TINY.layers, 2, 4
+    n_bytes = tokens * hidden * 2  # 4 decodes' activations, bf16
+    plain = generate_serving(TINY, ServePlan(tp=tp), tmp_path / "ar", mode="decode", batch=tokens, steps=1)
+    out = tmp_path / "sp"
+    split = generate_serving(TINY, ServePlan(tp=tp, sp=True), out, mode="decode", batch=tokens, steps=1)
+    assert validate(out, replay=True) == []
+    ar, sp = plain["rank_classes"][0], split["rank_classes"][0]
+    # 2 all-reduces a layer, one after the vocabulary-parallel embedding
+    assert ar["comm_count"]["ALL_REDUCE"] == 2 * layers + 1 and ar["comm_bytes"]["ALL_REDUCE"] == (2 * layers + 1) * n_bytes
+    assert "ALL_REDUCE" not in sp["comm_count"]
+    assert sp["comm_count"]["REDUCE_SCATTER"] == 2 * layers + 1
+    assert sp["comm_bytes"]["REDUCE_SCATTER"] == (2 * layers + 1) * n_bytes
+    # all-gathers: one before each of the 2 norms a layer and the final norm, besides the
+    # logits' gather that both sets have (sampled x vocabulary / tp x bf16)
+    logits = tokens * (1000 // tp) * 2
+    assert ar["comm_count"]["ALL_GATHER"] == 1 and ar["comm_bytes"]["ALL_GATHER"] == logits
+    assert sp["comm_count"]["ALL_GATHER"] == 2 * layers + 1 + 1
+    assert sp["comm_bytes"]["ALL_GATHER"] == (2 * layers + 1) * n_bytes // tp + logits
+    ring = lambda kind, size: {"ALL_REDUCE": 2 * (tp - 1) / tp * size, "REDUCE_SCATTER": (tp - 1) / tp * size,
+                               "ALL_GATHER": (tp - 1) * size}[kind]
+    per_layer_ar = 2 * ring("ALL_REDUCE", n_bytes)
+    per_layer_sp = 2 * ring("REDUCE_SCATTER", n_bytes) + 2 * ring("ALL_GATHER", n_bytes // tp)
+    assert per_layer_sp == per_layer_ar
+    # 3 tokens are padded to 4 (a multiple of tp): the reduce-scatters carry 4 tokens
+    padded = generate_serving(TINY, ServePlan(tp=tp, sp=True), tmp_path / "pad", mode="decode", batch=3, steps=1)
+    assert padded["rank_classes"][0]["comm_bytes"]["REDUCE_SCATTER"] == (2 * layers + 1) * n_bytes
+    with pytest.raises(PlanError, match="sp: sequence parallelism splits a step's tokens over tp, so it needs tp > 1"):
+        ServePlan(sp=True)
+
+
+DRAFT = dict(name="tiny-draft", family="llama", layers=1, hidden=32, ffn=64, heads=4, kv_heads=2, vocab=1000)
+
+
+def test_speculative_decoding_under_pp_drafts_on_the_first_stage(tmp_path):
+    """The draft runs on the first stage's ranks before the target's step enters it: per
+    step, the first stage's all-reduces are the target's 2 a layer for its 2 layers plus the
+    embedding's (5), the last stage's 2 a layer (4); each draft step adds the draft's 2 for its
+    one layer plus its embedding's (3) on the first stage only. The timed replay of the
+    written set agrees with the scheduler's clock (a closed batch)."""
+    from stg.chakra.validate import timed_replay
+
+    closed = tmp_path / "closed.jsonl"
+    closed.write_text("".join(json.dumps({"timestamp": 0, "input_length": p, "output_length": o}) + "\n"
+                              for p, o in [(90, 12), (40, 30), (120, 5), (60, 20)]))
+    out = tmp_path / "spec-pp"
+    plan = ServePlan(tp=2, pp=2, speculative=3, draft=DRAFT, acceptance_rate=0.5, max_num_batched_tokens=64)
+    summary = generate_serving(TINY, plan, out, mode="serve", requests=closed)
+    assert validate(out, replay=True) == []
+    iterations = summary["replicas"][0]["iterations"]
+    steps, drafts = len(iterations), sum(it.get("draft_steps", 0) for it in iterations)
+    assert drafts > 0
+    first, last = summary["rank_classes"]
+    assert first["comm_count"]["ALL_REDUCE"] == 5 * steps + 3 * drafts
+    assert last["comm_count"]["ALL_REDUCE"] == 4 * steps
+    replay = timed_replay(out, comm="alpha-beta")
+    assert replay.makespan_us == pytest.approx(summary["replicas"][0]["makespan_s"] * 1e6, abs=steps + drafts)
+
+
+def test_speculative_decoding_with_expert_parallel_engines(tmp_path):
+    """Each ep engine drafts for its own requests with its own copy of the (dense) draft: the
+    draft adds no all-to-all, so each step still has a dispatch and a combine per MoE layer
+    (2 layers), and the draft's steps add 3 all-reduces each (tp 2, one layer + embedding)."""
+    out = tmp_path / "spec-ep"
+    plan = ServePlan(tp=2, ep=2, speculative=2, draft=DRAFT, max_num_batched_tokens=64)
+    summary = generate_serving(TINY_MOE, plan, out, mode="serve", requests=EXAMPLES + "/requests-azure.csv")
+    assert validate(out, replay=True) == []
+    iterations = summary["replicas"][0]["iterations"]
+    steps, drafts = len(iterations), sum(it.get("draft_steps", 0) for it in iterations)
+    assert drafts > 0
+    stats = summary["rank_classes"][0]
+    assert stats["comm_count"]["ALL_TO_ALL"] == 2 * 2 * steps
+    plain = generate_serving(TINY_MOE, ServePlan(tp=2, ep=2), tmp_path / "d", mode="decode", batch=2, steps=1)
+    per_step = plain["rank_classes"][0]["comm_count"]["ALL_REDUCE"]
+    assert stats["comm_count"]["ALL_REDUCE"] == per_step * steps + 3 * drafts

@@ -20,6 +20,9 @@ EXAMPLES = str(Path(__file__).resolve().parent.parent / "examples")
      "--max-num-batched-tokens", "1024"],
     [EXAMPLES + "/tiny-gpt.yaml", "--requests", EXAMPLES + "/requests-azure.csv", "--prefill-instances", "1",
      "--decode-instances", "2", "--tp", "2"],
+    [EXAMPLES + "/tiny-gpt.yaml", "--requests", EXAMPLES + "/requests-azure.csv", "--prefill-instances", "1",
+     "--decode-instances", "2", "--prefill-tp", "4", "--decode-tp", "2", "--decode-pp", "2"],
+    ["llama3-8b", "--mode", "prefill", "--batch", "2", "--prompt", "256", "--tp", "2", "--sp"],
 ])
 def test_readme_commands(tmp_path, args):
     out = tmp_path / "out"
@@ -37,6 +40,10 @@ def test_readme_commands(tmp_path, args):
     (["--gpu-memory-utilization", "1.5"], "gpu_memory_utilization"),
     (["--scheduler", "fcfs", "--mode", "prefill"], "scheduler: must be one of"),
     (["--speculative", "2", "--mode", "prefill"], "speculative: needs a draft model"),
+    (["--prefill-tp", "2", "--mode", "prefill"], "prefill_tp: applies to disaggregated serving"),
+    (["--sp", "--mode", "prefill"], "sp: sequence parallelism splits a step's tokens over tp"),
+    (["--requests", EXAMPLES + "/requests-azure.csv", "--prefill-instances", "1", "--decode-instances", "1",
+      "--decode-tp", "3"], "decode_tp: 3 does not divide model llama3-8b's 8 KV heads"),
 ])
 def test_bad_input_exits_2_with_one_line(tmp_path, args, message):
     result = CliRunner().invoke(app, ["serve", "llama3-8b", "-o", str(tmp_path / "o"), *args])

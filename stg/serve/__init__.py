@@ -9,9 +9,12 @@ template   a stage's step lowered once, its numbers compiled into polynomials of
 scheduler  continuous batching: sarathi and vllm, speculative decoding; pure bookkeeping
 kvcache    KV bytes per token and the cache planner
 requests   Azure and Mooncake request traces
-run        the three modes (prefill, decode, serve), time and metrics
+run        the three modes (prefill, decode, serve) and time
+metrics    per-request TTFT/TPOT/latency and totals
+records    per-iteration records streamed to iterations.jsonl
 stream     writing: every rank's steps streamed from the templates by byte patching
 disagg     prefill and decode instances, KV caches moved by send/recv
+instances  their ranks (each instance its own tp/pp), KV overlaps, groups
 cli        `stg serve`
 """
 

@@ -2,8 +2,10 @@
 
 The step graph (the model's forward with a KV cache, stg/serve/step.py) goes through the same
 passes as training, minus autodiff: tensor parallelism's layouts (heads, KV heads, MLP and
-vocabulary split on tp; no sequence parallelism: the residual stream is whole, so each block
-ends in an ALL_REDUCE, as vLLM runs it), the redistribution rule table, pipeline cut into
+vocabulary split on tp; by default the residual stream is whole, so each block ends in an
+ALL_REDUCE, as vLLM runs it; with `sp` it is split over tp by tokens, as Megatron's sequence
+parallelism: a REDUCE_SCATTER after each block and an ALL_GATHER before the next, a step's
+tokens padded to a multiple of tp), the redistribution rule table, pipeline cut into
 send/recv pairs (one micro-batch per step), and lowering per pipeline stage. A step's shape
 binds four symbols; every FLOP and byte follows from the local shapes.
 
@@ -63,21 +65,33 @@ class ServePlan:
     block_size: int = 16
     gpu_memory_utilization: float = 0.9
     num_kv_blocks: int | None = None  # overrides the planner
-    # disaggregated serving (stg/serve/disagg.py): prefill and decode instances, each tp x pp
-    # (0 and 0: every replica does both)
+    # disaggregated serving (stg/serve/disagg.py): prefill and decode instances (0 and 0: every
+    # replica does both), each kind with its own tp and pp (None: the plan's tp, pp), the plan's ep
     prefill_instances: int = 0
     decode_instances: int = 0
-    # speculative decoding: a draft model (a zoo name or model file; same tp, pp 1) proposes
-    # `speculative` tokens per decode in as many steps, the target verifies them in one
+    prefill_tp: int | None = None
+    prefill_pp: int | None = None
+    decode_tp: int | None = None
+    decode_pp: int | None = None
+    # speculative decoding: a draft model (a zoo name or model file; same tp, on the first
+    # pipeline stage's ranks, one copy per ep engine) proposes `speculative` tokens per decode in
+    # as many steps, the target verifies them in one
     speculative: int = 0
     draft: str | None = None
     acceptance_rate: float = 0.7  # per draft token (stg/serve/scheduler.py: expected tokens)
+    # sequence parallelism (Megatron's): the residual stream split over tp by tokens, each
+    # block's all-reduce a reduce-scatter after it and an all-gather before the next
+    sp: bool = False
 
     def __post_init__(self):
         for name in ("tp", "pp", "ep", "dp", "max_num_batched_tokens", "max_num_seqs", "block_size"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise PlanError(f"{name}: must be a positive integer, got {value!r}")
+        if not isinstance(self.sp, bool):
+            raise PlanError(f"sp: must be true or false, got {self.sp!r}")
+        if self.sp and self.tp == 1:
+            raise PlanError("sp: sequence parallelism splits a step's tokens over tp, so it needs tp > 1")
         if self.num_kv_blocks is not None and (isinstance(self.num_kv_blocks, bool)
                                                or not isinstance(self.num_kv_blocks, int) or self.num_kv_blocks <= 0):
             raise PlanError(f"num_kv_blocks: must be a positive integer, got {self.num_kv_blocks!r}")
@@ -85,16 +99,23 @@ class ServePlan:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise PlanError(f"{name}: must be a whole number of instances, got {value!r}")
+        for name in ("prefill_tp", "prefill_pp", "decode_tp", "decode_pp"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value <= 0):
+                raise PlanError(f"{name}: must be a positive integer, got {value!r}")
+            if value is not None and not self.prefill_instances:
+                raise PlanError(f"{name}: applies to disaggregated serving (prefill_instances, decode_instances)")
         if (self.prefill_instances > 0) != (self.decode_instances > 0):
             raise PlanError("prefill_instances and decode_instances: disaggregated serving needs both (or neither)")
         if self.prefill_instances and self.dp > 1:
             raise PlanError(f"dp={self.dp}: with prefill and decode instances the instances are the replicas; leave dp 1")
         if isinstance(self.speculative, bool) or not isinstance(self.speculative, int) or self.speculative < 0:
             raise PlanError(f"speculative: must be a whole number of draft tokens, got {self.speculative!r}")
-        if self.speculative and (self.draft is None or self.pp > 1 or self.prefill_instances or self.ep > 1):
-            raise PlanError("speculative: needs a draft model (draft), pp 1, ep 1 and no disaggregation")
-        if self.ep > 1 and self.prefill_instances:
-            raise PlanError(f"ep={self.ep}: expert parallelism with disaggregated instances is not implemented")
+        if self.speculative and self.draft is None:
+            raise PlanError("speculative: needs a draft model (draft)")
+        if self.speculative and self.prefill_instances:
+            raise PlanError("speculative: not with prefill and decode instances (the draft's own KV cache would "
+                            "have to move with the target's; not implemented)")
         for name in ("dtype", "kv_cache_dtype"):
             if getattr(self, name) not in DTYPES:
                 raise PlanError(f"{name}: must be one of {list(DTYPES)}, got {getattr(self, name)!r}")
@@ -115,8 +136,14 @@ class ServePlan:
         """The layout part as a training Plan (one replica): what the sharding rules read."""
         # dp = ep: the ep engines are data parallel for attention (Megatron-Core's folding);
         # etp = tp: every expert's FFN split over tp like a dense MLP (vLLM's default for MoE)
-        return Plan(tp=self.tp, pp=self.pp, ep=self.ep, dp=self.ep, etp=self.tp, sp=False, device=self.device,
+        return Plan(tp=self.tp, pp=self.pp, ep=self.ep, dp=self.ep, etp=self.tp, sp=self.sp, device=self.device,
                     attention_flops=self.attention_flops, schedule="gpipe")
+
+    def instance_plan(self, kind: str) -> "ServePlan":
+        """The plan of a prefill or decode instance: its own tp and pp (the plan's by default)."""
+        tp, pp = getattr(self, f"{kind}_tp"), getattr(self, f"{kind}_pp")
+        return replace(self, tp=self.tp if tp is None else tp, pp=self.pp if pp is None else pp, prefill_tp=None,
+                       prefill_pp=None, decode_tp=None, decode_pp=None, prefill_instances=0, decode_instances=0)
 
     def to_dict(self) -> dict:
         return {**{k: getattr(self, k) for k in self.__dataclass_fields__},
@@ -189,7 +216,8 @@ class Engine:
         self.static = {sympy.sympify(k): sympy.sympify(v) for k, v in {
             **model.config.sizes(vocab_multiple=plan.tp), CF: 1, LOAD: 1, B: plan.ep, ATTN_FRACTION: 1,
             **{axis_symbol(axis): size for axis, size in mesh.axes}}.items()}
-        check_divisibility(self.sharded, {**self.static, **StepShape(1, 1, 1, 1).bindings()})
+        self.pad = plan.tp if plan.sp else 1  # a step's tokens, padded to split evenly under sp
+        check_divisibility(self.sharded, {**self.static, **StepShape(self.pad, 1, 1, 1).bindings()})
         if stages is None:
             self.pipeline = Pipeline.single_stage(1)
         else:
@@ -238,8 +266,8 @@ class Engine:
                                 rank=stage)
                 return program if variant == "warmup" else self._token_feedback(program, stage, evaluate)
 
-            self.templates[key] = build_template(lowered, self.static, StepShape(8, 64, 100, 2),
-                                                 (S, KV_TOKENS, PAIRS, SAMPLED))
+            self.templates[key] = build_template(lowered, self.static, StepShape(8 * self.pad, 64, 100, 2),
+                                                 (S, KV_TOKENS, PAIRS, SAMPLED), self.pad)
         return self.templates[key]
 
     def _tokens_bytes(self, evaluate) -> int:

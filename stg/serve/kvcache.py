@@ -69,7 +69,7 @@ def plan_kv_cache(engine, draft=None) -> KVPlan:
     for stage in range(plan.pp):
         weights, reserve = engine.weight_bytes(stage), engine.activation_reserve(stage)
         per_token = engine.kv_bytes_per_token(stage)
-        if draft is not None:  # pp is 1
+        if draft is not None and stage == 0:  # the draft runs on the first stage's ranks
             weights += draft.weight_bytes(0)
             reserve = max(reserve, draft.activation_reserve(0))
             per_token += draft.kv_bytes_per_token(0)

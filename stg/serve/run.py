@@ -22,7 +22,6 @@ A request's token is out when its iteration leaves the last stage.
 
 from __future__ import annotations
 
-import json
 import math
 import shutil
 from collections import deque
@@ -30,6 +29,8 @@ from dataclasses import dataclass, replace
 from enum import Enum
 from pathlib import Path
 from typing import Mapping, Sequence
+
+import numpy as np
 
 from model_zoo import Model, load_model
 from stg import __version__
@@ -39,6 +40,8 @@ from stg.errors import OutputError, PlanError
 from stg.plan import Plan
 from stg.program import NodeType, RankProgram
 from stg.serve.engine import Engine, ServePlan
+from stg.serve.metrics import request_metrics, totals
+from stg.serve.records import FILE as ITERATIONS_FILE, dump_summary, write_iterations
 from stg.serve.kvcache import KVPlan, kv_bytes_per_token_per_layer, plan_kv_cache
 from stg.serve.scheduler import Iteration, Request, Scheduler, SchedulerConfig, Slot
 from stg.serve.step import StepShape, uniform
@@ -186,7 +189,9 @@ def run_replica(requests: Sequence[Request], config: SchedulerConfig, clock: Clo
             continue
         iterations = tuple(s.step() or Iteration(s.iterations, (), 0) for s in schedulers[k % lag])
         shape = StepShape.widest(StepShape.of(it.slots, attention) for it in iterations)
-        draft = draft_steps(iterations[0].slots, config.speculative, attention)
+        # each ep engine drafts for its own requests; all run the widest engine's draft steps
+        drafts = [draft_steps(it.slots, config.speculative, attention) for it in iterations]
+        draft = tuple(StepShape.widest(d[j] for d in drafts if j < len(d)) for j in range(max(map(len, drafts))))
         at = start + sum(clock.draft.stage_us(0, d) for d in draft) / 1e6 if draft else start
         for stage in range(stages):
             at = max(at, free[stage]) + clock.stage_us(stage, shape) / 1e6
@@ -204,45 +209,6 @@ def idle_replicas(runs: list[list[Timed]], field: str, count: int) -> None:
                         f"{idle[0]}); use fewer")
 
 
-def request_metrics(requests: Sequence[Request], timed: Sequence[Timed]) -> list[dict]:
-    first, last = {}, {}
-    for t in timed:
-        for slot in t.slots:
-            if slot.samples:
-                first.setdefault(slot.request, t.end_s)
-                last[slot.request] = t.end_s
-    rows = []
-    for r in requests:
-        ttft, e2e = first[r.id] - r.arrival_s, last[r.id] - r.arrival_s
-        tpot = (last[r.id] - first[r.id]) / (r.output - 1) if r.output > 1 else None
-        rows.append({"request": r.id, "arrival_s": r.arrival_s, "prompt": r.prompt, "output": r.output,
-                     "ttft_s": ttft, "tpot_s": tpot, "e2e_s": e2e})
-    return rows
-
-
-def _percentiles(values: list[float]) -> dict:
-    if not values:
-        return {}
-    ordered = sorted(values)
-    pick = lambda p: ordered[min(len(ordered) - 1, int(p * len(ordered)))]
-    return {"mean": sum(ordered) / len(ordered), "p50": pick(0.5), "p90": pick(0.9), "p99": pick(0.99)}
-
-
-def totals(rows: list[dict], makespan: float, slo_ttft_s: float | None, slo_tpot_s: float | None) -> dict:
-    tokens = sum(r["output"] for r in rows)
-    result = {"requests": len(rows), "output_tokens": tokens, "makespan_s": makespan,
-              "throughput_tokens_per_s": tokens / makespan if makespan else None,
-              "ttft_s": _percentiles([r["ttft_s"] for r in rows]),
-              "tpot_s": _percentiles([r["tpot_s"] for r in rows if r["tpot_s"] is not None]),
-              "e2e_s": _percentiles([r["e2e_s"] for r in rows])}
-    if slo_ttft_s is not None or slo_tpot_s is not None:
-        good = [r for r in rows if (slo_ttft_s is None or r["ttft_s"] <= slo_ttft_s)
-                and (slo_tpot_s is None or r["tpot_s"] is None or r["tpot_s"] <= slo_tpot_s)]
-        result["goodput_tokens_per_s"] = sum(r["output"] for r in good) / makespan if makespan else None
-        result["slo_attainment"] = len(good) / len(rows)
-    return result
-
-
 def generate_serving(model: Model | str | Path | Mapping, plan: ServePlan | Mapping, out: str | Path, *,
                      mode: Mode | str, batch: int = 1, prompt: int = 1024, context: int = 1024, steps: int = 1,
                      requests: Sequence[Request] | str | Path | None = None, slo_ttft_ms: float | None = None,
@@ -258,9 +224,15 @@ def generate_serving(model: Model | str | Path | Mapping, plan: ServePlan | Mapp
         if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
             raise PlanError(f"{name}: must be a positive integer, got {value!r}")
     _check_positions(model, mode, prompt, context + steps, requests)
+    if plan.prefill_instances:
+        if mode is not Mode.SERVE:
+            raise PlanError("prefill_instances: disaggregated serving runs a request trace (mode serve)")
+        return _disaggregated(model, plan, out, requests, slo_ttft_ms, slo_tpot_ms)
     # pp virtual engines keep pp steps in flight in serve mode (decode and prefill modes run one batch)
-    engine = Engine(model, plan, lag=plan.pp if mode is Mode.SERVE and not plan.prefill_instances else 1)
-    draft = Engine(load_model(plan.draft), replace(plan, speculative=0, draft=None)) if plan.speculative else None
+    engine = Engine(model, plan, lag=plan.pp if mode is Mode.SERVE else 1)
+    # the draft: on the first stage's ranks (pp 1), a whole copy per ep engine (ep 1), the plan's tp
+    draft = Engine(load_model(plan.draft), replace(plan, speculative=0, draft=None, pp=1, ep=1)) \
+        if plan.speculative else None
     kv = plan_kv_cache(engine, draft)
     clock = Clock(engine, draft=draft)
     if mode is Mode.SERVE:
@@ -270,20 +242,11 @@ def generate_serving(model: Model | str | Path | Mapping, plan: ServePlan | Mapp
             from stg.serve.requests import load_requests
 
             requests = load_requests(requests)
-        if plan.prefill_instances:
-            from stg.serve.disagg import run_disaggregated
-
-            summary = _header(model, plan, mode, kv)
-            summary["world_size"] = (plan.prefill_instances + plan.decode_instances) * plan.tp * plan.pp
-            return run_disaggregated(model, plan, engine, kv, list(requests), Path(out), summary, _s(slo_ttft_ms),
-                                     _s(slo_tpot_ms))
         config = scheduler_config(plan, kv)
         shares = [list(requests[r::plan.dp]) for r in range(plan.dp)]  # round-robin in arrival order
         replicas = [run_replica(share, config, clock, plan.attention_flops, plan.ep, engine.lag) for share in shares]
         idle_replicas(replicas, "dp", plan.dp)
     else:
-        if plan.prefill_instances:
-            raise PlanError("prefill_instances: disaggregated serving runs a request trace (mode serve)")
         if requests is not None:
             raise PlanError(f"requests: a request trace runs in mode serve, not {mode.value}")
         if batch % plan.ep:
@@ -296,19 +259,69 @@ def generate_serving(model: Model | str | Path | Mapping, plan: ServePlan | Mapp
                             f"{kv.blocks} (num_kv_blocks)")
         if plan.speculative:
             raise PlanError("speculative: applies to serve mode (a request trace)")
-        steps_of = [(prompt, 0)] if mode is Mode.PREFILL else [(1, context + i) for i in range(steps)]
-        now, timed = 0.0, []
-        for index, (q, c) in enumerate(steps_of):
-            engines = tuple(Iteration(index, uniform(per_engine, q, c, first=e * per_engine), need)
-                            for e in range(plan.ep))
-            shape = StepShape.of(engines[0].slots, plan.attention_flops)
-            end = now + clock.step_us(shape) / 1e6
-            timed.append(Timed(engines, shape, now, end))
-            now = end
-        replicas = [timed]
+        replicas = [UniformSteps(clock, plan, per_engine, need, prompt if mode is Mode.PREFILL else 1,
+                                 0 if mode is Mode.PREFILL else context, 1 if mode is Mode.PREFILL else steps)]
     summary = _summary(model, plan, mode, engine, kv, replicas, requests, slo_ttft_ms, slo_tpot_ms)
     _write(Path(out), model, plan, engine, replicas, summary, draft)
     return summary
+
+
+class UniformSteps(Sequence):
+    """The steps of prefill and decode modes, built when asked for (10,000 decode steps held as
+    Timed objects grew the memory): step i runs `batch` requests per engine of q new tokens on
+    c + i cached ones; only the end times are kept (one float a step)."""
+
+    def __init__(self, clock: Clock, plan: ServePlan, batch: int, blocks: int, q: int, c: int, steps: int):
+        self.plan, self.batch, self.blocks, self.q, self.c = plan, batch, blocks, q, c
+        ends, now = [], 0.0
+        for index in range(steps):  # the clock's cache keeps a shape's time, not the shape's slots
+            now += clock.step_us(self._shape(index)) / 1e6
+            ends.append(now)
+        self.ends = np.array(ends)
+
+    def _engines(self, index: int) -> tuple[Iteration, ...]:
+        return tuple(Iteration(index, uniform(self.batch, self.q, self.c + index, first=e * self.batch), self.blocks)
+                     for e in range(self.plan.ep))
+
+    def _shape(self, index: int) -> StepShape:
+        return StepShape.of(uniform(self.batch, self.q, self.c + index), self.plan.attention_flops)
+
+    def __len__(self) -> int:
+        return len(self.ends)
+
+    def __getitem__(self, index):
+        if isinstance(index, slice):
+            return [self[i] for i in range(*index.indices(len(self)))]
+        index = index + len(self) if index < 0 else index
+        if not 0 <= index < len(self):
+            raise IndexError(index)
+        start = float(self.ends[index - 1]) if index else 0.0
+        return Timed(self._engines(index), self._shape(index), start, float(self.ends[index]))
+
+
+def _disaggregated(model: Model, plan: ServePlan, out, requests, slo_ttft_ms, slo_tpot_ms) -> dict:
+    """Prefill and decode instances (stg/serve/disagg.py), each kind with its engine and KV pool."""
+    from stg.serve.disagg import Side, check_layouts, run_disaggregated
+
+    if requests is None:
+        raise PlanError("requests: serve mode needs a request trace (--requests FILE)")
+    if not isinstance(requests, (list, tuple)):
+        from stg.serve.requests import load_requests
+
+        requests = load_requests(requests)
+    check_layouts(model, plan)
+    sides = {}
+    for kind in ("prefill", "decode"):
+        own = plan.instance_plan(kind)
+        same = kind == "decode" and (own.tp, own.pp) == (sides["prefill"].engine.plan.tp, sides["prefill"].engine.plan.pp)
+        engine = sides["prefill"].engine if same else Engine(model, own)
+        kv = sides["prefill"].kv if same else plan_kv_cache(engine)
+        sides[kind] = Side(engine, sides["prefill"].clock if same else Clock(engine), scheduler_config(own, kv), kv)
+    summary = _header(model, plan, Mode.SERVE, sides["decode"].kv)
+    summary["kv_cache_prefill"] = _header(model, plan, Mode.SERVE, sides["prefill"].kv)["kv_cache"]
+    summary.pop("mesh")  # each instance's layout: summary["instances"]
+    return run_disaggregated(model, plan, sides["prefill"], sides["decode"], list(requests), Path(out), summary,
+                             _s(slo_ttft_ms), _s(slo_tpot_ms))
 
 
 def _check_positions(model: Model, mode: Mode, prompt: int, decoded: int, requests) -> None:
@@ -374,7 +387,7 @@ def _write(out: Path, model: Model, plan: ServePlan, engine: Engine, replicas: l
                            | set(small.program.holes if small else ()), key=str)
             widths = {h: len(v) for h, v in workload.hole_values(members[cls][0], holes).items()}
             writers = {key: StageWriter(t, engine.edges, id_width, widths) for key, t in kinds.items()}
-            proposer = StageWriter(small, 0, id_width, widths) if small else None
+            proposer = StageWriter(small, 0, id_width, widths, counts=False) if small else None
             stats: dict = {}
 
             def steps():
@@ -383,7 +396,7 @@ def _write(out: Path, model: Model, plan: ServePlan, engine: Engine, replicas: l
                     shape = StepShape(0, 0, 0, 0)
                     if is_step:
                         t = next(timed)
-                        for draft_shape in t.draft:
+                        for draft_shape in t.draft if stage == 0 else ():
                             v = small.values(draft_shape, draft.device)
                             stage_stats(small, v, stats)
                             yield proposer, v
@@ -397,9 +410,10 @@ def _write(out: Path, model: Model, plan: ServePlan, engine: Engine, replicas: l
                             "count": len(members[cls]), **_stats_dict(stats)})
         summary["rank_classes"] = classes
         summary["rank_class"] = [workload.class_of(r) for r in range(world)]
-        with open(folder / "summary.json", "w") as f:  # streamed: it holds every iteration
-            json.dump(summary, f, indent=1)
-            f.write("\n")
+        for entry, log in zip(summary["replicas"], write_iterations(folder, out, replicas, "replica")):
+            entry["iterations"] = log
+        summary["iterations_file"] = ITERATIONS_FILE
+        dump_summary(folder / "summary.json", summary)
         commit_output(folder, out)
     except OSError as err:
         shutil.rmtree(folder, ignore_errors=True)
@@ -434,8 +448,8 @@ def _header(model, plan, mode, kv) -> dict:
 def _summary(model, plan, mode, engine, kv, replicas, requests, slo_ttft_ms, slo_tpot_ms) -> dict:
     summary = {**_header(model, plan, mode, kv), "replicas": []}
     for index, timed in enumerate(replicas):
-        entry = {"replica": index, "iterations": [t.to_dict() for t in timed],
-                 "makespan_s": timed[-1].end_s if timed else 0.0}
+        entry = {"replica": index, "iterations": None,  # an IterationLog once written (stg/serve/records.py)
+                 "makespan_s": timed[-1].end_s if len(timed) else 0.0}
         if mode is Mode.SERVE:
             mine = list(requests[index::plan.dp])
             rows = request_metrics(mine, timed)

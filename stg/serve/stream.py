@@ -129,8 +129,9 @@ def put(body: np.ndarray, starts: np.ndarray, values: np.ndarray, width: int) ->
 class StageWriter:
     """One template's records for one rank class: a step's layout filled with its numbers."""
 
-    def __init__(self, template: StageTemplate, edges: int, id_width: int, hole_width: dict):
-        self.template, self.edges, self.id_width = template, edges, id_width
+    def __init__(self, template: StageTemplate, edges: int, id_width: int, hole_width: dict, counts: bool = True):
+        # counts: a step of its own (its tags advance the step count); a draft model's steps do not
+        self.template, self.edges, self.id_width, self.counts = template, edges, id_width, counts
         self.layouts = {first: build_layout(template, first, id_width, hole_width) for first in (True, False)}
         nodes = template.program.nodes
         self.nodes = len(nodes)
@@ -157,7 +158,7 @@ class StageWriter:
         comm = values["comm_bytes"]
         put(body, slots["comm"], np.where(comm > 0, comm, EMPTY_COMM_BYTES), WIDTH["comm"])
         put(body, slots["tag"], self.tags + cursor.steps * self.edges, WIDTH["tag"])
-        cursor.steps += 1
+        cursor.steps += self.counts
         if self.last_compute is not None:
             cursor.last_compute = base + self.last_compute
         if self.last_comm is not None:

@@ -42,12 +42,15 @@ class StageTemplate:
     nbytes: np.ndarray
     comm_bytes: np.ndarray  # [comm nodes, monomials]
     denominator: int
+    # sequence parallelism splits a step's tokens over tp: they run padded to a multiple of it
+    # (the padding positions go through every linear layer, as vLLM pads them)
+    pad: int = 1
 
     def _eval(self, matrix: np.ndarray, powers: np.ndarray) -> np.ndarray:
         return -(-(matrix @ powers) // self.denominator)  # ceiling
 
     def powers(self, shape: StepShape) -> np.ndarray:
-        values = (shape.tokens, shape.kv_tokens, shape.pairs, shape.sampled)
+        values = (-(-shape.tokens // self.pad) * self.pad, shape.kv_tokens, shape.pairs, shape.sampled)
         return np.array([int(np.prod([v ** p for v, p in zip(values, m)])) for m in self.monomials], dtype=np.int64)
 
     def values(self, shape: StepShape, device) -> dict[str, np.ndarray]:
@@ -72,7 +75,7 @@ def _terms(expr, static, symbols) -> dict[tuple[int, ...], sympy.Rational]:
     return dict(poly.terms())
 
 
-def build_template(program_of, static: dict, reference: StepShape, symbols: tuple) -> StageTemplate:
+def build_template(program_of, static: dict, reference: StepShape, symbols: tuple, pad: int = 1) -> StageTemplate:
     """`program_of(evaluate)` lowers the stage with the given evaluator; `static` binds every
     symbol but the step's four (`symbols`: S, Tkv, Pqk, Nout; B = 1 and rho = 1 included)."""
     from stg.serve.engine import StepEvaluator
@@ -109,4 +112,4 @@ def build_template(program_of, static: dict, reference: StepShape, symbols: tupl
 
     return StageTemplate(program, np.array(compute, dtype=np.int64), np.array(comm, dtype=np.int64),
                          tuple(monomials), matrix(rows["flops"]), matrix(rows["nbytes"]), matrix(rows["comm"]),
-                         denominator)
+                         denominator, pad)
