@@ -258,11 +258,12 @@ def _read_summary(out: Path) -> dict:
         data = json.loads(path.read_bytes().decode("utf-8"))
     except (OSError, UnicodeDecodeError, RecursionError, ValueError) as error:
         raise OutputError(f"{path}: not readable JSON ({type(error).__name__})") from None
+    serving = isinstance(data, dict) and "mode" in data  # stg serve: no per-step memory, no micro-batches
     ok = isinstance(data, dict) and isinstance(data.get("world_size"), int) and isinstance(data.get("rank_class"), list) \
         and isinstance(data.get("rank_classes"), list) and isinstance(data.get("model"), dict) and all(
             isinstance(c, dict) and isinstance(c.get("comm_bytes"), dict) and isinstance(c.get("comm_count"), dict)
-            and isinstance(c.get("memory"), dict) and all(k in c for k in ("flops", "send_bytes", "recv_bytes"))
-            for c in data["rank_classes"]) and "name" in data["model"] and "microbatches" in data \
+            and (serving or isinstance(c.get("memory"), dict)) and all(k in c for k in ("flops", "send_bytes", "recv_bytes"))
+            for c in data["rank_classes"]) and "name" in data["model"] and (serving or "microbatches" in data) \
         and len(data["rank_class"]) == data["world_size"] \
         and all(isinstance(k, int) and 0 <= k < len(data["rank_classes"]) for k in data["rank_class"])
     if not ok:
@@ -318,7 +319,8 @@ def summary(
     as_json: bool = typer.Option(False, "--json", help="Print JSON: one object per rank class (or for --rank)."),
 ):
     """Per rank: FLOPs, bytes per collective type, send/recv bytes and memory
-    {weights, gradients, optimizer_states, activations, peak}, from OUT/summary.json."""
+    {weights, gradients, optimizer_states, activations, peak}, from OUT/summary.json. For a
+    serving set (stg serve): the whole run's figures per rank, and the KV-cache pool."""
     with _user_errors():
         data = _read_summary(out)
     classes = data["rank_classes"]
@@ -339,23 +341,37 @@ def summary(
             return f"rank {c['first_rank']}" + (f" (+{c['count'] - 1} alike)" if c["count"] > 1 else "")
         if "ranks" in c:
             return "ranks " + ", ".join(f"{a}-{b}" if a != b else f"{a}" for a, b in c["ranks"])
-        return " ".join(f"{axis}={value}" for axis, value in c["coords"].items())
+        if "coords" in c:
+            return " ".join(f"{axis}={value}" for axis, value in c["coords"].items())
+        where = [f"{c['kind']} {c['instance']}" if "kind" in c else None,  # serving: instance, replica, stage
+                 f"replica {c['replica']}" if c.get("replica") is not None else None, f"stage {c.get('stage', 0)}"]
+        return " ".join(w for w in where if w) + (f" (x{c['count']})" if c.get("count", 1) > 1 else "")
 
+    serving = "mode" in data
     heads = [head(c) for c in classes]
-    table = Table("per step, per rank", *heads)
+    table = Table("whole run, per rank" if serving else "per step, per rank", *heads)
     kinds = sorted({k for c in classes for k in c["comm_bytes"]})
     rows = [("TFLOP", lambda c: f"{c['flops'] / 1e12:,.3f}")]
     rows += [(f"{k} GiB (count)", lambda c, k=k: f"{c['comm_bytes'].get(k, 0) / gib:,.3f} ({c['comm_count'].get(k, 0)})")
              for k in kinds]
     rows += [("send / recv GiB", lambda c: f"{c['send_bytes'] / gib:,.3f} / {c['recv_bytes'] / gib:,.3f}")]
-    memory = ["weights", "gradients", "optimizer_states", "activations", "peak"]
-    if any("embedding_weights" in c["memory"] for c in classes):  # recommendation models: tables apart
-        memory[3:3] = ["embedding_weights", "embedding_optimizer_states"]
-    rows += [(f"memory {k} GiB", lambda c, k=k: f"{c['memory'].get(k, 0) / gib:,.2f}") for k in memory]
+    if not serving:
+        memory = ["weights", "gradients", "optimizer_states", "activations", "peak"]
+        if any("embedding_weights" in c["memory"] for c in classes):  # recommendation models: tables apart
+            memory[3:3] = ["embedding_weights", "embedding_optimizer_states"]
+        rows += [(f"memory {k} GiB", lambda c, k=k: f"{c['memory'].get(k, 0) / gib:,.2f}") for k in memory]
     for label, cell in rows:
         table.add_row(label, *(cell(c) for c in classes))
     _stdout().print(table)
-    typer.echo(f"{data['model']['name']} on {data['world_size']} ranks, {data['microbatches']} micro-batches per rank")
+    if not serving:
+        typer.echo(f"{data['model']['name']} on {data['world_size']} ranks, {data['microbatches']} micro-batches per rank")
+        return
+    typer.echo(f"{data['model']['name']} serving ({data['mode']}) on {data['world_size']} ranks")
+    for key, kind in (("kv_cache", "KV cache"), ("kv_cache_prefill", "prefill instances' KV cache")):
+        pool = data.get(key)
+        if isinstance(pool, dict) and {"blocks", "block_size", "tokens"} <= set(pool):
+            typer.echo(f"{kind}: {pool['blocks']:,} blocks of {pool['block_size']} tokens ({pool['tokens']:,} tokens) "
+                       "per replica")
 
 
 @app.command()

@@ -31,6 +31,12 @@ def test_readme_commands(tmp_path, args):
     assert validate(out, replay=False) == []
     summary = json.loads((out / "summary.json").read_text())
     assert summary["kv_cache"]["blocks"] > 0
+    # `stg summary` reads serving sets: a column per rank class, the whole run's FLOPs, the pool
+    shown = CliRunner().invoke(app, ["summary", str(out)])
+    assert shown.exit_code == 0, shown.output
+    flops = summary["rank_classes"][0]["flops"] / 1e12
+    assert "whole run, per rank" in shown.output and f"{flops:,.3f}" in shown.output
+    assert f"KV cache: {summary['kv_cache']['blocks']:,} blocks" in shown.output
 
 
 @pytest.mark.parametrize("args, message", [
