@@ -157,12 +157,16 @@ class _Tally:
     def bind(self, evaluate: Evaluator, comm_evaluate: Evaluator) -> ClassStats:
         stats = ClassStats(comm_count=Counter(self.counts.comm_count), nodes=Counter(self.counts.nodes))
         for (field, key, comm, expr), times in self.terms.items():
-            value = times * (comm_evaluate if comm else evaluate)(expr)
-            if key is None:
-                setattr(stats, field, getattr(stats, field) + value)
-            else:
-                getattr(stats, field)[key] += value
+            _add_to(stats, field, key, times * (comm_evaluate if comm else evaluate)(expr))
         return stats
+
+
+def _add_to(stats: ClassStats, field: str, key: str | None, value: int) -> None:
+    """stats.field += value, or stats.field[key] += value for a Counter field."""
+    if key is None:
+        setattr(stats, field, getattr(stats, field) + value)
+    else:
+        getattr(stats, field)[key] += value
 
 
 @per_graph
@@ -224,10 +228,7 @@ class _ProgramBuilder:
         stats field (at `key` of a Counter field); the action being tallied records the term."""
         if value is None:
             value = (self.comm_ev if comm else self.ev)(expr)
-        if key is None:
-            setattr(self.stats, field, getattr(self.stats, field) + value)
-        else:
-            getattr(self.stats, field)[key] += value
+        _add_to(self.stats, field, key, value)
         if self.terms is not None:
             self.terms[(field, key, comm, expr)] += 1
         return value
