@@ -36,3 +36,15 @@ def test_counting_without_nodes_equals_lowering_them(name, tmp_path):
 def test_invalid_plans_say_why():
     rows = list(evaluate(LLAMA, [Plan(tp=3, global_batch=1, seq=32), Plan(dp=2, global_batch=2, seq=32)]))
     assert "tp=3 does not divide" in rows[0]["error"] and "error" not in rows[1]
+
+
+def test_plans_run_grouped_by_structure_are_answered_in_the_order_given():
+    """evaluate runs plans grouped by structure (zero 1 apart from zero 0 here) and still
+    yields row i for plan i; an invalid plan keeps its place too."""
+    plans = [dict(dp=2, zero=0, global_batch=4, seq=32), dict(dp=2, zero=1, global_batch=4, seq=32),
+             dict(dp=3, global_batch=4, seq=32), dict(dp=4, zero=0, global_batch=8, seq=32)]
+    rows = list(evaluate(LLAMA, plans))
+    assert [row.get("plan", {}).get("dp") for row in rows] == [2, 2, 3, 4]
+    assert "error" in rows[2] and all("error" not in rows[i] for i in (0, 1, 3))
+    assert [row["plan"].get("zero", 0) for row in rows] == [0, 1, 0, 0]
+    assert rows[0] == next(evaluate(LLAMA, [plans[0]]))
