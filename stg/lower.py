@@ -218,7 +218,7 @@ class _ProgramBuilder:
             self.comm_ids.add(node.id)
         return node.id
 
-    def _tally(self, kind: NodeType, *holes) -> None:
+    def _count_node(self, kind: NodeType, *holes) -> None:
         """A node counted but not built (keep_nodes=False): its producer id is None."""
         self.stats.nodes[kind.name] += 1
         self.holes.update(holes)
@@ -257,7 +257,7 @@ class _ProgramBuilder:
         if op.kind is OpKind.EINSUM and op.phase is not Phase.STEP:
             self._count("matmul_flops", None, op.flops, value=flops)
         if not self.keep_nodes:
-            self._tally(NodeType.COMP_NODE)
+            self._count_node(NodeType.COMP_NODE)
             where.update(dict.fromkeys(op.outputs))
             return
         # whole microseconds, with the rounding error carried to the next node so that a long
@@ -292,7 +292,7 @@ class _ProgramBuilder:
         self.stats.comm_count[collective.name] += 1
         group = GroupHole(axes, first.attrs.get("members"))
         if not self.keep_nodes:
-            self._tally(NodeType.COMM_COLL_NODE, group)
+            self._count_node(NodeType.COMM_COLL_NODE, group)
             where.update(dict.fromkeys(op.outputs[0] for op in members))
             return None
         deps = {p for op in members if (p := self.producer(op.inputs[0], where)) is not None} | set(extra_deps)
@@ -328,7 +328,7 @@ class _ProgramBuilder:
     def send(self, edge: Edge, microbatch: int, where: dict[str, int]) -> None:
         nbytes = self._count("send_bytes", None, self.graph.tensors[edge.tensor].nbytes, comm=True)
         if not self.keep_nodes:
-            return self._tally(NodeType.COMM_SEND_NODE, RankHole(), self._peer(edge.target))
+            return self._count_node(NodeType.COMM_SEND_NODE, RankHole(), self._peer(edge.target))
         deps = [d for d in (self.producer(edge.tensor, where), self.last_comm) if d is not None]
         self.last_comm = self._add(
             name=f"{microbatch} send {edge.tensor}", type=NodeType.COMM_SEND_NODE, deps=tuple(sorted(set(deps))),
@@ -339,7 +339,7 @@ class _ProgramBuilder:
         nbytes = self._count("recv_bytes", None, self.graph.tensors[edge.tensor].nbytes, comm=True)
         if not self.keep_nodes:
             where[edge.tensor] = None
-            return self._tally(NodeType.COMM_RECV_NODE, self._peer(edge.source), RankHole())
+            return self._count_node(NodeType.COMM_RECV_NODE, self._peer(edge.source), RankHole())
         deps = () if self.last_compute is None else (self.last_compute,)
         where[edge.tensor] = self._add(
             name=f"{microbatch} recv {edge.tensor}", type=NodeType.COMM_RECV_NODE, deps=deps,

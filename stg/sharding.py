@@ -180,10 +180,13 @@ def _phase_group(phase: Phase) -> str:
     return {Phase.FORWARD: "F", Phase.STEP: "S"}.get(phase, "B")
 
 
-def per_graph(fn):
+def per_graph(fn=None, *, limit: int = 8):
     """Memoise fn(sharded, *args) on the graph object itself (a ShardedGraph is never mutated)
     and the other, hashable, arguments: what a pass reads of a structure is gathered once,
-    however many plans bind it."""
+    however many plans bind it. Keeps at most `limit` results (any immutable object with an
+    identity can be the first argument)."""
+    if fn is None:
+        return functools.partial(per_graph, limit=limit)
     memo: dict[tuple, tuple] = {}
 
     @functools.wraps(fn)
@@ -192,7 +195,7 @@ def per_graph(fn):
         hit = memo.get(key)
         if hit is not None and hit[0] is sharded:
             return hit[1]
-        if len(memo) >= 8:
+        if len(memo) >= limit:
             memo.clear()
         value = fn(sharded, *args)
         memo[key] = (sharded, value)

@@ -26,6 +26,7 @@ from stg.chakra.replay import Replay
 from stg.chakra.validate import unread_problems
 from stg.errors import StgError
 from stg.program import GroupHole, NodeType, RankProgram
+from stg.sharding import per_graph
 
 
 class SliceCheckError(StgError):
@@ -46,10 +47,8 @@ class _Chains:
     durations: tuple[float, ...]  # their durations, a run's summed
 
 
+@per_graph(limit=64)  # a slice holds a program per stage
 def _chains(program: RankProgram) -> _Chains:
-    hit = _CHAINS.get(id(program))
-    if hit is not None and hit[0] is program:
-        return hit[1]
     nodes = program.nodes
     dependents = [0] * len(nodes)
     previous, one_stream = None, True  # do COMP nodes form one chain (so only a run's next can start)?
@@ -70,15 +69,8 @@ def _chains(program: RankProgram) -> _Chains:
         else:
             kept.append(node)
             durations[node.id] = node.duration_us
-    chains = _Chains(tuple(kept), tuple(tuple(sorted({head[d] for d in n.deps})) for n in kept),
-                     tuple(durations[n.id] for n in kept))
-    if len(_CHAINS) >= 64:
-        _CHAINS.clear()
-    _CHAINS[id(program)] = (program, chains)
-    return chains
-
-
-_CHAINS: dict[int, tuple] = {}
+    return _Chains(tuple(kept), tuple(tuple(sorted({head[d] for d in n.deps})) for n in kept),
+                   tuple(durations[n.id] for n in kept))
 
 
 def _graph(index: int, rank: int, program: RankProgram, index_of: dict[int, int], workload) -> RankGraph:

@@ -30,7 +30,7 @@ from stg.errors import OutputError, PlanError, StgError
 from stg.evaluation import structure_order
 from stg.explore.cost import Estimate, estimate
 from stg.explore.network import Network, load_network
-from stg.explore.probe import plan_timings
+from stg.explore.probe import plan_timings, probe_counts
 from stg.explore.space import Cluster, Job, Space, plans, reason, recommendation_plans, resolve
 from stg.plan import Plan
 
@@ -70,6 +70,8 @@ def evaluate(model: Model, plan: Plan, network: Network, capacity: int) -> Estim
     """A plan's estimate; StgError when it does not build, MemoryLimitError (before lowering)
     when it does not fit `capacity` bytes per rank. Its memory and FLOPs are its own; its
     pipeline replay may be extended from two shorter ones (stg/explore/probe.py)."""
+    if probe_counts(plan) is None:  # replayed whole: one build, with its nodes
+        return estimate(build(model, plan, memory_limit=capacity), network)
     workload = build(model, plan, memory_limit=capacity, nodes=False)
     return estimate(workload, network, plan_timings(model, plan, network))
 
