@@ -394,7 +394,8 @@ def _symbolic_passes(structure: Structure) -> ShardedGraph:
 
 @per_graph
 def _shape_symbols(sharded: ShardedGraph) -> frozenset:
-    return frozenset(symbol for t in sharded.graph.tensors.values() for dim in t.shape for symbol in dim.free_symbols)
+    dims = {dim for t in sharded.graph.tensors.values() for dim in t.shape}  # few distinct ones
+    return frozenset(symbol for dim in dims for symbol in dim.free_symbols)
 
 
 def _variants(plan: Plan, bindings, embeddings: EmbeddingPlan | None) -> tuple[list[dict], tuple, tuple]:

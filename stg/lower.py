@@ -62,8 +62,12 @@ def _splits(sharded: ShardedGraph) -> tuple[tuple[sympy.Expr, tuple[str, ...], s
     """Each distinct (dimension size, mesh axes splitting it) of the graph, with the first
     tensor and logical axis that have it (for the error)."""
     found: dict[tuple, tuple[str, str]] = {}
+    seen = set()  # the copies of a block share their layout and shape objects: each pair once
     for name, layout in sharded.layouts.items():
         tensor = sharded.global_tensors[name]
+        if (pair := (id(layout), id(tensor.shape), id(tensor.dims))) in seen:
+            continue
+        seen.add(pair)
         for dim, (size, logical) in enumerate(zip(tensor.shape, tensor.dims)):
             axes = layout.axes_sharding(dim)
             if axes and not _padded(logical):

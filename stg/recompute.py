@@ -62,7 +62,9 @@ def recompute(graph: Graph, mode: Recompute, last_block: int) -> Graph:
                         outputs=tuple(names.get(o, o + SUFFIX) for o in fwd.outputs),
                         attrs={**fwd.attrs, "recompute": True},
                     ))
-            op = replace(op, inputs=tuple(names.get(i, i) for i in op.inputs))
+            inputs = tuple(names.get(i, i) for i in op.inputs)
+            if inputs != op.inputs:
+                op = replace(op, inputs=inputs)
         ops.append(op)
     result = Graph(tensors, tuple(ops))
     result.verify()

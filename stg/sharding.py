@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass, field, replace
+from itertools import groupby
 from typing import Mapping, Sequence
 
 from stg.builder import GraphBuilder
@@ -79,6 +80,9 @@ class _Sharder:
         self.rebound: dict[str, str] = {}  # a tensor -> the copy its consumers read instead
         self.memo: dict[tuple, str] = {}  # (tensor, layout, phase group or None) -> redistributed copy
         self.copies: dict[str, list[tuple[Layout, str | None]]] = {}  # tensor -> its copies' keys
+        self.derived: dict[str, tuple[str, str]] = {}  # a copy -> (the tensor it copies, its name's suffix)
+        self.changes: list[tuple] = []  # every write to memo, copies and rebound, in order
+        self.templates: dict[tuple, _Template] = {}  # a block's signature -> how it was sharded
 
     def tensor(self, name: str) -> Tensor:
         return self.global_tensors[name]
@@ -88,25 +92,134 @@ class _Sharder:
         self.layouts[tensor.name] = layout
         self.g.tensors[tensor.name] = replace(tensor, shape=layout.local_shape(tensor.shape))
 
-    def run(self) -> ShardedGraph:
+    def run(self, templates: bool = True) -> ShardedGraph:
         for tensor in self.src.tensors.values():
             if tensor.name not in self.src.producer:
                 self.define(tensor, self.spec.leaf_rules(tensor).layout(tensor, self.mesh_axes))
-        for op in self.src.ops:
-            names = [self.rebound.get(i, i) for i in op.inputs]
-            ins = [self.tensor(i) for i in names]
-            outs = [self.src.tensors[o] for o in op.outputs]
-            lays = [self.layouts[i] for i in names]
-            if op.kind not in (OpKind.OPTIMIZER, OpKind.CONSTRAIN):
-                lays = [unflattened(layout) for layout in lays]
-            needed, produced = RULES[op.kind](op, ins, lays, outs, self)
-            inputs = tuple(self.redistribute(name, layout, op) for name, layout in zip(names, needed))
-            for tensor, layout in zip(outs, produced):
-                self.define(tensor, layout)
-            local_outs = [self.g.tensors.pop(o.name) for o in outs]  # add_op registers them again
-            self.g.add_op(op.name, op.kind, inputs, local_outs, dict(op.attrs), phase=op.phase, layer=op.layer)
-            self.reduce_final_gradients(op)
+        for _, block in groupby(self.src.ops, key=lambda op: op.layer):
+            block = list(block)
+            if templates:
+                self.shard_block(block)
+            else:
+                for op in block:
+                    self.shard_op(op)
         return ShardedGraph(self.g.build(), self.layouts, self.global_tensors, self.mesh_axes)
+
+    def shard_block(self, ops: list[Op]) -> None:
+        """Shard one block's ops (a run of one layer), or replay how a block with the same
+        signature was sharded, under its own names: the 126 blocks of a model cost one."""
+        names, key = self.signature(ops)
+        template = self.templates.get(key) if key is not None else None
+        if template is not None and self.replay(template, names, ops):
+            return
+        first_op, first_change = len(self.g.ops), len(self.changes)
+        for op in ops:
+            self.shard_op(op)
+        if key is not None:
+            self.templates[key] = _Template(names, self.g.ops[first_op:], self.changes[first_change:])
+
+    def shard_op(self, op: Op) -> None:
+        names = [self.rebound.get(i, i) for i in op.inputs]
+        ins = [self.tensor(i) for i in names]
+        outs = [self.src.tensors[o] for o in op.outputs]
+        lays = [self.layouts[i] for i in names]
+        if op.kind not in (OpKind.OPTIMIZER, OpKind.CONSTRAIN):
+            lays = [unflattened(layout) for layout in lays]
+        needed, produced = RULES[op.kind](op, ins, lays, outs, self)
+        inputs = tuple(self.redistribute(name, layout, op) for name, layout in zip(names, needed))
+        for tensor, layout in zip(outs, produced):
+            self.define(tensor, layout)
+        local_outs = [self.g.tensors.pop(o.name) for o in outs]  # add_op registers them again
+        self.g.add_op(op.name, op.kind, inputs, local_outs, dict(op.attrs), phase=op.phase, layer=op.layer)
+        self.reduce_final_gradients(op)
+
+    def signature(self, ops: list[Op]) -> tuple[list[str], tuple | None]:
+        """The names a block reads and writes (in order of first use), and everything that
+        sharding it reads, with names replaced by their place in that list: its ops, and the
+        state of each name made before it (shape, layout, rebound copy, copies made). Two
+        blocks with one signature shard alike up to names. None: an attribute is no key."""
+        index: dict[str, int] = {}
+        names: list[str] = []
+
+        def at(name: str) -> int:
+            if name not in index:
+                index[name] = len(names)
+                names.append(name)
+            return index[name]
+
+        body, made = [], set()
+        for op in ops:
+            attrs = tuple((k, tuple(map(at, v)) if k == "grad_of" else at(v) if k == "weight" else v)
+                          for k, v in op.attrs.items())
+            summed = tuple(any(user.attrs.get("grad_of") == (target,) and user.kind is OpKind.POINTWISE
+                               for user in self.src.consumers.get(out, ()))
+                           for out, target in zip(op.outputs, op.attrs.get("grad_of", ())))
+            body.append((op.kind, op.phase, attrs, at(op.name), tuple(map(at, op.inputs)),
+                         tuple(map(at, op.outputs)), summed))
+            made.update(op.outputs)
+        state = []
+        for name in names:  # grows as rebound copies and earlier copies are named
+            if name in made:
+                state.append(_structure(self.src.tensors.get(name)))
+                continue
+            rebound = self.rebound.get(name)
+            copies = tuple((layout, group, at(self.memo[(name, layout, group)]))
+                           for layout, group in self.copies.get(name, ()))
+            state.append((_structure(self.global_tensors.get(name)), self.layouts.get(name),
+                          None if rebound is None else at(rebound), copies))
+        key = (tuple(body), tuple(state))
+        try:
+            hash(key)
+        except TypeError:
+            return names, None
+        return names, key
+
+    def replay(self, template: _Template, names: list[str], ops: list[Op]) -> bool:
+        """Add `template`'s ops and state under this block's names; False (nothing changed)
+        when a name it would make exists already."""
+        rename = dict(zip(template.names, names))
+        for op in template.ops:
+            for out in op.outputs:
+                if out not in rename:
+                    base, suffix = self.derived[out]
+                    rename[out] = rename[base] + suffix
+        made = [rename[out] for op in template.ops for out in op.outputs]
+        if any(name in self.layouts for name in made):
+            return False
+        layer, sources = ops[0].layer, iter(ops)
+        g = self.g
+        for op in template.ops:
+            copy = op.kind in (OpKind.COLLECTIVE, OpKind.SLICE)
+            attrs = dict(op.attrs) if copy else dict(next(sources).attrs)
+            name = rename[op.name]
+            for out in op.outputs:
+                new = rename[out]
+                if copy:
+                    self.global_tensors[new] = _renamed(self.global_tensors[out], new)
+                    self.derived[new] = (rename[self.derived[out][0]], self.derived[out][1])
+                else:
+                    self.global_tensors[new] = self.src.tensors[new]
+                self.layouts[new] = self.layouts[out]
+                g.tensors[new] = _renamed(g.tensors[out], new)
+            g.ops.append(Op(name, op.kind, tuple(rename[i] for i in op.inputs), tuple(rename[o] for o in op.outputs),
+                            op.flops, op.bytes, op.phase, layer, attrs))
+            g._op_names.add(name)
+        for change in template.changes:
+            if change[0] == "memo":
+                _, (name, layout, group), result = change
+                self.remember(rename[name], layout, group, rename[result])
+            else:
+                self.rebind(rename[change[1]], rename[change[2]])
+        return True
+
+    def remember(self, name: str, layout: Layout, group: str | None, result: str) -> None:
+        self.memo[(name, layout, group)] = result
+        self.copies.setdefault(name, []).append((layout, group))
+        self.changes.append(("memo", (name, layout, group), result))
+
+    def rebind(self, name: str, copy: str) -> None:
+        self.rebound[name] = copy
+        self.changes.append(("rebound", name, copy))
 
     def reduce_final_gradients(self, op: Op) -> None:
         """An activation's gradient that comes out as a partial sum over an axis that splits its
@@ -129,7 +242,7 @@ class _Sharder:
             current = self.layouts[out].as_dict()
             scatter = {ax: split[ax] for ax in self.layouts[out].partial_axes if isinstance(split.get(ax), Shard)}
             if scatter:
-                self.rebound[out] = self.redistribute(out, Layout.of({**current, **scatter}, self.mesh_axes), op)
+                self.rebind(out, self.redistribute(out, Layout.of({**current, **scatter}, self.mesh_axes), op))
 
     def reduced_layout(self, name: str, phase: Phase) -> Layout | None:
         """The layout of a copy of `name` with its partial sums reduced, if one was made."""
@@ -164,6 +277,7 @@ class _Sharder:
                 out_name += "'"
             self.global_tensors[out_name] = replace(tensor, name=out_name)
             self.layouts[out_name] = step.layout
+            self.derived[out_name] = (name, out_name[len(name):])
             attrs = {"detail": kind, "axes": step.axes}
             if step.collective is not None:
                 attrs["collective"] = step.collective
@@ -171,9 +285,30 @@ class _Sharder:
             local = replace(tensor, name=out_name, shape=step.after)
             self.g.add_op(out_name, op_kind, (result,), [local], attrs, phase=consumer.phase, layer=consumer.layer)
             result = out_name
-        self.memo[key] = result
-        self.copies.setdefault(name, []).append(key[1:])
+        self.remember(name, layout, key[2], result)
         return result
+
+
+@dataclass(frozen=True)
+class _Template:
+    """How one block was sharded: the names its signature lists, the ops it added (sources
+    and collectives) and its writes to the sharder's memo and rebound copies."""
+
+    names: list[str]
+    ops: list[Op]
+    changes: list[tuple]
+
+
+def _structure(tensor: Tensor | None) -> tuple | None:
+    return None if tensor is None else (tensor.shape, tensor.dims, tensor.dtype, tensor.role, tensor.transient)
+
+
+def _renamed(tensor: Tensor, name: str) -> Tensor:
+    """`tensor` under another name, without re-checking its shape (and with its sizes, if
+    computed): a block's copies make thousands."""
+    copy = object.__new__(Tensor)
+    copy.__dict__.update(tensor.__dict__, name=name)
+    return copy
 
 
 def _phase_group(phase: Phase) -> str:
@@ -203,10 +338,11 @@ def per_graph(fn=None, *, limit: int = 8):
     return wrapper
 
 
-def shard(graph: Graph, spec: ShardingSpec) -> ShardedGraph:
-    """Lay every tensor of `graph` out on the mesh axes in play and insert the collectives."""
+def shard(graph: Graph, spec: ShardingSpec, *, templates: bool = True) -> ShardedGraph:
+    """Lay every tensor of `graph` out on the mesh axes in play and insert the collectives.
+    `templates=False` shards every block afresh (what the templates must equal)."""
     if not spec.mesh_axes:
         return ShardedGraph(graph, {name: REPLICATED for name in graph.tensors}, dict(graph.tensors), ())
-    sharded = _Sharder(graph, spec).run()
+    sharded = _Sharder(graph, spec).run(templates)
     sharded.graph.verify()
     return sharded

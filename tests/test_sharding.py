@@ -1,5 +1,6 @@
 """Strategies only assign layouts; the collectives must fall out of the shared rule table."""
 
+import pytest
 import sympy
 
 from model_zoo import load_model
@@ -57,3 +58,51 @@ def test_plan_rules_name_known_mesh_axes():
 
     with pytest.raises(PlanError, match="rules: mlp: unknown mesh axes"):
         Plan(tp=2, rules={"mlp": "xp"})
+
+
+def _equal(a, b) -> bool:
+    return (a.graph.ops == b.graph.ops and list(a.graph.tensors.items()) == list(b.graph.tensors.items())
+            and list(a.layouts.items()) == list(b.layouts.items())
+            and list(a.global_tensors.items()) == list(b.global_tensors.items()))
+
+
+def _digest_plans():
+    from test_digests import PLANS
+
+    return sorted(PLANS)
+
+
+@pytest.mark.parametrize("name", _digest_plans())
+def test_a_replayed_block_is_the_block_sharded_afresh(name, monkeypatch, tmp_path):
+    """Sharding replays a block's ops under the next block's names when their signatures
+    match (stg/sharding.py). Over every strategy of the digest matrix, with 8 blocks so
+    that blocks repeat, the graph is the one that sharding every op gives: the same ops in
+    the same order, names, local and global shapes, layouts."""
+    import stg.api
+    from stg.sharding import _Sharder
+    from test_digests import PLANS, model_of
+
+    model = model_of(name, tmp_path)
+    resized = isinstance(model, dict) and "layers" in model
+    if resized:
+        model = {**model, "layers": 8}
+    replayed, compared = [], []
+    replay = _Sharder.replay
+
+    def counted(self, *args):
+        replayed.append(replay(self, *args))
+        return replayed[-1]
+
+    def both(graph, spec):
+        templated = shard(graph, spec)
+        assert _equal(templated, shard(graph, spec, templates=False))
+        compared.append(name)
+        return templated
+
+    monkeypatch.setattr(_Sharder, "replay", counted)
+    monkeypatch.setattr(stg.api, "shard", both)
+    monkeypatch.setattr(stg.api, "_CACHE", {})
+    stg.api.build(model, {"seq": 32, **PLANS[name][1]}, nodes=False)
+    assert compared
+    if not name.startswith("dlrm"):  # a recommendation model has no repeated blocks
+        assert sum(replayed) >= (4 if resized else 1)
