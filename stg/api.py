@@ -187,9 +187,11 @@ def _block_costs(model: Model, plan: Plan) -> list[int] | None:
     values = {**model.config.sizes(vocab_multiple=plan.make_vocab_divisible_by * plan.tp), B: plan.micro_batch,
               S: plan.seq, ATTN_FRACTION: plan.attention_flops.fraction, CF: sympy.Rational(str(plan.capacity_factor)),
               LOAD: 1}
-    per_block = Counter()
-    for op in graph.ops:
-        per_block[op.layer] += sympy.sympify(op.flops).xreplace(values)
+    per_block, value = Counter(), {}
+    for op in graph.ops:  # the blocks' ops share their cost expressions: each is bound once
+        if op.flops not in value:
+            value[op.flops] = sympy.sympify(op.flops).xreplace(values)
+        per_block[op.layer] += value[op.flops]
     return [int(sympy.ceiling(per_block[layer])) for layer in range(model.layers + 2)]
 
 
