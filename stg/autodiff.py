@@ -8,18 +8,15 @@ A tensor used several times gets its gradient contributions summed by explicit a
 
 from __future__ import annotations
 
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Callable
 
+from stg.blocks import NameTable, blocks, renamed_attrs, renaming
 from stg.builder import GraphBuilder, broadcast_dims
 from stg.costs import Optimizer, Pointwise
 from stg.graph import DType, Graph, Op, OpKind, Phase, Role, Tensor
 
 OPTIMIZER_STATE_DTYPE = DType.FP32  # mixed precision keeps optimizer states in fp32
-
-
-def grad_name(tensor: str) -> str:
-    return f"{tensor}.grad"
 
 
 class _Backward:
@@ -34,6 +31,8 @@ class _Backward:
         self.layer_of: dict[str, int] = {}  # gradient tensor -> the block of the op that made it
         self.optimizer: dict[str, Optimizer] = {}  # weights not stepped by AdamW
         self.updated: set[str] = set()  # weights updated in the backward (fused embedding kernels)
+        self.derived: dict[str, tuple[str, str]] = {}  # a name made here -> (the name it extends, suffix)
+        self.templates: dict[tuple, _Template] = {}  # a block's signature -> its backward
         # a cast's output -> its input: the gradient keeps the input's dtype (fp8 GEMMs
         # write 16-bit gradients)
         self.cast_from = {op.outputs[0]: op.inputs[0] for op in forward.ops
@@ -58,9 +57,14 @@ class _Backward:
     def _phase(self, of: str) -> Phase:
         return Phase.BACKWARD_WEIGHT if self._is_weight(of) else Phase.BACKWARD_INPUT
 
+    def _name(self, base: str, suffix: str) -> str:
+        """base + suffix, remembered so that a replayed block makes its own."""
+        self.derived[base + suffix] = (base, suffix)
+        return base + suffix
+
     def _new_contribution(self, of: str) -> str:
         parts = self.contributions.setdefault(of, [])
-        name = f"{grad_name(of)}/{len(parts)}" if parts else grad_name(of)
+        name = self._name(of, f".grad/{len(parts)}" if parts else ".grad")
         parts.append(name)
         return name
 
@@ -74,7 +78,7 @@ class _Backward:
             # sum where the contributions are made: a pipeline stage then sends one gradient
             layer = min(self.layer_of.get(part, layer) for part in parts)
         for k, part in enumerate(parts[1:], start=1):
-            name = f"{grad_name(tensor)}/sum{k}"
+            name = self._name(tensor, f".grad/sum{k}")
             op = self.g.add_op(name, OpKind.POINTWISE, (total, part), (self._grad_tensor(tensor, name),),
                                {"fn": Pointwise.ADD, "grad_of": (tensor,)}, phase=self._phase(tensor), layer=layer)
             self.layer_of[name] = op.layer
@@ -86,7 +90,7 @@ class _Backward:
         """One backward op of `op` producing gradient contributions to `targets`."""
         outs = [self._grad_tensor(t, self._new_contribution(t)) for t in targets]
         phase = Phase.BACKWARD_WEIGHT if all(self._is_weight(t) for t in targets) else Phase.BACKWARD_INPUT
-        name = outs[0].name if len(outs) == 1 else f"{op.name}.backward"
+        name = outs[0].name if len(outs) == 1 else self._name(op.name, ".backward")
         # `grad_of` names the forward tensors whose gradients the outputs are (for layouts)
         attrs = {**(attrs or {}), "grad_of": tuple(targets)}
         self.g.add_op(name, kind, inputs, outs, attrs, phase=phase, layer=op.layer)
@@ -149,8 +153,8 @@ class _Backward:
             return
         # no gradient: the touched rows and their states are updated where they are found
         states = self._states(self.forward.tensors[table], fn)
-        updated = replace(self.forward.tensors[table], name=f"{table}.next")
-        self.g.add_op(f"{table}.{fn.label}", OpKind.EMBEDDING_BAG_UPDATE, (dout, ids, lengths, table, *states), [updated],
+        updated = replace(self.forward.tensors[table], name=self._name(table, ".next"))
+        self.g.add_op(self._name(table, f".{fn.label}"), OpKind.EMBEDDING_BAG_UPDATE, (dout, ids, lengths, table, *states), [updated],
                       {"fn": fn, "weight": table, "grad_of": (table,)}, phase=Phase.BACKWARD_WEIGHT, layer=op.layer)
         self.updated.add(table)
 
@@ -205,7 +209,7 @@ class _Backward:
         OpKind.CONSTRAIN: constrain,
     }
 
-    def run(self) -> Graph:
+    def run(self, templates: bool = True) -> Graph:
         first_use: dict[str, Op] = {}
         for op in self.forward.ops:
             for name in op.inputs:
@@ -213,24 +217,108 @@ class _Backward:
         finished_by: dict[str, list[str]] = {}  # op name -> weights whose gradient it completes
         for weight in self.forward.weights:
             finished_by.setdefault(first_use[weight.name].name, []).append(weight.name)
-        for op in reversed(self.forward.ops):
-            if op.kind is OpKind.CROSS_ENTROPY:
-                self.cross_entropy(op)
-            elif (dout := self.grad_of(op.outputs[0], op.layer)) is not None:
-                self.RULES[op.kind](self, op, dout)
-            for weight in finished_by.get(op.name, ()):
-                if weight not in self.updated:
-                    self._store_grad(weight, op.layer)
+        for block in blocks(reversed(self.forward.ops)):
+            if templates:
+                self.differentiate_block(block, finished_by)
+            else:
+                for op in block:
+                    self.differentiate(op, finished_by)
         for weight in self.forward.weights:
             if weight.name not in self.updated:
                 self._optimizer(weight, first_use[weight.name].layer)
         return self.g.build()
 
+    def differentiate(self, op: Op, finished_by: dict[str, list[str]]) -> None:
+        if op.kind is OpKind.CROSS_ENTROPY:
+            self.cross_entropy(op)
+        elif (dout := self.grad_of(op.outputs[0], op.layer)) is not None:
+            self.RULES[op.kind](self, op, dout)
+        for weight in finished_by.get(op.name, ()):
+            if weight not in self.updated:
+                self._store_grad(weight, op.layer)
+
+    def differentiate_block(self, ops: list[Op], finished_by: dict[str, list[str]]) -> None:
+        """The backward of one block's ops (in reverse), or an earlier block's of the same
+        signature under this block's names."""
+        table, key = self.signature(ops, finished_by)
+        template = self.templates.get(key) if key is not None else None
+        if template is not None and self.replay(template, table.names, ops[0].layer):
+            return
+        first = len(self.g.ops)
+        for op in ops:
+            self.differentiate(op, finished_by)
+        if key is None:
+            return
+        made = self.g.ops[first:]
+        layer = ops[0].layer
+        self.templates[key] = _Template(
+            table.names, layer, made,
+            {n: tuple(self.contributions[n]) for n in table.names if n in self.contributions},
+            {out: self.layer_of[out] - layer for op in made for out in op.outputs if out in self.layer_of},
+            {n: self.stored_grads[n] for n in table.names if n in self.stored_grads},
+            frozenset(n for n in table.names if n in self.updated),
+            {n: self.optimizer[n] for n in table.names if n in self.optimizer})
+
+    def signature(self, ops: list[Op], finished_by: dict[str, list[str]]) -> tuple[NameTable, tuple | None]:
+        """Everything the backward of a block reads, names by their place in its table: the
+        ops (and the weights each completes), and per name its tensor, whether it needs a
+        gradient, the gradient contributions so far (and the blocks that made them, relative
+        to this one), its cast source, fp8 copy and update state."""
+        table, layer = NameTable(), ops[0].layer
+        at = table.at
+        body = tuple((op.kind, table.attrs(op.attrs), at(op.name), tuple(map(at, op.inputs)),
+                      tuple(map(at, op.outputs)), tuple(map(at, finished_by.get(op.name, ())))) for op in ops)
+        state = []
+        for name in table.names:  # grows as contributions and sources are named
+            tensor = self.forward.tensors.get(name)
+            parts = tuple((at(part), None if part not in self.layer_of else self.layer_of[part] - layer)
+                          for part in self.contributions.get(name, ()))
+            state.append((None if tensor is None else tensor.signature, name in self.needs_grad, parts,
+                          at(self.cast_from[name]) if name in self.cast_from else None, self.fp8_weights.get(name),
+                          name in self.updated, at(self.stored_grads[name]) if name in self.stored_grads else None,
+                          self.optimizer.get(name)))
+        key = (body, tuple(state))
+        try:
+            hash(key)
+        except TypeError:
+            return table, None
+        return table, key
+
+    def replay(self, template: _Template, names: list[str], layer: int) -> bool:
+        """Add `template`'s ops and bookkeeping under this block's names; False (nothing
+        changed) when a name it would make exists already."""
+        made = [n for op in template.ops for n in (op.name, *op.outputs)]
+        rename = renaming(template.names, names, made, self.derived)
+        if any(rename[n] in self.g.tensors or rename[n] in self.g._op_names for n in made if n not in template.names):
+            return False
+        g, shift = self.g, layer - template.layer
+        for name in made:
+            if name in self.derived and name not in template.names:
+                base, suffix = self.derived[name]
+                self.derived[rename[name]] = (rename[base], suffix)
+        for op in template.ops:
+            for out in op.outputs:
+                g.tensors[rename[out]] = g.tensors[out].renamed(rename[out])
+            g.ops.append(Op(rename[op.name], op.kind, tuple(rename[i] for i in op.inputs),
+                            tuple(rename[o] for o in op.outputs), op.flops, op.bytes, op.phase, op.layer + shift,
+                            renamed_attrs(op.attrs, rename)))
+            g._op_names.add(rename[op.name])
+        for name, parts in template.contributions.items():
+            self.contributions[rename[name]] = [rename[p] for p in parts]
+        for name, offset in template.layers.items():
+            self.layer_of[rename[name]] = layer + offset
+        for weight, grad in template.stored_grads.items():
+            self.stored_grads[rename[weight]] = rename[grad]
+        self.updated.update(rename[n] for n in template.updated)
+        for weight, fn in template.optimizer.items():
+            self.optimizer[rename[weight]] = fn
+        return True
+
     def _store_grad(self, weight: str, layer: int) -> None:
         """A weight's gradient is complete once the backward passes its first use: anchor it to
         the layout gradients are stored in (ZeRO-2/3 reduce-scatter it here, per micro-batch)."""
         grad = self.grad_of(weight, layer)
-        name = f"{grad_name(weight)}.stored"
+        name = self._name(weight, ".grad.stored")
         self.g.add_op(name, OpKind.CONSTRAIN, (grad,), (replace(self.g.tensors[grad], name=name),),
                       {"tag": "grad"}, phase=Phase.BACKWARD_WEIGHT, layer=layer)
         self.stored_grads[weight] = name
@@ -239,7 +327,7 @@ class _Backward:
         shape, dims = (weight.shape[:1], weight.dims[:1]) if fn.per_row else (weight.shape, weight.dims)
         # an fp32 weight is its own master copy
         names = [s for s in fn.states if not (s == "master" and weight.dtype is OPTIMIZER_STATE_DTYPE)]
-        return [self.g.state(f"{weight.name}.{s}", shape, dims, OPTIMIZER_STATE_DTYPE) for s in names]
+        return [self.g.state(self._name(weight.name, f".{s}"), shape, dims, OPTIMIZER_STATE_DTYPE) for s in names]
 
     def _optimizer(self, weight: Tensor, layer: int) -> None:
         grad = self.stored_grads[weight.name]
@@ -259,6 +347,22 @@ class _Backward:
                           phase=Phase.STEP, layer=layer)
 
 
+@dataclass(frozen=True)
+class _Template:
+    """The backward of one block: its name table and layer, the ops it added, and the
+    bookkeeping of its names after it (gradient contributions, the blocks that made the new
+    gradients relative to its own, stored gradients, fused updates, optimizers)."""
+
+    names: list[str]
+    layer: int
+    ops: list[Op]
+    contributions: dict[str, tuple[str, ...]]
+    layers: dict[str, int]
+    stored_grads: dict[str, str]
+    updated: frozenset
+    optimizer: dict
+
+
 def _density(op: Op) -> dict:
     return {"density": op.attrs["density"]} if "density" in op.attrs else {}
 
@@ -271,11 +375,13 @@ def _needs_grad(forward: Graph) -> set[str]:
     return needs
 
 
-def training_graph(forward: Graph, grad_dtype: DType | None = None, optimizer: Optimizer = Optimizer.ADAMW) -> Graph:
+def training_graph(forward: Graph, grad_dtype: DType | None = None, optimizer: Optimizer = Optimizer.ADAMW, *,
+                   templates: bool = True) -> Graph:
     """Forward, backward (B and W ops apart) and the optimizer step of one training step
     (`optimizer`; embedding tables that ask for another, such as row-wise Adagrad, get it,
     fused ones in the backward). Weight gradients are `grad_dtype` (default: the weight's
-    own dtype)."""
-    graph = _Backward(forward, grad_dtype, optimizer).run()
+    own dtype). `templates=False` differentiates every block afresh (what replaying an
+    equal block's backward must equal)."""
+    graph = _Backward(forward, grad_dtype, optimizer).run(templates)
     graph.verify()
     return graph

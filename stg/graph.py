@@ -130,6 +130,18 @@ class Tensor:
     def numel(self) -> sympy.Expr:
         return sympy.Mul(*self.shape)
 
+    @property
+    def signature(self) -> tuple:
+        """Everything but the name."""
+        return self.shape, self.dims, self.dtype, self.role, self.transient
+
+    def renamed(self, name: str) -> "Tensor":
+        """This tensor under another name, without re-checking its shape (and with its sizes,
+        if computed): the copies of a repeated block make thousands."""
+        copy = object.__new__(Tensor)
+        copy.__dict__.update(self.__dict__, name=name)
+        return copy
+
     @cached_property
     def nbytes(self) -> sympy.Expr:
         return self.numel * self.dtype.nbytes

@@ -14,9 +14,9 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass, field, replace
-from itertools import groupby
 from typing import Mapping, Sequence
 
+from stg.blocks import NameTable, blocks, renaming
 from stg.builder import GraphBuilder
 from stg.graph import Graph, Op, OpKind, Phase, Role, Tensor
 from stg.mesh import FLAT, REPLICATED, Layout, Placement, Shard
@@ -96,8 +96,7 @@ class _Sharder:
         for tensor in self.src.tensors.values():
             if tensor.name not in self.src.producer:
                 self.define(tensor, self.spec.leaf_rules(tensor).layout(tensor, self.mesh_axes))
-        for _, block in groupby(self.src.ops, key=lambda op: op.layer):
-            block = list(block)
+        for block in blocks(self.src.ops):
             if templates:
                 self.shard_block(block)
             else:
@@ -138,51 +137,36 @@ class _Sharder:
         sharding it reads, with names replaced by their place in that list: its ops, and the
         state of each name made before it (shape, layout, rebound copy, copies made). Two
         blocks with one signature shard alike up to names. None: an attribute is no key."""
-        index: dict[str, int] = {}
-        names: list[str] = []
-
-        def at(name: str) -> int:
-            if name not in index:
-                index[name] = len(names)
-                names.append(name)
-            return index[name]
-
-        body, made = [], set()
+        table, body, made = NameTable(), [], set()
+        at = table.at
         for op in ops:
-            attrs = tuple((k, tuple(map(at, v)) if k == "grad_of" else at(v) if k == "weight" else v)
-                          for k, v in op.attrs.items())
             summed = tuple(any(user.attrs.get("grad_of") == (target,) and user.kind is OpKind.POINTWISE
                                for user in self.src.consumers.get(out, ()))
                            for out, target in zip(op.outputs, op.attrs.get("grad_of", ())))
-            body.append((op.kind, op.phase, attrs, at(op.name), tuple(map(at, op.inputs)),
+            body.append((op.kind, op.phase, table.attrs(op.attrs), at(op.name), tuple(map(at, op.inputs)),
                          tuple(map(at, op.outputs)), summed))
             made.update(op.outputs)
         state = []
-        for name in names:  # grows as rebound copies and earlier copies are named
+        for name in table.names:  # grows as rebound copies and earlier copies are named
             if name in made:
-                state.append(_structure(self.src.tensors.get(name)))
+                state.append(_signature(self.src.tensors.get(name)))
                 continue
             rebound = self.rebound.get(name)
             copies = tuple((layout, group, at(self.memo[(name, layout, group)]))
                            for layout, group in self.copies.get(name, ()))
-            state.append((_structure(self.global_tensors.get(name)), self.layouts.get(name),
+            state.append((_signature(self.global_tensors.get(name)), self.layouts.get(name),
                           None if rebound is None else at(rebound), copies))
         key = (tuple(body), tuple(state))
         try:
             hash(key)
         except TypeError:
-            return names, None
-        return names, key
+            return table.names, None
+        return table.names, key
 
     def replay(self, template: _Template, names: list[str], ops: list[Op]) -> bool:
         """Add `template`'s ops and state under this block's names; False (nothing changed)
         when a name it would make exists already."""
-        rename = dict(zip(template.names, names))
-        for op in template.ops:
-            for out in op.outputs:
-                if out not in rename:
-                    base, suffix = self.derived[out]
-                    rename[out] = rename[base] + suffix
+        rename = renaming(template.names, names, (out for op in template.ops for out in op.outputs), self.derived)
         made = [rename[out] for op in template.ops for out in op.outputs]
         if any(name in self.layouts for name in made):
             return False
@@ -195,12 +179,12 @@ class _Sharder:
             for out in op.outputs:
                 new = rename[out]
                 if copy:
-                    self.global_tensors[new] = _renamed(self.global_tensors[out], new)
+                    self.global_tensors[new] = self.global_tensors[out].renamed(new)
                     self.derived[new] = (rename[self.derived[out][0]], self.derived[out][1])
                 else:
                     self.global_tensors[new] = self.src.tensors[new]
                 self.layouts[new] = self.layouts[out]
-                g.tensors[new] = _renamed(g.tensors[out], new)
+                g.tensors[new] = g.tensors[out].renamed(new)
             g.ops.append(Op(name, op.kind, tuple(rename[i] for i in op.inputs), tuple(rename[o] for o in op.outputs),
                             op.flops, op.bytes, op.phase, layer, attrs))
             g._op_names.add(name)
@@ -299,16 +283,8 @@ class _Template:
     changes: list[tuple]
 
 
-def _structure(tensor: Tensor | None) -> tuple | None:
-    return None if tensor is None else (tensor.shape, tensor.dims, tensor.dtype, tensor.role, tensor.transient)
-
-
-def _renamed(tensor: Tensor, name: str) -> Tensor:
-    """`tensor` under another name, without re-checking its shape (and with its sizes, if
-    computed): a block's copies make thousands."""
-    copy = object.__new__(Tensor)
-    copy.__dict__.update(tensor.__dict__, name=name)
-    return copy
+def _signature(tensor: Tensor | None) -> tuple | None:
+    return None if tensor is None else tensor.signature
 
 
 def _phase_group(phase: Phase) -> str:

@@ -1,5 +1,7 @@
 """Strategies only assign layouts; the collectives must fall out of the shared rule table."""
 
+from collections import Counter
+
 import pytest
 import sympy
 
@@ -73,12 +75,13 @@ def _digest_plans():
 
 
 @pytest.mark.parametrize("name", _digest_plans())
-def test_a_replayed_block_is_the_block_sharded_afresh(name, monkeypatch, tmp_path):
-    """Sharding replays a block's ops under the next block's names when their signatures
-    match (stg/sharding.py). Over every strategy of the digest matrix, with 8 blocks so
-    that blocks repeat, the graph is the one that sharding every op gives: the same ops in
-    the same order, names, local and global shapes, layouts."""
+def test_a_replayed_block_is_the_block_made_afresh(name, monkeypatch, tmp_path):
+    """Autodiff and sharding replay a block's work under the next block's names when their
+    signatures match (stg/blocks.py). Over every strategy of the digest matrix, with 8 blocks
+    so that blocks repeat, each pass's graph is the one that running every op gives: the
+    same ops in the same order, names, local and global shapes, layouts."""
     import stg.api
+    from stg.autodiff import _Backward
     from stg.sharding import _Sharder
     from test_digests import PLANS, model_of
 
@@ -86,23 +89,39 @@ def test_a_replayed_block_is_the_block_sharded_afresh(name, monkeypatch, tmp_pat
     resized = isinstance(model, dict) and "layers" in model
     if resized:
         model = {**model, "layers": 8}
-    replayed, compared = [], []
-    replay = _Sharder.replay
+    replayed, compared = Counter(), []
 
-    def counted(self, *args):
-        replayed.append(replay(self, *args))
-        return replayed[-1]
+    def counting(cls):
+        replay = cls.replay
 
-    def both(graph, spec):
-        templated = shard(graph, spec)
-        assert _equal(templated, shard(graph, spec, templates=False))
-        compared.append(name)
+        def counted(self, *args):
+            done = replay(self, *args)
+            replayed[cls] += done
+            return done
+        monkeypatch.setattr(cls, "replay", counted)
+
+    def both_trained(*args, **kwargs):
+        templated = training_graph(*args, **kwargs)
+        fresh = training_graph(*args, **kwargs, templates=False)
+        assert templated.ops == fresh.ops and list(templated.tensors.items()) == list(fresh.tensors.items())
+        compared.append("autodiff")
         return templated
 
-    monkeypatch.setattr(_Sharder, "replay", counted)
-    monkeypatch.setattr(stg.api, "shard", both)
+    def both_sharded(graph, spec):
+        templated = shard(graph, spec)
+        assert _equal(templated, shard(graph, spec, templates=False))
+        compared.append("shard")
+        return templated
+
+    counting(_Sharder)
+    counting(_Backward)
+    monkeypatch.setattr(stg.api, "training_graph", both_trained)
+    monkeypatch.setattr(stg.api, "shard", both_sharded)
     monkeypatch.setattr(stg.api, "_CACHE", {})
+    monkeypatch.setattr(stg.api, "_TRAINING", {})
     stg.api.build(model, {"seq": 32, **PLANS[name][1]}, nodes=False)
-    assert compared
-    if not name.startswith("dlrm"):  # a recommendation model has no repeated blocks
-        assert sum(replayed) >= (4 if resized else 1)
+    assert set(compared) == {"autodiff", "shard"}
+    if resized:  # blocks 2..7 repeat (the first and last differ: embedding, head)
+        assert min(replayed[_Sharder], replayed[_Backward]) >= 4
+    elif not name.startswith("dlrm"):  # a recommendation model has no repeated blocks
+        assert sum(replayed.values()) >= 1
