@@ -213,6 +213,8 @@ class _ProgramBuilder:
         self.terms: Counter | None = None  # the tally of the action being run, without nodes
         self.op_costs: dict[str, tuple[int, int, float, str]] = {}
         self.comm_ids: set[int] = set()  # nodes that are not COMP
+        self.exact: dict[int, float] = {}  # a COMP node -> its duration before rounding
+        self.node_repeats: dict[tuple, _Nodes | None] = {}  # with nodes: per action key
 
     def _add(self, **kwargs) -> int:
         node = TraceNode(id=len(self.nodes), **kwargs)
@@ -264,20 +266,25 @@ class _ProgramBuilder:
             self._count_node(NodeType.COMP_NODE)
             where.update(dict.fromkeys(op.outputs))
             return
-        # whole microseconds, with the rounding error carried to the next node so that a long
-        # chain of sub-microsecond ops keeps its total (ASTRA-sim replays 0 as 1 ns)
-        exact += self.carry
-        duration = max(0, round(exact))
-        self.carry = exact - duration
+        duration = self._rounded(exact)
         deps = [self.last_compute] if self.last_compute is not None else []
         deps += sorted({p for i in op.inputs if (p := self.producer(i, where)) in self.comm_ids})
         node = self._add(
             name=f"{label} {op.name}", type=NodeType.COMP_NODE, deps=tuple(deps), flops=flops, nbytes=nbytes,
             duration_us=duration, op_type=op_type,
         )
+        self.exact[node] = exact
         self.last_compute = node
         for out in op.outputs:
             where[out] = node
+
+    def _rounded(self, exact: float) -> int:
+        """Whole microseconds, with the rounding error carried to the next node, so that a
+        long chain of sub-microsecond ops keeps its total (ASTRA-sim replays 0 as 1 ns)."""
+        exact += self.carry
+        duration = max(0, round(exact))
+        self.carry = exact - duration
+        return duration
 
     def _operand_dtype(self, op: Op) -> DType:
         """A GEMM runs at the peak of its narrowest operand, or at fp8's when it is one of an
@@ -419,6 +426,29 @@ class _ProgramBuilder:
         self.holes |= tally.holes
         return tally.bind(self.ev, self.comm_ev), tally.made
 
+    def _chain_roles(self) -> dict:
+        """The roles before an action other than its micro-batch's tensors: the compute and
+        comm chains' last nodes, the compute that the last unit gather of each phase followed."""
+        roles = {("chain", "compute"): self.last_compute, ("chain", "comm"): self.last_comm}
+        roles.update((("prefetch", phase), node) for phase, node in self.prefetch.items())
+        return roles
+
+    def action_nodes(self, action: Action, ops: list[Op], units: dict, here: dict, key: tuple) -> None:
+        """Run an action, or repeat the nodes of the last run action with its key: the same
+        nodes, numbered on, under its micro-batch's names and tags, each dependency on what came
+        before found by its role (a chain's last node, a tensor's producer), durations rounded
+        on the running carry. An action whose roles do not resolve as that one's runs."""
+        repeat = self.node_repeats.get(key)
+        if repeat is not None and repeat.replay(self, action.microbatch, here):
+            return
+        start, chains, before = len(self.nodes), self._chain_roles(), dict(here)
+        total, self.stats = self.stats, ClassStats()
+        self.action(action, ops, units, here, final=key[2])
+        delta, self.stats = self.stats, total
+        total.add(delta)
+        # the latest run is the one to repeat: the first ran with empty chains, later ones do not
+        self.node_repeats[key] = _Nodes.record(self, action.microbatch, start, chains, before, here, delta)
+
     def plan_gradient_buckets(self, step: list[Op], runs: dict) -> None:
         """The step's reductions of gradients the micro-batches make go out in buckets as the
         last backward makes them (PyTorch DDP's overlap): each bucket right after the op that
@@ -467,13 +497,13 @@ class _ProgramBuilder:
             stage = virtual_stage(self.rank, action.chunk, stages.pp)
             ops, here = runs.get((stage, action.kind), []), where.setdefault(action.microbatch, {})
             is_final = last[(stage, action.kind)] == n
-            if self.keep_nodes:
-                self.action(action, ops, units, here, final=is_final)
-                continue
             # what an action adds to the stats depends only on this key: the tensors it finds
             # made (or received) are those of its micro-batch's earlier actions
             key = (stage, action.kind, is_final, history.get(action.microbatch, ()))
             history[action.microbatch] = key[3] + (key[:2],)
+            if self.keep_nodes:
+                self.action_nodes(action, ops, units, here, key)
+                continue
             if key not in self.repeats:
                 self.repeats[key] = self._action_stats(action, ops, units, here, key)
             stats, made = self.repeats[key]
@@ -484,6 +514,117 @@ class _ProgramBuilder:
             final.update(where[microbatch])
         self.step(step, final)
         return self.nodes
+
+
+_COMP, _COLL, _RECV = NodeType.COMP_NODE, NodeType.COMM_COLL_NODE, NodeType.COMM_RECV_NODE
+
+
+@dataclass(frozen=True)
+class _Nodes:
+    """The nodes of one action, as a class's later actions with its key repeat them. Per node:
+    the node (id, name, duration and tag to be redone), whether its name starts with the
+    micro-batch, whether its first dependency is the compute chain's last node, and its other
+    dependencies -- an int is a node of the action (its offset), a frozenset the roles that a
+    node from before the action played (stg.lower._ProgramBuilder._chain_roles, or
+    ("tensor", name): the producer of its micro-batch's tensor). Also: the chain roles set at
+    entry, the prefetch and tensor roles at exit, and the stats the action added."""
+
+    microbatch: int
+    nodes: tuple[tuple[TraceNode, NodeType, str | None, bool, tuple, bool, float | None], ...]
+    present: frozenset  # chain roles that were set at entry
+    exit: dict  # prefetch and tensor roles the action set -> an offset or roles
+    stats: ClassStats
+    edges: int
+
+    @classmethod
+    def record(cls, builder: "_ProgramBuilder", microbatch: int, start: int, chains: dict, before: dict,
+               here: dict, stats: ClassStats) -> "_Nodes | None":
+        roles_of: dict[int, set] = {}
+        for role, node in [*chains.items(), *((("tensor", t), n) for t, n in before.items())]:
+            if node is not None:
+                roles_of.setdefault(node, set()).add(role)
+
+        def ref(node: int):
+            if node >= start:
+                return node - start
+            return frozenset(roles_of[node]) if node in roles_of else None
+
+        nodes, computed, prefix = [], chains[("chain", "compute")] is not None, str(microbatch)
+        for node in builder.nodes[start:]:
+            deps = tuple(ref(d) for d in node.deps)
+            if None in deps:
+                return None  # a dependency on something that plays no role: never repeated
+            chained = node.type is NodeType.COMP_NODE and computed  # its first dependency: what ran last
+            computed = computed or node.type is NodeType.COMP_NODE
+            deps = deps[1:] if chained else deps
+            suffix = node.name[len(prefix):] if node.name.startswith(prefix) and \
+                not node.name[len(prefix)].isdigit() else None
+            inside = all(type(d) is int for d in deps)
+            nodes.append((node, node.type, suffix, chained, deps, inside, builder.exact.get(node.id)))
+        exit = {}
+        for role, value in [*((r, v) for r, v in builder._chain_roles().items() if r[0] == "prefetch"),
+                            *((("tensor", t), n) for t, n in here.items())]:
+            if value is not None and (chains if role[0] == "prefetch" else before).get(role[1] if role[0] ==
+                                                                                     "tensor" else role) != value:
+                exit[role] = ref(value)
+        if any(v is None for v in exit.values()):
+            return None
+        return cls(microbatch, tuple(nodes), frozenset(r for r, v in chains.items() if v is not None), exit,
+                   stats, len(builder.pipeline.edges))
+
+    def replay(self, builder: "_ProgramBuilder", microbatch: int, here: dict) -> bool:
+        chains = builder._chain_roles()
+        if frozenset(r for r, v in chains.items() if v is not None) != self.present:
+            return False
+        resolved = {}
+        for _, _, _, _, deps, inside, _ in self.nodes:
+            for d in () if inside else deps:
+                if type(d) is frozenset and d not in resolved:
+                    found = {here.get(r[1]) if r[0] == "tensor" else chains.get(r) for r in d}
+                    resolved[d] = found.pop() if len(found) == 1 else None
+        for ref in self.exit.values():
+            if type(ref) is frozenset and ref not in resolved:
+                found = {here.get(r[1]) if r[0] == "tensor" else chains.get(r) for r in ref}
+                resolved[ref] = found.pop() if len(found) == 1 else None
+        if None in resolved.values():
+            return False
+        start, name, shift = len(builder.nodes), str(microbatch), (microbatch - self.microbatch) * self.edges
+        nodes, comm_ids, carry = builder.nodes, builder.comm_ids, builder.carry
+        last_compute, last_comm = builder.last_compute, builder.last_comm
+        new, setattr_ = object.__new__, object.__setattr__
+        for n, (node, kind, suffix, chained, deps, inside, exact) in enumerate(self.nodes):
+            if inside:
+                ids = tuple([start + d for d in deps])
+            else:
+                ids = tuple(sorted({start + d if type(d) is int else resolved[d] for d in deps}))
+            fields = node.__dict__.copy()
+            fields["id"] = start + n
+            fields["deps"] = (last_compute, *ids) if chained else ids
+            if suffix is not None:
+                fields["name"] = name + suffix
+            if kind is _COMP:  # lowering's rounding (_ProgramBuilder._rounded), inline
+                exact += carry
+                fields["duration_us"] = duration = round(exact) if exact > 0 else 0
+                carry = exact - duration
+                last_compute = start + n
+            else:
+                comm_ids.add(start + n)
+                if kind is not _COLL:
+                    fields["tag"] = node.tag + shift
+                if kind is not _RECV:
+                    last_comm = start + n
+            copy = new(TraceNode)
+            setattr_(copy, "__dict__", fields)
+            nodes.append(copy)
+        builder.carry, builder.last_compute, builder.last_comm = carry, last_compute, last_comm
+        for role, ref in self.exit.items():
+            node = start + ref if type(ref) is int else resolved[ref]
+            if role[0] == "prefetch":
+                builder.prefetch[role[1]] = node
+            else:
+                here[role[1]] = node
+        builder.stats.add(self.stats)
+        return True
 
 
 def lower(sharded: ShardedGraph, evaluate: Evaluator, device: DeviceSpec, *, pipeline: Pipeline,

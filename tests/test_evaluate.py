@@ -48,3 +48,33 @@ def test_plans_run_grouped_by_structure_are_answered_in_the_order_given():
     assert "error" in rows[2] and all("error" not in rows[i] for i in (0, 1, 3))
     assert [row["plan"].get("zero", 0) for row in rows] == [0, 1, 0, 0]
     assert rows[0] == next(evaluate(LLAMA, [plans[0]]))
+
+
+@pytest.mark.parametrize("name", sorted(PLANS))
+def test_repeated_actions_lower_the_nodes_they_would_run(name, tmp_path, monkeypatch):
+    """Lowering repeats the nodes of an action already run with the same key instead of
+    running its ops again (stg.lower._Nodes): numbered on, renamed and re-tagged for its
+    micro-batch, dependencies found by role, durations rounded on the running carry. For
+    every strategy of the digest matrix with 6 micro-batches per stage, every program's
+    nodes are those that running every action gives, and actions were repeated."""
+    import stg.lower
+
+    model, plan = model_of(name, tmp_path), PLANS[name][1]
+    if "micro_batch" not in plan:
+        plan = {**plan, "global_batch": plan.get("global_batch", 1) * 6}
+    plan = {"seq": 32, **plan}
+    repeated = []
+    replay = stg.lower._Nodes.replay
+
+    def counted(self, *args):
+        repeated.append(replay(self, *args))
+        return repeated[-1]
+
+    monkeypatch.setattr(stg.lower._Nodes, "replay", counted)
+    programs = build(model, plan).programs
+    monkeypatch.setattr(stg.lower._Nodes, "replay", lambda self, *args: False)
+    fresh = build(model, plan).programs
+    assert [p.nodes for p in programs] == [p.nodes for p in fresh]
+    assert [p.stats for p in programs] == [p.stats for p in fresh]
+    if not name.startswith("dlrm"):  # one micro-batch per step: nothing repeats
+        assert sum(repeated) >= 1
