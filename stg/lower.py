@@ -25,6 +25,7 @@ from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass
+from itertools import islice
 from typing import Mapping
 
 import sympy
@@ -441,13 +442,13 @@ class _ProgramBuilder:
         repeat = self.node_repeats.get(key)
         if repeat is not None and repeat.replay(self, action.microbatch, here):
             return
-        start, chains, before = len(self.nodes), self._chain_roles(), dict(here)
+        start, chains, known = len(self.nodes), self._chain_roles(), len(here)
         total, self.stats = self.stats, ClassStats()
         self.action(action, ops, units, here, final=key[2])
         delta, self.stats = self.stats, total
         total.add(delta)
         # the latest run is the one to repeat: the first ran with empty chains, later ones do not
-        self.node_repeats[key] = _Nodes.record(self, action.microbatch, start, chains, before, here, delta)
+        self.node_repeats[key] = _Nodes.record(self, action.microbatch, start, chains, known, here, delta)
 
     def plan_gradient_buckets(self, step: list[Op], runs: dict) -> None:
         """The step's reductions of gradients the micro-batches make go out in buckets as the
@@ -537,12 +538,17 @@ class _Nodes:
     edges: int
 
     @classmethod
-    def record(cls, builder: "_ProgramBuilder", microbatch: int, start: int, chains: dict, before: dict,
-               here: dict, stats: ClassStats) -> "_Nodes | None":
+    def record(cls, builder: "_ProgramBuilder", microbatch: int, start: int, chains: dict, known: int, here: dict,
+               stats: ClassStats) -> "_Nodes | None":
+        """The nodes from `start` on, as the action that just made them (`chains`: the chain
+        roles before it; the first `known` of its micro-batch's tensors were made before it,
+        the rest by it: a tensor is made once) repeats them; None if it cannot."""
+        outside = {d for node in builder.nodes[start:] for d in node.deps if d < start}
         roles_of: dict[int, set] = {}
-        for role, node in [*chains.items(), *((("tensor", t), n) for t, n in before.items())]:
-            if node is not None:
-                roles_of.setdefault(node, set()).add(role)
+        found = [(role, node) for role, node in chains.items() if node in outside]
+        found += [(("tensor", t), node) for t, node in islice(here.items(), known) if node in outside]
+        for role, node in found:
+            roles_of.setdefault(node, set()).add(role)
 
         def ref(node: int):
             if node >= start:
@@ -561,12 +567,9 @@ class _Nodes:
                 not node.name[len(prefix)].isdigit() else None
             inside = all(type(d) is int for d in deps)
             nodes.append((node, node.type, suffix, chained, deps, inside, builder.exact.get(node.id)))
-        exit = {}
-        for role, value in [*((r, v) for r, v in builder._chain_roles().items() if r[0] == "prefetch"),
-                            *((("tensor", t), n) for t, n in here.items())]:
-            if value is not None and (chains if role[0] == "prefetch" else before).get(role[1] if role[0] ==
-                                                                                     "tensor" else role) != value:
-                exit[role] = ref(value)
+        exit = {("prefetch", phase): ref(node) for phase, node in builder.prefetch.items()
+                if node is not None and chains.get(("prefetch", phase)) != node}
+        exit.update((("tensor", t), ref(node)) for t, node in islice(here.items(), known, None))
         if any(v is None for v in exit.values()):
             return None
         return cls(microbatch, tuple(nodes), frozenset(r for r, v in chains.items() if v is not None), exit,
