@@ -53,26 +53,26 @@ def test_plans_run_grouped_by_structure_are_answered_in_the_order_given():
 @pytest.mark.parametrize("name", sorted(PLANS))
 def test_repeated_actions_lower_the_nodes_they_would_run(name, tmp_path, monkeypatch):
     """Lowering repeats the nodes of an action already run with the same key instead of
-    running its ops again (stg.lower._Nodes): numbered on, renamed and re-tagged for its
+    running its ops again (stg.repeats.ActionNodes): numbered on, renamed and re-tagged for its
     micro-batch, dependencies found by role, durations rounded on the running carry. For
     every strategy of the digest matrix with 6 micro-batches per stage, every program's
     nodes are those that running every action gives, and actions were repeated."""
-    import stg.lower
+    import stg.repeats
 
     model, plan = model_of(name, tmp_path), PLANS[name][1]
     if "micro_batch" not in plan:
         plan = {**plan, "global_batch": plan.get("global_batch", 1) * 6}
     plan = {"seq": 32, **plan}
     repeated = []
-    replay = stg.lower._Nodes.replay
+    replay = stg.repeats.ActionNodes.replay
 
     def counted(self, *args):
         repeated.append(replay(self, *args))
         return repeated[-1]
 
-    monkeypatch.setattr(stg.lower._Nodes, "replay", counted)
+    monkeypatch.setattr(stg.repeats.ActionNodes, "replay", counted)
     programs = build(model, plan).programs
-    monkeypatch.setattr(stg.lower._Nodes, "replay", lambda self, *args: False)
+    monkeypatch.setattr(stg.repeats.ActionNodes, "replay", lambda self, *args: False)
     fresh = build(model, plan).programs
     assert [p.nodes for p in programs] == [p.nodes for p in fresh]
     assert [p.stats for p in programs] == [p.stats for p in fresh]
