@@ -465,7 +465,9 @@ class _ProgramBuilder:
         for n, action in enumerate(actions):
             stage = virtual_stage(self.rank, action.chunk, stages.pp)
             ops, here = runs.get((stage, action.kind), []), where.setdefault(action.microbatch, {})
-            is_final = last[(stage, action.kind)] == n
+            # the last run of a chunk and kind sends the gradient buckets its ops finish; one
+            # whose ops finish none is like any other (and repeats the others' nodes)
+            is_final = last[(stage, action.kind)] == n and any(op.name in self.flush_after for op in ops)
             # what an action adds to the stats depends only on this key: the tensors it finds
             # made (or received) are those of its micro-batch's earlier actions
             key = (stage, action.kind, is_final, history.get(action.microbatch, ()))
