@@ -289,7 +289,7 @@ class _Backward:
         changed) when a name it would make exists already."""
         made = [n for op in template.ops for n in (op.name, *op.outputs)]
         rename = renaming(template.names, names, made, self.derived)
-        if any(rename[n] in self.g.tensors or rename[n] in self.g._op_names for n in made if n not in template.names):
+        if any(self.g.named(rename[n]) for n in made if n not in template.names):
             return False
         g, shift = self.g, layer - template.layer
         for name in made:
@@ -297,12 +297,10 @@ class _Backward:
                 base, suffix = self.derived[name]
                 self.derived[rename[name]] = (rename[base], suffix)
         for op in template.ops:
-            for out in op.outputs:
-                g.tensors[rename[out]] = g.tensors[out].renamed(rename[out])
-            g.ops.append(Op(rename[op.name], op.kind, tuple(rename[i] for i in op.inputs),
+            g.add_costed(Op(rename[op.name], op.kind, tuple(rename[i] for i in op.inputs),
                             tuple(rename[o] for o in op.outputs), op.flops, op.bytes, op.phase, op.layer + shift,
-                            renamed_attrs(op.attrs, rename)))
-            g._op_names.add(rename[op.name])
+                            renamed_attrs(op.attrs, rename)),
+                         [g.tensors[out].renamed(rename[out]) for out in op.outputs])
         for name, parts in template.contributions.items():
             self.contributions[rename[name]] = [rename[p] for p in parts]
         for name, offset in template.layers.items():

@@ -262,6 +262,17 @@ class GraphBuilder:
         self._op_names.add(name)
         return op
 
+    def named(self, name: str) -> bool:
+        """Whether a tensor or an op has this name."""
+        return name in self.tensors or name in self._op_names
+
+    def add_costed(self, op: Op, outputs: Sequence[Tensor]) -> None:
+        """An op whose costs are known (a repeated block's copy of an op already derived),
+        its outputs registered as they are: no checks, no sympy."""
+        self.tensors.update((t.name, t) for t in outputs)
+        self.ops.append(op)
+        self._op_names.add(op.name)
+
     def build(self) -> Graph:
         return Graph(dict(self.tensors), tuple(self.ops))
 

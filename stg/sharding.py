@@ -175,7 +175,6 @@ class _Sharder:
         for op in template.ops:
             copy = op.kind in (OpKind.COLLECTIVE, OpKind.SLICE)
             attrs = dict(op.attrs) if copy else dict(next(sources).attrs)
-            name = rename[op.name]
             for out in op.outputs:
                 new = rename[out]
                 if copy:
@@ -184,10 +183,9 @@ class _Sharder:
                 else:
                     self.global_tensors[new] = self.src.tensors[new]
                 self.layouts[new] = self.layouts[out]
-                g.tensors[new] = g.tensors[out].renamed(new)
-            g.ops.append(Op(name, op.kind, tuple(rename[i] for i in op.inputs), tuple(rename[o] for o in op.outputs),
-                            op.flops, op.bytes, op.phase, layer, attrs))
-            g._op_names.add(name)
+            g.add_costed(Op(rename[op.name], op.kind, tuple(rename[i] for i in op.inputs),
+                            tuple(rename[o] for o in op.outputs), op.flops, op.bytes, op.phase, layer, attrs),
+                         [g.tensors[out].renamed(rename[out]) for out in op.outputs])
         for change in template.changes:
             if change[0] == "memo":
                 _, (name, layout, group), result = change
