@@ -154,8 +154,9 @@ class _Backward:
         # no gradient: the touched rows and their states are updated where they are found
         states = self._states(self.forward.tensors[table], fn)
         updated = replace(self.forward.tensors[table], name=self._name(table, ".next"))
-        self.g.add_op(self._name(table, f".{fn.label}"), OpKind.EMBEDDING_BAG_UPDATE, (dout, ids, lengths, table, *states), [updated],
-                      {"fn": fn, "weight": table, "grad_of": (table,)}, phase=Phase.BACKWARD_WEIGHT, layer=op.layer)
+        self.g.add_op(self._name(table, f".{fn.label}"), OpKind.EMBEDDING_BAG_UPDATE,
+                      (dout, ids, lengths, table, *states), [updated], {"fn": fn, "weight": table, "grad_of": (table,)},
+                      phase=Phase.BACKWARD_WEIGHT, layer=op.layer)
         self.updated.add(table)
 
     def concat(self, op: Op, dout: str) -> None:
