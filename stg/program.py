@@ -118,5 +118,8 @@ class RankProgram:
 
     @cached_property
     def holes(self) -> list[Hole]:
-        found = self.counted_holes if self.counted_holes is not None else {h for n in self.nodes for h in n.holes}
+        found = self.counted_holes
+        if found is None:  # three plain passes: most nodes are COMP and have none
+            found = {n.group for n in self.nodes} | {n.src for n in self.nodes} | {n.dst for n in self.nodes}
+            found.discard(None)
         return sorted(found, key=lambda h: (isinstance(h, RankHole), str(h)))
