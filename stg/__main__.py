@@ -1,3 +1,3 @@
-from stg.cli import app
+from stg.cli import main
 
-app(prog_name="stg")
+main()

@@ -236,3 +236,15 @@ def test_an_old_plan_file_giving_dp_and_ep_fails_with_the_conversion(tmp_path):
     result = run("generate", "mixtral-8x7b", "--plan", plan, "-o", tmp_path / "out")
     assert result.exit_code == 2 and result.output.strip().count("\n") == 0
     assert "write dp: 8; then add plan_version: 2" in result.output
+
+
+def test_the_command_ends_without_teardown_and_its_output_whole():
+    """`stg` ends with os._exit after flushing (stg.cli.main: no interpreter teardown): what it
+    printed to a pipe arrives whole, and its exit codes are click's and stg's own."""
+    counted = stg_process("generate", "llama3-8b", "--dp", "8", "--global-batch", "8", "--seq", "128",
+                          "--count-only", hash_seed="0")
+    assert counted.returncode == 0 and json.loads(counted.stdout)["ranks"] == 8
+    refused = stg_process("generate", "llama3-8b", "--tp", "3", "--global-batch", "8", "--count-only", hash_seed="0")
+    assert refused.returncode == 2 and refused.stderr.count("\n") == 1 and "tp=3" in refused.stderr
+    helped = stg_process("--help", hash_seed="0")
+    assert helped.returncode == 0 and "generate" in helped.stdout
