@@ -395,7 +395,7 @@ class _ProgramBuilder:
         self.holes |= tally.holes
         return tally.bind(self.ev, self.comm_ev), tally.made
 
-    def _chain_roles(self) -> dict:
+    def chain_roles(self) -> dict:
         """The roles before an action other than its micro-batch's tensors: the compute and
         comm chains' last nodes, the compute that the last unit gather of each phase followed."""
         roles = {("chain", "compute"): self.last_compute, ("chain", "comm"): self.last_comm}
@@ -410,7 +410,7 @@ class _ProgramBuilder:
         repeat = self.node_repeats.get(key)
         if repeat is not None and repeat.replay(self, action.microbatch, here):
             return
-        start, chains, known = len(self.nodes), self._chain_roles(), len(here)
+        start, chains, known = len(self.nodes), self.chain_roles(), len(here)
         total, self.stats = self.stats, ClassStats()
         self.action(action, ops, units, here, final=key[2])
         delta, self.stats = self.stats, total

@@ -58,7 +58,7 @@ class ActionNodes:
     the node (id, name, duration and tag to be redone), whether its name starts with the
     micro-batch, whether its first dependency is the compute chain's last node, and its other
     dependencies -- an int is a node of the action (its offset), a frozenset the roles that a
-    node from before the action played (stg.lower._ProgramBuilder._chain_roles, or
+    node from before the action played (stg.lower._ProgramBuilder.chain_roles, or
     ("tensor", name): the producer of its micro-batch's tensor). Also: the chain roles set at
     entry, the prefetch and tensor roles at exit, and the stats the action added."""
 
@@ -108,7 +108,7 @@ class ActionNodes:
                    stats, len(builder.pipeline.edges))
 
     def replay(self, builder: "_ProgramBuilder", microbatch: int, here: dict) -> bool:
-        chains = builder._chain_roles()
+        chains = builder.chain_roles()
         if frozenset(r for r, v in chains.items() if v is not None) != self.present:
             return False
         resolved = {}
