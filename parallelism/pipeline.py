@@ -122,24 +122,34 @@ class Edge:
     target: int
 
 
-def cut(graph, stages: StagePlan) -> list[Edge]:
-    """Every (tensor, reading stage) whose producer runs on another stage, in program order.
-    A tensor read by several ops of one stage (a block input that its forward and backward
-    both read) crosses once."""
+def layer_crossings(graph) -> list[tuple[str, int, int]]:
+    """Each read of a tensor made by an op of another layer (the step's ops aside), in program
+    order: (tensor, its maker's layer, the reader's layer). Only these can cross a stage cut:
+    a layer is never split between stages."""
     from stg.graph import Phase
 
-    made_on = {}
-    edges: dict[tuple[str, int], Edge] = {}
+    made_in, crossings = {}, []
     for op in graph.ops:
         if op.phase is Phase.STEP:
             continue
-        stage = stages.virtual_stage(op.layer)
         for name in op.inputs:
-            source = made_on.get(name)
-            if source is not None and source != stage and (name, stage) not in edges:
-                edges[(name, stage)] = Edge(len(edges), name, source, stage)
+            layer = made_in.get(name)
+            if layer is not None and layer != op.layer:
+                crossings.append((name, layer, op.layer))
         for name in op.outputs:
-            made_on[name] = stage
+            made_in[name] = op.layer
+    return crossings
+
+
+def cut(graph, stages: StagePlan, crossings: list | None = None) -> list[Edge]:
+    """Every (tensor, reading stage) whose producer runs on another stage, in program order.
+    A tensor read by several ops of one stage (a block input that its forward and backward
+    both read) crosses once. `crossings`: layer_crossings(graph), when known."""
+    edges: dict[tuple[str, int], Edge] = {}
+    for name, made, read in layer_crossings(graph) if crossings is None else crossings:
+        source, stage = stages.virtual_stage(made), stages.virtual_stage(read)
+        if source != stage and (name, stage) not in edges:
+            edges[(name, stage)] = Edge(len(edges), name, source, stage)
     return list(edges.values())
 
 

@@ -30,7 +30,7 @@ from stg.errors import PlanError
 from stg.groups import GroupIds
 from stg.graph import DType, Graph, OpKind, Phase
 from stg.limits import MAX_EMBEDDING_RANKS, MAX_NODES
-from parallelism.pipeline import cut, stage_plan, tie_gradients, untie
+from parallelism.pipeline import cut, layer_crossings, stage_plan, tie_gradients, untie
 from stg.chakra.writer import fixed_varint, rank_width
 from stg.lower import Evaluator, Pipeline, check_divisibility, lower
 from stg.program import GroupHole, RankHole, RankProgram
@@ -309,19 +309,35 @@ def _logical_axes(sharded: ShardedGraph) -> frozenset[str]:
 
 
 @per_graph
+def _shared_weights(sharded: ShardedGraph) -> tuple[tuple[str, frozenset[int]], ...]:
+    """The weights that ops of more than one layer read (the step's aside), with those layers:
+    only these can be read on two stages."""
+    shared = []
+    for weight in sharded.graph.weights:
+        layers = frozenset(op.layer for op in sharded.graph.consumers.get(weight.name, ()) if op.phase is not Phase.STEP)
+        if len(layers) > 1:
+            shared.append((weight.name, layers))
+    return tuple(shared)
+
+
+@per_graph
 def _weight_on_stages(sharded: ShardedGraph, stages) -> tuple[str, list[int]] | None:
     """The first weight that ops of two stages read, and those stages (None: there is none)."""
-    for weight in sharded.graph.weights:
-        used_on = {stages.virtual_stage(op.layer) for op in sharded.graph.consumers.get(weight.name, ())
-                   if op.phase is not Phase.STEP}
+    for name, layers in _shared_weights(sharded):
+        used_on = {stages.virtual_stage(layer) for layer in layers}
         if len(used_on) > 1:
-            return weight.name, sorted(used_on)
+            return name, sorted(used_on)
     return None
 
 
 @per_graph
+def _crossings(sharded: ShardedGraph) -> list:
+    return layer_crossings(sharded.graph)
+
+
+@per_graph
 def _cut(sharded: ShardedGraph, stages) -> tuple:
-    return tuple(cut(sharded.graph, stages))
+    return tuple(cut(sharded.graph, stages, _crossings(sharded)))
 
 
 @dataclass(frozen=True)
