@@ -365,8 +365,14 @@ class Structure:
         return training_graph(forward, grad_dtype, OPTIMIZERS[self.optimizer]), ties
 
     def passes(self) -> ShardedGraph:
-        train, ties = _cached(_TRAINING, self.key()[:5], self.training) if _hashable(self) else self.training()
-        sharded = shard(recompute(train, self.recompute, last_block=self.config.layers), self.spec)
+        if _hashable(self):  # one training graph per model and options, one re-run of it per mode
+            train, ties = _cached(_TRAINING, self.key()[:5], self.training)
+            source = _cached(_RECOMPUTED, self.key()[:6],
+                             lambda: recompute(train, self.recompute, last_block=self.config.layers))
+        else:
+            train, ties = self.training()
+            source = recompute(train, self.recompute, last_block=self.config.layers)
+        sharded = shard(source, self.spec)
         return tie_gradients(sharded, ties, self.stages) if ties else sharded
 
     def key(self) -> tuple:
@@ -393,6 +399,7 @@ def _structure(model: Model, plan: Plan, options: GraphOptions, stages) -> Struc
 # Per process, the last few results of the symbolic passes: plans that differ only in degrees,
 # batch sizes, sequence length, schedule or device share them.
 _TRAINING: dict[tuple, tuple[Graph, dict]] = {}  # differentiated graphs, shared across shardings
+_RECOMPUTED: dict[tuple, Graph] = {}  # and with their recomputation (the graphs sharding reads)
 _CACHE: dict[tuple, ShardedGraph] = {}
 _CACHE_SIZE = 8  # sharded graphs of the largest models hold tens of thousands of ops
 

@@ -26,6 +26,11 @@ class NameTable:
         self.names: list[str] = []
         self.index: dict[str, int] = {}
 
+    def copy(self) -> "NameTable":
+        table = NameTable()
+        table.names, table.index = list(self.names), dict(self.index)
+        return table
+
     def at(self, name: str) -> int:
         place = self.index.get(name)
         if place is None:

@@ -96,18 +96,18 @@ class _Sharder:
         for tensor in self.src.tensors.values():
             if tensor.name not in self.src.producer:
                 self.define(tensor, self.spec.leaf_rules(tensor).layout(tensor, self.mesh_axes))
-        for block in blocks(self.src.ops):
+        for block in _block_bodies(self.src):
             if templates:
-                self.shard_block(block)
+                self.shard_block(*block)
             else:
-                for op in block:
+                for op in block[0]:
                     self.shard_op(op)
         return ShardedGraph(self.g.build(), self.layouts, self.global_tensors, self.mesh_axes)
 
-    def shard_block(self, ops: list[Op]) -> None:
+    def shard_block(self, ops: list[Op], table: NameTable, body: tuple | None, made: frozenset) -> None:
         """Shard one block's ops (a run of one layer), or replay how a block with the same
         signature was sharded, under its own names: the 126 blocks of a model cost one."""
-        names, key = self.signature(ops)
+        names, key = self.signature(table.copy(), body, made)
         template = self.templates.get(key) if key is not None else None
         if template is not None and self.replay(template, names, ops):
             return
@@ -132,21 +132,13 @@ class _Sharder:
         self.g.add_op(op.name, op.kind, inputs, local_outs, dict(op.attrs), phase=op.phase, layer=op.layer)
         self.reduce_final_gradients(op)
 
-    def signature(self, ops: list[Op]) -> tuple[list[str], tuple | None]:
+    def signature(self, table: NameTable, body: tuple | None, made: frozenset) -> tuple[list[str], tuple | None]:
         """The names a block reads and writes (in order of first use), and everything that
-        sharding it reads, with names replaced by their place in that list: its ops, and the
-        state of each name made before it (shape, layout, rebound copy, copies made). Two
-        blocks with one signature shard alike up to names. None: an attribute is no key."""
-        table, body, made = NameTable(), [], set()
-        at = table.at
-        for op in ops:
-            summed = tuple(any(user.attrs.get("grad_of") == (target,) and user.kind is OpKind.POINTWISE
-                               for user in self.src.consumers.get(out, ()))
-                           for out, target in zip(op.outputs, op.attrs.get("grad_of", ())))
-            body.append((op.kind, op.phase, table.attrs(op.attrs), at(op.name), tuple(map(at, op.inputs)),
-                         tuple(map(at, op.outputs)), summed))
-            made.update(op.outputs)
-        state = []
+        sharding it reads, with names replaced by their place in that list: its ops (`body`,
+        _block_bodies), and the state of each name made before it (shape, layout, rebound
+        copy, copies made). Two blocks with one signature shard alike up to names. None: an
+        attribute is no key."""
+        at, state = table.at, []
         for name in table.names:  # grows as rebound copies and earlier copies are named
             if name in made:
                 state.append(_signature(self.src.tensors.get(name)))
@@ -156,7 +148,9 @@ class _Sharder:
                            for layout, group in self.copies.get(name, ()))
             state.append((_signature(self.global_tensors.get(name)), self.layouts.get(name),
                           None if rebound is None else at(rebound), copies))
-        key = (tuple(body), tuple(state))
+        if body is None:
+            return table.names, None
+        key = (body, tuple(state))
         try:
             hash(key)
         except TypeError:
@@ -310,6 +304,32 @@ def per_graph(fn=None, *, limit: int = 8):
         memo[key] = (sharded, value)
         return value
     return wrapper
+
+
+@per_graph(limit=4)
+def _block_bodies(graph: Graph) -> list[tuple[list[Op], NameTable, tuple | None, frozenset]]:
+    """Each block of `graph` (stg/blocks.py) with the part of its sharding signature that its
+    ops alone give -- the same for every sharding of the graph: its name table after its
+    ops, the ops by place (kind, phase, attributes, names; whether each gradient output has
+    contributions still to be summed), the names it makes. None: an attribute is no key."""
+    found = []
+    for ops in blocks(graph.ops):
+        table, body, made = NameTable(), [], set()
+        at = table.at
+        for op in ops:
+            summed = tuple(any(user.attrs.get("grad_of") == (target,) and user.kind is OpKind.POINTWISE
+                               for user in graph.consumers.get(out, ()))
+                           for out, target in zip(op.outputs, op.attrs.get("grad_of", ())))
+            body.append((op.kind, op.phase, table.attrs(op.attrs), at(op.name), tuple(map(at, op.inputs)),
+                         tuple(map(at, op.outputs)), summed))
+            made.update(op.outputs)
+        body = tuple(body)
+        try:
+            hash(body)
+        except TypeError:
+            body = None
+        found.append((ops, table, body, frozenset(made)))
+    return found
 
 
 def shard(graph: Graph, spec: ShardingSpec, *, templates: bool = True) -> ShardedGraph:
