@@ -75,66 +75,76 @@ class _Index:
     """What memory() reads of a sharded graph, gathered in one pass and kept per graph:
     per-rank calls then sum over their stage's layers instead of scanning the graph."""
 
-    leaves: tuple[tuple[Role, frozenset, sympy.Expr, str], ...]  # role, layers of its users, bytes, name
+    # leaves by (role, layers of their users, embedding table?, table state?): their bytes,
+    # each distinct expression with how many leaves have it (a model's blocks repeat them)
+    leaves: tuple[tuple[Role, frozenset, bool, bool, tuple[tuple[sympy.Expr, int], ...]], ...]
     casts: tuple[tuple[int, sympy.Expr], ...]  # fp8 copies made in the step: layer, bytes
-    tables: frozenset  # embedding tables and their optimizer states
-    table_states: frozenset
     grads: tuple[tuple[int, str, sympy.Expr], ...]  # per optimizer op: layer, stored gradient, bytes
-    saved: tuple[tuple[int, sympy.Expr, bool], ...]  # forward-made, backward-read: layer, bytes, read by W
+    # forward-made, backward-read, per layer: bytes, how many such tensors, how many a W pass reads
+    saved: dict[int, tuple[tuple[sympy.Expr, int, int], ...]]
 
 
 @per_graph
 def _index(sharded: ShardedGraph) -> _Index:
     graph = sharded.graph
     users = graph.consumers
-    leaves = tuple((t.role, frozenset(op.layer for op in users.get(name, ())), t.nbytes, name)
-                   for name, t in graph.tensors.items() if name not in graph.producer)
-    casts = tuple((op.layer, graph.tensors[op.outputs[0]].nbytes) for op in graph.ops
-                  if op.phase is Phase.STEP and op.kind is OpKind.POINTWISE and op.attrs["fn"] is Pointwise.CAST)
     tables = frozenset(op.inputs[0] for op in graph.ops if op.kind is OpKind.EMBEDDING_BAG)
     table_states = frozenset(name for op in graph.ops if op.attrs.get("weight") in tables for name in op.inputs
                              if graph.tensors[name].role is Role.OPTIMIZER_STATE)
+    leaves: dict[tuple, Counter] = {}
+    for name, t in graph.tensors.items():
+        if name not in graph.producer:
+            group = (t.role, frozenset(op.layer for op in users.get(name, ())), name in tables, name in table_states)
+            leaves.setdefault(group, Counter())[t.nbytes] += 1
+    casts = tuple((op.layer, graph.tensors[op.outputs[0]].nbytes) for op in graph.ops
+                  if op.phase is Phase.STEP and op.kind is OpKind.POINTWISE and op.attrs["fn"] is Pointwise.CAST)
     grads = tuple((op.layer, g, graph.tensors[g].nbytes) for op in graph.ops if op.kind is OpKind.OPTIMIZER
                   for g in (stored_gradient(sharded, op.inputs[0]),))
-    saved = []
+    saved: dict[int, dict] = {}
     for name, readers in users.items():
         made_by = graph.producer.get(name)
         if made_by is None or made_by.phase is not Phase.FORWARD:
             continue
         backward = [user for user in readers if user.phase in _BACKWARD]
         if backward:
-            saved.append((made_by.layer, graph.tensors[name].memory_bytes,
-                          any(user.phase is Phase.BACKWARD_WEIGHT for user in backward)))
-    return _Index(leaves, casts, tables, table_states, grads, tuple(saved))
+            counts = saved.setdefault(made_by.layer, {}).setdefault(graph.tensors[name].memory_bytes, [0, 0])
+            counts[0] += 1
+            counts[1] += any(user.phase is Phase.BACKWARD_WEIGHT for user in backward)
+    return _Index(tuple((*group, tuple(sizes.items())) for group, sizes in leaves.items()), casts, grads,
+                  {layer: tuple((nbytes, n, w) for nbytes, (n, w) in kept.items()) for layer, kept in saved.items()})
 
 
 def memory(sharded: ShardedGraph, evaluate: Evaluator, stages=None, actions=None, rank: int = 0) -> Memory:
     """Memory of pipeline stage `rank` (its virtual stages under `stages`) running `actions`
     (its schedule); without them, the whole graph and one micro-batch at a time."""
     index = _index(sharded)
-    layers = {layer for _, used, _, _ in index.leaves for layer in used} | {
-        item[0] for items in (index.saved, index.casts, index.grads) for item in items}
+    layers = {layer for _, used, _, _, _ in index.leaves for layer in used} | set(index.saved) | {
+        item[0] for items in (index.casts, index.grads) for item in items}
     mine = layers if stages is None else {
         layer for layer in layers if stages.rank_and_chunk(stages.virtual_stage(layer))[0] == rank}
     own = mine.__contains__
-    held = [(role, nbytes, name) for role, used, nbytes, name in index.leaves if not mine.isdisjoint(used)]
-    weights = sum(evaluate(nbytes) for role, nbytes, _ in held if role is Role.WEIGHT)
+    held = Counter()  # bytes of the leaves this stage's ops read: by role, and of embedding tables
+    for role, used, table, table_state, sizes in index.leaves:
+        if not mine.isdisjoint(used):
+            size = sum(n * evaluate(nbytes) for nbytes, n in sizes)
+            held[role] += size
+            held["tables"] += size if table else 0
+            held["table states"] += size if table_state else 0
     # fp8 training: the weights' fp8 copies, cast once per step and kept until the next
-    weights += sum(evaluate(nbytes) for layer, nbytes in index.casts if own(layer))
-    states = sum(evaluate(nbytes) for role, nbytes, _ in held if role is Role.OPTIMIZER_STATE)
-    embedding = [sum(evaluate(nbytes) for _, nbytes, name in held if name in names)
-                 for names in (index.tables, index.table_states)]
+    weights = held[Role.WEIGHT] + sum(evaluate(nbytes) for layer, nbytes in index.casts if own(layer))
+    states, embedding = held[Role.OPTIMIZER_STATE], (held["tables"], held["table states"])
     grads = {g: nbytes for layer, g, nbytes in index.grads if own(layer)}
     gradients = sum(evaluate(nbytes) for nbytes in grads.values())
     # saved tensors per block: freed after the backward's B pass, or kept until its W pass
     by_layer: Counter = Counter()
     until_w: Counter = Counter()
-    for layer, nbytes, read_by_w in index.saved:
+    for layer, kept in index.saved.items():
         if own(layer):
-            size = evaluate(nbytes)
-            by_layer[layer] += size
-            if read_by_w:
-                until_w[layer] += size
+            for nbytes, n, read_by_w in kept:
+                size = evaluate(nbytes)
+                by_layer[layer] += n * size
+                if read_by_w:
+                    until_w[layer] += read_by_w * size
     if actions is None:
         activations = sum(by_layer.values())
     else:

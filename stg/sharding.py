@@ -106,7 +106,8 @@ class _Sharder:
 
     def shard_block(self, ops: list[Op], table: NameTable, body: tuple | None, made: frozenset) -> None:
         """Shard one block's ops (a run of one layer), or replay how a block with the same
-        signature was sharded, under its own names: the 126 blocks of a model cost one."""
+        signature was sharded, under its own names: of a model's repeated blocks, each distinct one
+        costs its ops, the others their names."""
         names, key = self.signature(table.copy(), body, made)
         template = self.templates.get(key) if key is not None else None
         if template is not None and self.replay(template, names, ops):
