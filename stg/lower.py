@@ -96,6 +96,16 @@ def _layers(sharded: ShardedGraph) -> frozenset[int]:
     return frozenset(op.layer for op in sharded.graph.ops)
 
 
+def _layer_runs(ops: list[Op]) -> list[list[Op]]:
+    """An action's ops as runs of one layer each."""
+    runs: list[list[Op]] = []
+    for op in ops:
+        if not runs or runs[-1][0].layer != op.layer:
+            runs.append([])
+        runs[-1].append(op)
+    return runs
+
+
 def _padded(logical: str) -> bool:
     """Dimensions split unevenly by design: expert buffers and stacked embedding rows are
     padded up per rank; a rank's share of routed ids is a mean (model_zoo/moe.py, dlrm.py)."""
@@ -335,26 +345,61 @@ class _ProgramBuilder:
         once its last gradient is done."""
         stage = virtual_stage(self.rank, action.chunk, self.pipeline.stages.pp)
         label = f"{action.microbatch}{action.kind.value}{action.chunk}"
+        self.receive(stage, action.microbatch, ops, where)
+        for op in ops:
+            self.run(op, units, label, where)
+            for bucket in self.flush_after.get(op.name, []) if final else ():
+                self.collective(self._bucket_name("S", bucket), bucket, where)
+        self.send_made(stage, action.microbatch, ops, where)
+
+    def receive(self, stage: int, microbatch: int, ops: list[Op], where: dict) -> None:
         read = {name for op in ops for name in op.inputs}
         for edge in self.pipeline.edges:
             if edge.target == stage and edge.tensor in read and edge.tensor not in where:
-                self.recv(edge, action.microbatch, where)
-        for op in ops:
-            unit = _unit(op, self.graph)
-            members = units.get(unit, ())
-            if unit is None:
-                self.op(op, label, where)
-            elif unit[0] is Role.WEIGHT and op is members[0]:
-                self.collective(self._bucket_name(label, members), members, where, [self.prefetch.get(op.phase)])
-                self.prefetch[op.phase] = self.last_compute
-            elif unit[0] is Role.GRADIENT and op is members[-1]:
-                self.collective(self._bucket_name(label, members), members, where)
-            for bucket in self.flush_after.get(op.name, []) if final else ():
-                self.collective(self._bucket_name("S", bucket), bucket, where)
+                self.recv(edge, microbatch, where)
+
+    def run(self, op: Op, units: dict[tuple, list[Op]], label: str, where: dict) -> None:
+        unit = _unit(op, self.graph)
+        members = units.get(unit, ())
+        if unit is None:
+            self.op(op, label, where)
+        elif unit[0] is Role.WEIGHT and op is members[0]:
+            self.collective(self._bucket_name(label, members), members, where, [self.prefetch.get(op.phase)])
+            self.prefetch[op.phase] = self.last_compute
+        elif unit[0] is Role.GRADIENT and op is members[-1]:
+            self.collective(self._bucket_name(label, members), members, where)
+
+    def send_made(self, stage: int, microbatch: int, ops: list[Op], where: dict) -> None:
         made = {name for op in ops for name in op.outputs}
         for edge in self.pipeline.edges:
             if edge.source == stage and edge.tensor in made:
-                self.send(edge, action.microbatch, where)
+                self.send(edge, microbatch, where)
+
+    def _tally_action(self, action: Action, ops: list[Op], units: dict, where: dict, final: bool) -> None:
+        """What `action` adds without nodes, from its layers' tallies -- kept per structure: a
+        layer's ops and units are the same on whichever stage the cut puts it, so a plan with
+        another pp binds them -- and its own receives, sends and gradient buckets."""
+        stage = virtual_stage(self.rank, action.chunk, self.pipeline.stages.pp)
+        self.receive(stage, action.microbatch, ops, where)
+        known = tallies(self.sharded)
+        for layer_ops in _layer_runs(ops):
+            key = ("layer", layer_ops[0].name, len(layer_ops))
+            if key not in known:
+                outer, scratch = (self.stats, self.holes, self.terms), {}
+                self.stats, self.holes, self.terms = ClassStats(), set(), Counter()
+                for op in layer_ops:
+                    self.run(op, units, "", scratch)
+                known[key] = ActionTally(self.terms, self.stats, frozenset(self.holes), tuple(scratch))
+                self.stats, self.holes, self.terms = outer
+            layer = known[key]
+            self.terms.update(layer.terms)
+            self.stats.add(layer.counts)  # its node and collective counts (flops come from the terms)
+            self.holes |= layer.holes
+            where.update(dict.fromkeys(layer.made))
+        for op in ops if final else ():
+            for bucket in self.flush_after.get(op.name, []):
+                self.collective(self._bucket_name("S", bucket), bucket, where)
+        self.send_made(stage, action.microbatch, ops, where)
 
     def buckets(self, ops: list[Op]) -> list[list[Op]]:
         """PyTorch DDP's bucketing: consecutive collectives of one kind, up to bucket_bytes."""
@@ -387,7 +432,7 @@ class _ProgramBuilder:
         if shared not in known:
             total, holes, before = self.stats, self.holes, set(here)
             self.stats, self.holes, self.terms = ClassStats(), set(), Counter()
-            self.action(action, ops, units, here, final=key[2])
+            self._tally_action(action, ops, units, here, final=key[2])
             known[shared] = ActionTally(self.terms, self.stats, frozenset(self.holes),
                                         tuple(t for t in here if t not in before))
             self.stats, self.holes, self.terms = total, holes | self.holes, None

@@ -78,3 +78,20 @@ def test_repeated_actions_lower_the_nodes_they_would_run(name, tmp_path, monkeyp
     assert [p.stats for p in programs] == [p.stats for p in fresh]
     if not name.startswith("dlrm"):  # one micro-batch per step: nothing repeats
         assert sum(repeated) >= 1
+
+
+def test_a_plan_with_another_pp_binds_the_layers_tallies():
+    """Without nodes an action's stats are its layers' tallies (kept per structure: a layer's
+    ops are the same on whichever stage holds it) plus its own receives, sends and buckets:
+    plans of one structure with pp 2, 4 and interleaved 4 x 2 equal their lowered nodes'
+    summaries, and the later plans derive no layer's tally again."""
+    from stg.repeats import tallies
+
+    model = {**LLAMA, "layers": 8}
+    layer_keys = []
+    for plan in (dict(pp=2, dp=2, zero=1), dict(pp=4, dp=2, zero=1), dict(pp=4, vpp=2, schedule="interleaved")):
+        plan = {"seq": 32, "global_batch": 8, **plan}
+        workload = build(model, plan, nodes=False)
+        assert workload.summary() == build(model, plan).summary(), plan
+        layer_keys.append({key for key in tallies(workload.sharded) if key[0] == "layer"})
+    assert layer_keys[0] and layer_keys[0] == layer_keys[1] == layer_keys[2]
