@@ -365,14 +365,11 @@ class Structure:
         return training_graph(forward, grad_dtype, OPTIMIZERS[self.optimizer]), ties
 
     def passes(self) -> ShardedGraph:
-        if _hashable(self):  # one training graph per model and options, one re-run of it per mode
-            train, ties = _cached(_TRAINING, self.key()[:5], self.training)
-            source = _cached(_RECOMPUTED, self.key()[:6],
-                             lambda: recompute(train, self.recompute, last_block=self.config.layers))
-        else:
-            train, ties = self.training()
-            source = recompute(train, self.recompute, last_block=self.config.layers)
-        sharded = shard(source, self.spec)
+        # one training graph per model and options, and one re-run of it per recompute mode
+        cached = _hashable(self)
+        train, ties = _cached(_TRAINING, self.key()[:5], self.training) if cached else self.training()
+        rerun = lambda: recompute(train, self.recompute, last_block=self.config.layers)  # noqa: E731
+        sharded = shard(_cached(_RECOMPUTED, self.key()[:6], rerun) if cached else rerun(), self.spec)
         return tie_gradients(sharded, ties, self.stages) if ties else sharded
 
     def key(self) -> tuple:

@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Callable
 
-from stg.blocks import NameTable, blocks, renamed_attrs, renaming
+from stg.blocks import NameTable, blocks, renamed_attrs, renaming, signature_of
 from stg.builder import GraphBuilder, broadcast_dims
 from stg.costs import Optimizer, Pointwise
 from stg.graph import DType, Graph, Op, OpKind, Phase, Role, Tensor
@@ -274,7 +274,7 @@ class _Backward:
             tensor = self.forward.tensors.get(name)
             parts = tuple((at(part), None if part not in self.layer_of else self.layer_of[part] - layer)
                           for part in self.contributions.get(name, ()))
-            state.append((None if tensor is None else tensor.signature, name in self.needs_grad, parts,
+            state.append((signature_of(tensor), name in self.needs_grad, parts,
                           at(self.cast_from[name]) if name in self.cast_from else None, self.fp8_weights.get(name),
                           name in self.updated, at(self.stored_grads[name]) if name in self.stored_grads else None,
                           self.optimizer.get(name)))

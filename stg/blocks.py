@@ -9,7 +9,7 @@ from __future__ import annotations
 from itertools import groupby
 from typing import Iterable, Iterator
 
-from stg.graph import Op
+from stg.graph import Op, Tensor
 
 
 def blocks(ops: Iterable[Op]) -> Iterator[list[Op]]:
@@ -44,6 +44,11 @@ class NameTable:
         signature)."""
         return tuple((k, tuple(map(self.at, v)) if k == "grad_of" else self.at(v) if k == "weight" else v)
                      for k, v in attrs.items())
+
+
+def signature_of(tensor: Tensor | None) -> tuple | None:
+    """A tensor in a signature: everything but its name (None: no such tensor yet)."""
+    return None if tensor is None else tensor.signature
 
 
 def renaming(template: list[str], names: list[str], made: Iterable[str],

@@ -496,7 +496,7 @@ app.command("explore")(_explore)
 
 def main() -> None:
     """The `stg` command. It ends without tearing the interpreter down: freeing a big plan's
-    objects one by one costs more than some commands (0.6 of 3.9 s for a llama3-405b count).
+    objects one by one costs more than some commands (0.3-0.6 s of a llama3-405b count).
     Everything it writes is closed by then and its worker pools are gone; the output streams
     are flushed here. (mypy's command ends the same way.) `app` itself exits normally, for
     callers inside Python."""

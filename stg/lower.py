@@ -34,6 +34,7 @@ from stg.errors import LayoutError
 from stg.graph import DType, Op, OpKind, Phase, Role
 from stg.mesh import axis_symbol
 from parallelism.pipeline import Edge, StagePlan
+from stg.blocks import blocks
 from stg.program import ClassStats, GroupHole, NodeType, RankHole, RankProgram, TraceNode
 from stg.repeats import ActionNodes, ActionTally, add_to, tallies
 from stg.schedule import Action, Kind, Schedule, one_f_one_b, virtual_stage
@@ -94,16 +95,6 @@ def _positions(sharded: ShardedGraph) -> dict[str, int]:
 @per_graph
 def _layers(sharded: ShardedGraph) -> frozenset[int]:
     return frozenset(op.layer for op in sharded.graph.ops)
-
-
-def _layer_runs(ops: list[Op]) -> list[list[Op]]:
-    """An action's ops as runs of one layer each."""
-    runs: list[list[Op]] = []
-    for op in ops:
-        if not runs or runs[-1][0].layer != op.layer:
-            runs.append([])
-        runs[-1].append(op)
-    return runs
 
 
 def _padded(logical: str) -> bool:
@@ -382,15 +373,15 @@ class _ProgramBuilder:
         stage = virtual_stage(self.rank, action.chunk, self.pipeline.stages.pp)
         self.receive(stage, action.microbatch, ops, where)
         known = tallies(self.sharded)
-        for layer_ops in _layer_runs(ops):
+        for layer_ops in blocks(ops):
             key = ("layer", layer_ops[0].name, len(layer_ops))
             if key not in known:
-                outer, scratch = (self.stats, self.holes, self.terms), {}
-                self.stats, self.holes, self.terms = ClassStats(), set(), Counter()
-                for op in layer_ops:
-                    self.run(op, units, "", scratch)
-                known[key] = ActionTally(self.terms, self.stats, frozenset(self.holes), tuple(scratch))
-                self.stats, self.holes, self.terms = outer
+                made: dict = {}
+
+                def run_layer(ops=layer_ops, made=made) -> None:
+                    for op in ops:
+                        self.run(op, units, "", made)
+                known[key] = self._tallied(run_layer, made)
             layer = known[key]
             self.terms.update(layer.terms)
             self.stats.add(layer.counts)  # its node and collective counts (flops come from the terms)
@@ -430,15 +421,20 @@ class _ProgramBuilder:
         known = tallies(self.sharded)
         shared = (self.pipeline.stages, self.pipeline.split_backward, self.rank, key, flushes)
         if shared not in known:
-            total, holes, before = self.stats, self.holes, set(here)
-            self.stats, self.holes, self.terms = ClassStats(), set(), Counter()
-            self._tally_action(action, ops, units, here, final=key[2])
-            known[shared] = ActionTally(self.terms, self.stats, frozenset(self.holes),
-                                        tuple(t for t in here if t not in before))
-            self.stats, self.holes, self.terms = total, holes | self.holes, None
+            known[shared] = self._tallied(lambda: self._tally_action(action, ops, units, here, key[2]), here)
         tally = known[shared]
         self.holes |= tally.holes
         return tally.bind(self.ev, self.comm_ev), tally.made
+
+    def _tallied(self, run, where: dict) -> ActionTally:
+        """What `run()` adds, recorded apart from the class's running stats: the terms, node
+        and collective counts, holes, and the tensors it adds to `where`."""
+        outer, before = (self.stats, self.holes, self.terms), set(where)
+        self.stats, self.holes, self.terms = ClassStats(), set(), Counter()
+        run()
+        tally = ActionTally(self.terms, self.stats, frozenset(self.holes), tuple(t for t in where if t not in before))
+        self.stats, self.holes, self.terms = outer
+        return tally
 
     def chain_roles(self) -> dict:
         """The roles before an action other than its micro-batch's tensors: the compute and

@@ -123,16 +123,17 @@ def memory(sharded: ShardedGraph, evaluate: Evaluator, stages=None, actions=None
     mine = layers if stages is None else {
         layer for layer in layers if stages.rank_and_chunk(stages.virtual_stage(layer))[0] == rank}
     own = mine.__contains__
-    held = Counter()  # bytes of the leaves this stage's ops read: by role, and of embedding tables
+    held: Counter = Counter()  # bytes of the leaves this stage's ops read, by role
+    embedding = [0, 0]  # of them, the embedding tables' and their optimizer states'
     for role, used, table, table_state, sizes in index.leaves:
         if not mine.isdisjoint(used):
             size = sum(n * evaluate(nbytes) for nbytes, n in sizes)
             held[role] += size
-            held["tables"] += size if table else 0
-            held["table states"] += size if table_state else 0
+            embedding[0] += size if table else 0
+            embedding[1] += size if table_state else 0
     # fp8 training: the weights' fp8 copies, cast once per step and kept until the next
     weights = held[Role.WEIGHT] + sum(evaluate(nbytes) for layer, nbytes in index.casts if own(layer))
-    states, embedding = held[Role.OPTIMIZER_STATE], (held["tables"], held["table states"])
+    states = held[Role.OPTIMIZER_STATE]
     grads = {g: nbytes for layer, g, nbytes in index.grads if own(layer)}
     gradients = sum(evaluate(nbytes) for nbytes in grads.values())
     # saved tensors per block: freed after the backward's B pass, or kept until its W pass

@@ -16,7 +16,7 @@ import functools
 from dataclasses import dataclass, field
 from typing import Mapping, Sequence
 
-from stg.blocks import NameTable, blocks, renaming
+from stg.blocks import NameTable, blocks, renaming, signature_of
 from stg.builder import GraphBuilder
 from stg.graph import Graph, Op, OpKind, Phase, Role, Tensor
 from stg.mesh import FLAT, REPLICATED, Layout, Placement, Shard
@@ -142,12 +142,12 @@ class _Sharder:
         at, state = table.at, []
         for name in table.names:  # grows as rebound copies and earlier copies are named
             if name in made:
-                state.append(_signature(self.src.tensors.get(name)))
+                state.append(signature_of(self.src.tensors.get(name)))
                 continue
             rebound = self.rebound.get(name)
             copies = tuple((layout, group, at(self.memo[(name, layout, group)]))
                            for layout, group in self.copies.get(name, ()))
-            state.append((_signature(self.global_tensors.get(name)), self.layouts.get(name),
+            state.append((signature_of(self.global_tensors.get(name)), self.layouts.get(name),
                           None if rebound is None else at(rebound), copies))
         if body is None:
             return table.names, None
@@ -279,10 +279,6 @@ class _Template:
 def _shaped(tensor: Tensor, name: str, shape: tuple) -> Tensor:
     """`tensor` under `name` with `shape` (dataclasses.replace costs ten times as much)."""
     return Tensor(name, shape, tensor.dims, tensor.dtype, tensor.role, tensor.transient)
-
-
-def _signature(tensor: Tensor | None) -> tuple | None:
-    return None if tensor is None else tensor.signature
 
 
 def _phase_group(phase: Phase) -> str:
