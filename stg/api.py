@@ -214,11 +214,12 @@ class MemoryLimitError(PlanError):
 
 
 def build(model: Model | str | Path | Mapping, plan: Plan | Mapping, *, memory_limit: int | None = None,
-          nodes: bool = True) -> Workload:
+          nodes: bool = True, timing: bool = False) -> Workload:
     """Every pass from the model description to the rank-class programs; with `memory_limit`
     (bytes per rank), MemoryLimitError before lowering when a rank class's peak exceeds it.
     `nodes=False` lowers the programs' stats and holes without their nodes: the summary
-    without what only writing needs (stg.evaluate)."""
+    without what only writing needs (stg.evaluate); `timing=True` lowers, instead of their
+    nodes, the compact form the timed replay reads (what stg explore times)."""
     model = model if isinstance(model, Model) else load_model(model)
     plan = plan if isinstance(plan, Plan) else Plan.from_dict(plan)
     model = _in_dtype(model, plan)
@@ -271,7 +272,8 @@ def build(model: Model | str | Path | Mapping, plan: Plan | Mapping, *, memory_l
         raise MemoryLimitError(f"memory: peak {peak / 2**30:.1f} GiB per rank over the {memory_limit / 2**30:.1f} "
                                "GiB usable", peak)
     programs = [lower(sharded, evaluate, device_spec(plan.device), pipeline=pipeline,
-                      bucket_bytes=int(plan.bucket_mb * 2**20), rank=rank, comm_evaluate=shared, keep_nodes=nodes)
+                      bucket_bytes=int(plan.bucket_mb * 2**20), rank=rank, comm_evaluate=shared, keep_nodes=nodes,
+                      timing=timing)
                 for rank in range(plan.pp) for evaluate in evaluators]
     return Workload(model, plan, mesh, sharded, tuple(programs), tuple(memories), bindings, variant_axes,
                     variant_map, embeddings, stages)

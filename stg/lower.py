@@ -35,7 +35,7 @@ from stg.graph import DType, Op, OpKind, Phase, Role
 from stg.mesh import axis_symbol
 from parallelism.pipeline import Edge, StagePlan
 from stg.blocks import blocks
-from stg.program import ClassStats, GroupHole, NodeType, RankHole, RankProgram, TraceNode
+from stg.program import ClassStats, GroupHole, NodeType, RankHole, RankProgram, ReplayNodes, TraceNode
 from stg.repeats import ActionNodes, ActionTally, add_to, tallies
 from stg.schedule import Action, Kind, Schedule, one_f_one_b, virtual_stage
 from stg.sharding import ShardedGraph, per_graph
@@ -159,7 +159,8 @@ class _ProgramBuilder:
     action's stats again instead of running its ops."""
 
     def __init__(self, sharded: ShardedGraph, evaluate: Evaluator, device: DeviceSpec, bucket_bytes: int,
-                 pipeline: Pipeline, rank: int, comm_evaluate: Evaluator | None = None, keep_nodes: bool = True):
+                 pipeline: Pipeline, rank: int, comm_evaluate: Evaluator | None = None, keep_nodes: bool = True,
+                 timing: bool = False):
         self.sharded = sharded
         self.graph = sharded.graph
         self.ev = evaluate
@@ -185,6 +186,13 @@ class _ProgramBuilder:
         self.comm_ids: set[int] = set()  # nodes that are not COMP
         self.exact: dict[int, float] = {}  # a COMP node -> its duration before rounding
         self.node_repeats: dict[tuple, ActionNodes | None] = {}  # with nodes: per action key
+        # timing: the program as the timed replay reads it; a repeated action adds its merged
+        # nodes there and None to self.nodes (its ids are taken, no node is made)
+        self.timing = timing
+        self.replay = ReplayNodes([], [], [], [], [], {})
+        self.head_of: dict[int, int] = {}  # the last node of a merged run -> its first
+        self.read_later: dict[tuple, frozenset[str]] = {}  # per (virtual stage, kind), last: _read_later
+        self.microbatches = max((a.microbatch for a in pipeline.schedule[rank]), default=0) + 1
 
     def _add(self, **kwargs) -> int:
         node = TraceNode(id=len(self.nodes), **kwargs)
@@ -448,6 +456,9 @@ class _ProgramBuilder:
         nodes, numbered on, under its micro-batch's names and tags, each dependency on what came
         before found by its role (a chain's last node, a tensor's producer), durations rounded
         on the running carry. An action whose roles do not resolve as that one's runs."""
+        last = action.microbatch == self.microbatches - 1
+        if self.timing and self._read_later(key[:2], ops, True) != self._read_later(key[:2], ops, False):
+            key += (last,)  # what the step reads of the last micro-batch ends runs: see _read_later
         repeat = self.node_repeats.get(key)
         if repeat is not None and repeat.replay(self, action.microbatch, here):
             return
@@ -457,7 +468,65 @@ class _ProgramBuilder:
         delta, self.stats = self.stats, total
         total.add(delta)
         # the latest run is the one to repeat: the first ran with empty chains, later ones do not
-        self.node_repeats[key] = ActionNodes.record(self, action.microbatch, start, chains, known, here, delta)
+        self.node_repeats[key] = ActionNodes.record(self, action.microbatch, start, chains, known, here, delta,
+                                                    self._read_later(key[:2], ops, last))
+        if self.timing:
+            recorded = self.node_repeats[key]
+            self._add_to_replay(start, recorded.compact.head if recorded else range(len(self.nodes) - start))
+
+    def _read_later(self, run: tuple, ops: list[Op], last: bool) -> frozenset[str]:
+        """The tensors `ops` (the run of one virtual stage and action kind) make that collectives
+        of later actions read, directly or through views, and those of the step if `last` (the
+        step reads the last micro-batch's): the only later nodes that depend on their producers
+        (a COMP node follows the compute chain and its comm inputs; a send goes out in the
+        action that made its tensor)."""
+        if (run, last) not in self.read_later:
+            names, consumers = {op.name for op in ops}, self.graph.consumers
+
+            def read(tensor: str) -> bool:
+                return any(user.kind is OpKind.COLLECTIVE and user.name not in names
+                           and (last or user.phase is not Phase.STEP)
+                           or user.kind in (OpKind.SLICE, OpKind.CONSTRAIN) and read(user.outputs[0])
+                           for user in consumers.get(tensor, ()))
+            self.read_later[(run, last)] = frozenset(t for op in ops for t in op.outputs if read(t))
+        return self.read_later[(run, last)]
+
+    def _add_to_replay(self, start: int, head) -> None:
+        """The nodes made from `start` on, as the timed replay reads them: `head[n]` is the
+        first node (an offset) of the run of COMP nodes that node `start + n` joins."""
+        made, head_of, out = self.nodes[start:], self.head_of, self.replay
+        durations = {}
+        for n, node in enumerate(made):
+            if node.type is NodeType.COMP_NODE:
+                durations[head[n]] = durations.get(head[n], 0) + node.duration_us
+            if head[n] != n:
+                head_of[start + n] = start + head[n]
+        for n, node in enumerate(made):
+            if head[n] != n:
+                continue
+            deps = sorted({start + head[d - start] if d >= start else head_of.get(d, d) for d in node.deps})
+            if node.type is not NodeType.COMP_NODE:
+                out.comm[len(out.ids)] = node.comm_key
+            out.ids.append(start + n)
+            out.types.append(int(node.type))
+            out.n_deps.append(len(deps))
+            out.deps.extend(deps)
+            out.durations.append(durations.get(n, 0))
+            self.holes.update(node.holes)
+
+    def _runs_to_the_end(self, start: int) -> list[int]:
+        """Per node from `start` on, the first node of its run of COMP nodes, when nothing runs
+        after them (the step): a COMP node joins the run of its one dependency, a COMP node that
+        nothing else depends on."""
+        made = self.nodes[start:]
+        readers = Counter(d for node in made for d in node.deps)
+        head: list[int] = []
+        for n, node in enumerate(made):
+            d = node.deps[0] if len(node.deps) == 1 else -1
+            joins = (node.type is NodeType.COMP_NODE and d >= start and made[d - start].type is NodeType.COMP_NODE
+                     and readers[d] == 1)
+            head.append(head[d - start] if joins else n)
+        return head
 
     def plan_gradient_buckets(self, step: list[Op], runs: dict) -> None:
         """The step's reductions of gradients the micro-batches make go out in buckets as the
@@ -524,19 +593,27 @@ class _ProgramBuilder:
         final: dict[str, int] = {}
         for microbatch in sorted(where):
             final.update(where[microbatch])
+        start = len(self.nodes)
         self.step(step, final)
+        if self.timing:
+            self._add_to_replay(start, self._runs_to_the_end(start))
         return self.nodes
 
 
 def lower(sharded: ShardedGraph, evaluate: Evaluator, device: DeviceSpec, *, pipeline: Pipeline,
           bucket_bytes: int, rank: int = 0, comm_evaluate: Evaluator | None = None,
-          keep_nodes: bool = True) -> RankProgram:
+          keep_nodes: bool = True, timing: bool = False) -> RankProgram:
     """The program of pipeline stage `rank`'s class: its schedule's actions, then the step.
     `comm_evaluate` sizes collectives and sends (default `evaluate`): the values that all
     ranks of a group share, where a class's own work differs (its embedding tables).
-    `keep_nodes=False`: the same stats and holes without the node list (stg.evaluate)."""
-    builder = _ProgramBuilder(sharded, evaluate, device, bucket_bytes, pipeline, rank, comm_evaluate, keep_nodes)
+    `keep_nodes=False`: the same stats and holes without the node list (stg.evaluate);
+    `timing=True`: the same stats and holes and, instead of the nodes, the compact form that the
+    timed replay reads (ReplayNodes: what stg explore times)."""
+    builder = _ProgramBuilder(sharded, evaluate, device, bucket_bytes, pipeline, rank, comm_evaluate,
+                              keep_nodes or timing, timing)
     nodes = builder.build()
+    if timing:
+        return RankProgram((rank,), (), builder.stats, counted_holes=frozenset(builder.holes), replay=builder.replay)
     if keep_nodes:
         return RankProgram((rank,), tuple(nodes), builder.stats)
     return RankProgram((rank,), (), builder.stats, counted_holes=frozenset(builder.holes))

@@ -70,6 +70,16 @@ class TraceNode:
     def holes(self) -> tuple[Hole, ...]:
         return tuple(h for h in (self.group, self.src, self.dst) if h is not None)
 
+    @property
+    def comm_key(self) -> tuple | None:
+        """What the replay matches it by, holes for ranks: (group, collective type, bytes) of a
+        collective, (src, dst, tag, bytes) of a send or receive; None for compute."""
+        if self.type is NodeType.COMP_NODE:
+            return None
+        if self.type is NodeType.COMM_COLL_NODE:
+            return self.group, self.collective.value, self.comm_bytes
+        return self.src, self.dst, self.tag, self.comm_bytes
+
 
 @dataclass
 class ClassStats:
@@ -110,11 +120,29 @@ class ClassStats:
 
 
 @dataclass(frozen=True)
+class ReplayNodes:
+    """A program as the timed replay reads it (stg/slice_check.py): each run of COMP nodes that
+    nothing else touches merged into its first, which lasts the run's sum; every start, finish
+    and wait of the replay is that of the whole node list. Per kept node, in id order: its id,
+    type, dependencies (kept nodes' ids, `n_deps` of them each, flattened) and duration; `comm`
+    by position: (GroupHole, collective type, bytes) of a collective, (src, dst, tag, bytes) of
+    a send or receive, holes standing for the ranks."""
+
+    ids: list[int]
+    types: list[int]
+    n_deps: list[int]
+    deps: list[int]
+    durations: list[float]
+    comm: dict[int, tuple]
+
+
+@dataclass(frozen=True)
 class RankProgram:
     key: tuple
     nodes: tuple[TraceNode, ...]
     stats: ClassStats
     counted_holes: frozenset | None = None  # a program lowered without its nodes: their holes
+    replay: ReplayNodes | None = None  # lowered for the timed replay only: its compact nodes
 
     @cached_property
     def holes(self) -> list[Hole]:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass
+from functools import cached_property
 from itertools import islice
 from typing import TYPE_CHECKING
 
@@ -68,13 +69,15 @@ class ActionNodes:
     exit: dict  # prefetch and tensor roles the action set -> an offset or roles
     stats: ClassStats
     edges: int
+    read_later: frozenset[int]  # offsets of nodes whose tensors later actions or the step may read
 
     @classmethod
     def record(cls, builder: "_ProgramBuilder", microbatch: int, start: int, chains: dict, known: int, here: dict,
-               stats: ClassStats) -> "ActionNodes | None":
+               stats: ClassStats, read_later: frozenset[str]) -> "ActionNodes | None":
         """The nodes from `start` on, as the action that just made them (`chains`: the chain
         roles before it; the first `known` of its micro-batch's tensors were made before it,
-        the rest by it: a tensor is made once) repeats them; None if it cannot."""
+        the rest by it: a tensor is made once; `read_later`: those of its tensors that ops
+        after it read) repeats them; None if it cannot."""
         outside = {d for node in builder.nodes[start:] for d in node.deps if d < start}
         roles_of: dict[int, set] = {}
         found = [(role, node) for role, node in chains.items() if node in outside]
@@ -104,25 +107,48 @@ class ActionNodes:
         exit.update((("tensor", t), ref(node)) for t, node in islice(here.items(), known, None))
         if any(v is None for v in exit.values()):
             return None
+        later = frozenset(exit[("tensor", t)] for t in read_later if type(exit.get(("tensor", t))) is int)
         return cls(microbatch, tuple(nodes), frozenset(r for r, v in chains.items() if v is not None), exit,
-                   stats, len(builder.pipeline.edges))
+                   stats, len(builder.pipeline.edges), later)
 
-    def replay(self, builder: "_ProgramBuilder", microbatch: int, here: dict) -> bool:
+    @cached_property
+    def _roles(self) -> frozenset:
+        """Every set of roles a dependency or an exit refers to."""
+        refs = {d for entry in self.nodes if not entry[5] for d in entry[4] if type(d) is frozenset}
+        return frozenset(refs | {r for r in self.exit.values() if type(r) is frozenset})
+
+    def _resolve(self, builder: "_ProgramBuilder", here: dict) -> dict | None:
+        """Each set of roles -> the node that plays them all now; None if the chains set differ
+        from the recorded run's or a set does not name one node."""
         chains = builder.chain_roles()
         if frozenset(r for r, v in chains.items() if v is not None) != self.present:
-            return False
+            return None
         resolved = {}
-        for _, _, _, _, deps, inside, _ in self.nodes:
-            for d in () if inside else deps:
-                if type(d) is frozenset and d not in resolved:
-                    found = {here.get(r[1]) if r[0] == "tensor" else chains.get(r) for r in d}
-                    resolved[d] = found.pop() if len(found) == 1 else None
-        for ref in self.exit.values():
-            if type(ref) is frozenset and ref not in resolved:
-                found = {here.get(r[1]) if r[0] == "tensor" else chains.get(r) for r in ref}
-                resolved[ref] = found.pop() if len(found) == 1 else None
-        if None in resolved.values():
+        for roles in self._roles:
+            found = {here.get(r[1]) if r[0] == "tensor" else chains.get(r) for r in roles}
+            if len(found) != 1:
+                return None
+            resolved[roles] = found.pop()
+        return None if None in resolved.values() else resolved
+
+    def replay(self, builder: "_ProgramBuilder", microbatch: int, here: dict) -> bool:
+        resolved = self._resolve(builder, here)
+        if resolved is None:
             return False
+        if builder.timing:
+            self._replay_compact(builder, microbatch, resolved)
+        else:
+            self._replay_nodes(builder, microbatch, resolved)
+        for role, ref in self.exit.items():
+            node = len(builder.nodes) - len(self.nodes) + ref if type(ref) is int else resolved[ref]
+            if role[0] == "prefetch":
+                builder.prefetch[role[1]] = node
+            else:
+                here[role[1]] = node
+        builder.stats.add(self.stats)
+        return True
+
+    def _replay_nodes(self, builder: "_ProgramBuilder", microbatch: int, resolved: dict) -> None:
         start, name, shift = len(builder.nodes), str(microbatch), (microbatch - self.microbatch) * self.edges
         nodes, comm_ids, carry = builder.nodes, builder.comm_ids, builder.carry
         last_compute, last_comm = builder.last_compute, builder.last_comm
@@ -152,11 +178,106 @@ class ActionNodes:
             setattr_(copy, "__dict__", fields)
             nodes.append(copy)
         builder.carry, builder.last_compute, builder.last_comm = carry, last_compute, last_comm
-        for role, ref in self.exit.items():
-            node = start + ref if type(ref) is int else resolved[ref]
-            if role[0] == "prefetch":
-                builder.prefetch[role[1]] = node
+
+    @cached_property
+    def compact(self) -> "_Compact":
+        return _Compact.of(self)
+
+    def _replay_compact(self, builder: "_ProgramBuilder", microbatch: int, resolved: dict) -> None:
+        """The action's nodes as the timed replay reads them, appended to builder.replay; its
+        node ids are taken (builder.nodes holds None for them) but no node is made."""
+        c, head_of, out = self.compact, builder.head_of, builder.replay
+        start, shift = len(builder.nodes), (microbatch - self.microbatch) * self.edges
+        builder.nodes.extend([None] * len(self.nodes))
+        sums, carry = [0] * len(c.kept), builder.carry
+        for exact, k in zip(c.exacts, c.runs):  # lowering's rounding (_ProgramBuilder._rounded)
+            exact += carry
+            duration = round(exact) if exact > 0 else 0
+            carry = exact - duration
+            sums[k] += duration
+        outside = {roles: head_of.get(node, node) for roles, node in resolved.items()}
+        outside[_CHAIN] = head_of.get(builder.last_compute, builder.last_compute)
+        position = len(out.ids)
+        for k, offset in enumerate(c.kept):
+            deps = sorted({start + d if type(d) is int else outside[d] for d in c.deps[k]})
+            out.ids.append(start + offset)
+            out.types.append(c.types[k])
+            out.n_deps.append(len(deps))
+            out.deps.extend(deps)
+            out.durations.append(sums[k])
+            template = c.comm[k]
+            if template is not None:
+                out.comm[position + k] = template if len(template) == 3 else \
+                    (template[0], template[1], template[2] + shift, template[3])
+        builder.carry = carry
+        builder.comm_ids.update([start + offset for offset in c.comm_offsets])
+        head_of.update((start + tail, start + first) for tail, first in c.tails)
+        if c.last_compute is not None:
+            builder.last_compute = start + c.last_compute
+        if c.last_comm is not None:
+            builder.last_comm = start + c.last_comm
+        builder.holes |= c.holes
+
+
+_CHAIN = frozenset({("chain", "compute")})  # a COMP node's first dependency: what ran last
+
+
+@dataclass(frozen=True)
+class _Compact:
+    """A repeated action's nodes merged for the timed replay as stg/slice_check.py merges a
+    program's: a COMP node whose one dependency is the COMP node before it, which nothing
+    else reads, joins that node's run. A node that later actions may read (an exit, the
+    chains' last nodes, the prefetch point) ends its run. Dependencies are offsets of kept nodes or role sets."""
+
+    kept: tuple[int, ...]  # offsets of each run's first node (and of every other node)
+    head: tuple[int, ...]  # per offset: its run's first node
+    types: tuple[int, ...]  # per kept node
+    deps: tuple[tuple, ...]  # per kept node: kept offsets and role sets (_CHAIN: the compute chain)
+    comm: tuple  # per kept node: None, (group, type, bytes), or (src, dst, tag, bytes)
+    exacts: tuple[float, ...]  # per COMP node in order: its unrounded duration
+    runs: tuple[int, ...]  # per COMP node: the index in `kept` of its run
+    tails: tuple[tuple[int, int], ...]  # (last node, first node) of each run of several
+    comm_offsets: tuple[int, ...]
+    last_compute: int | None
+    last_comm: int | None
+    holes: frozenset
+
+    @classmethod
+    def of(cls, action: ActionNodes) -> "_Compact":
+        entries = action.nodes
+        last_compute = max((n for n, e in enumerate(entries) if e[1] is _COMP), default=None)
+        last_comm = max((n for n, e in enumerate(entries) if e[1] is not _COMP and e[1] is not _RECV), default=None)
+        prefetch = {r for role, r in action.exit.items() if role[0] == "prefetch" and type(r) is int}
+        kept_by = action.read_later | prefetch | {last_compute, last_comm}
+        readers = Counter(d for e in entries for d in e[4] if type(d) is int)
+        previous, chain_of = None, {}
+        for n, e in enumerate(entries):
+            if e[1] is _COMP:
+                if e[3] and previous is not None:
+                    readers[previous] += 1
+                    chain_of[n] = previous
+                previous = n
+        head, index, kept, types, deps, comm, exacts, runs, holes = {}, {}, [], [], [], [], [], [], set()
+        for n, (node, kind, _, chained, node_deps, _, exact) in enumerate(entries):
+            d = chain_of.get(n)
+            if kind is _COMP and d is not None and not node_deps and readers[d] == 1 and d not in kept_by:
+                head[n] = head[d]
             else:
-                here[role[1]] = node
-        builder.stats.add(self.stats)
-        return True
+                head[n], index[n] = n, len(kept)
+                kept.append(n)
+                types.append(int(kind))
+                first = (() if not chained else (d,) if d is not None else (_CHAIN,))
+                deps.append(tuple({head[x] if type(x) is int else x for x in first + node_deps}))
+                comm.append(node.comm_key)
+                holes.update(node.holes)
+            if kind is _COMP:
+                exacts.append(exact)
+                runs.append(index[head[n]])
+        tails = {}
+        for n, first in head.items():
+            if first != n:
+                tails[first] = n
+        return cls(tuple(kept), tuple(head[n] for n in range(len(entries))), tuple(types), tuple(deps), tuple(comm), tuple(exacts), tuple(runs),
+                   tuple((tail, first) for first, tail in tails.items()),
+                   tuple(n for n, e in enumerate(entries) if e[1] is not _COMP), last_compute, last_comm,
+                   frozenset(holes))

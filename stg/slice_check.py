@@ -18,14 +18,13 @@ from __future__ import annotations
 
 import re
 from array import array
-from dataclasses import dataclass
 
 from stg.chakra.load import build_graph
 from stg.chakra.rank_graph import Problem, RankGraph
 from stg.chakra.replay import Replay
 from stg.chakra.validate import unread_problems
 from stg.errors import StgError
-from stg.program import GroupHole, NodeType, RankProgram
+from stg.program import GroupHole, NodeType, RankProgram, ReplayNodes
 from stg.sharding import per_graph
 
 
@@ -34,21 +33,15 @@ class SliceCheckError(StgError):
     the set would give a simulator a trace that hangs or runs too fast."""
 
 
-@dataclass(frozen=True)
-class _Chains:
-    """A program for the replay with each run of COMP nodes that nothing else touches merged
-    into its first: where COMP nodes form one chain (lowering's single compute stream), a COMP
-    node whose only dependency is a COMP node with no other dependent starts the moment that
-    one ends, so the run is one node lasting their sum, and every start, finish and wait of
-    the replay is unchanged."""
-
-    nodes: tuple  # the kept nodes (each run's first), in program order
-    deps: tuple[tuple[int, ...], ...]  # their dependencies, runs' last nodes read as their first
-    durations: tuple[float, ...]  # their durations, a run's summed
-
-
 @per_graph(limit=64)  # a slice holds a program per stage
-def _chains(program: RankProgram) -> _Chains:
+def _chains(program: RankProgram) -> ReplayNodes:
+    """The program as the replay reads it: each run of COMP nodes that nothing else touches
+    merged into its first. Where COMP nodes form one chain (lowering's single compute stream),
+    a COMP node whose only dependency is a COMP node with no other dependent starts the moment
+    that one ends, so the run is one node lasting their sum, and every start, finish and wait
+    of the replay is unchanged. A program lowered for timing only carries its own."""
+    if program.replay is not None:
+        return program.replay
     nodes = program.nodes
     dependents = [0] * len(nodes)
     previous, one_stream = None, True  # do COMP nodes form one chain (so only a run's next can start)?
@@ -69,26 +62,23 @@ def _chains(program: RankProgram) -> _Chains:
         else:
             kept.append(node)
             durations[node.id] = node.duration_us
-    return _Chains(tuple(kept), tuple(tuple(sorted({head[d] for d in n.deps})) for n in kept),
-                   tuple(durations[n.id] for n in kept))
+    deps = [sorted({head[d] for d in n.deps}) for n in kept]
+    return ReplayNodes([n.id for n in kept], [int(n.type) for n in kept], [len(d) for d in deps],
+                       [d for ds in deps for d in ds], [durations[n.id] for n in kept],
+                       {p: n.comm_key for p, n in enumerate(kept) if n.type is not NodeType.COMP_NODE})
 
 
 def _graph(index: int, rank: int, program: RankProgram, index_of: dict[int, int], workload) -> RankGraph:
     """Rank `rank`'s program as the replay's compact graph (runs of COMP nodes merged, see
-    _Chains), ranks renumbered by `index_of`."""
+    _chains), ranks renumbered by `index_of`."""
     # a hole's value once per rank, not per node (a big program has tens of thousands of nodes)
     value = {hole: workload.group_ids.id(rank, hole) if isinstance(hole, GroupHole)
              else index_of.get(workload.peer(rank, hole)) for hole in program.holes}
     chains = _chains(program)
-    comm = {}  # by position in the node list
-    for position, node in enumerate(chains.nodes):
-        if node.type is NodeType.COMM_COLL_NODE:
-            comm[position] = (value[node.group], node.collective.value, node.comm_bytes)
-        elif node.type in (NodeType.COMM_SEND_NODE, NodeType.COMM_RECV_NODE):
-            comm[position] = (value[node.src], value[node.dst], node.tag, node.comm_bytes)
+    comm = {p: (value[k[0]], k[1], k[2]) if len(k) == 3 else (value[k[0]], value[k[1]], k[2], k[3])
+            for p, k in chains.comm.items()}
     problems: list[Problem] = []
-    graph, _ = build_graph(index, [n.id for n in chains.nodes], [int(n.type) for n in chains.nodes],
-                           [len(d) for d in chains.deps], [d for deps in chains.deps for d in deps], comm, problems)
+    graph, _ = build_graph(index, chains.ids, chains.types, chains.n_deps, chains.deps, comm, problems)
     assert not problems, problems  # lowering numbers nodes 0..n-1, each depending on earlier ones
     return graph
 

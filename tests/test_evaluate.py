@@ -5,7 +5,7 @@ import json
 import pytest
 
 from stg import Plan, evaluate
-from test_digests import PLANS, LLAMA, model_of
+from test_digests import GPT, PLANS, LLAMA, model_of
 from stg.api import build, generate
 
 
@@ -95,3 +95,35 @@ def test_a_plan_with_another_pp_binds_the_layers_tallies():
         assert workload.summary() == build(model, plan).summary(), plan
         layer_keys.append({key for key in tallies(workload.sharded) if key[0] == "layer"})
     assert layer_keys[0] and layer_keys[0] == layer_keys[1] == layer_keys[2]
+
+
+@pytest.mark.parametrize("name", sorted(PLANS) + ["gpt-tied-pp-dp1"])
+def test_a_plan_lowered_for_timing_replays_as_its_nodes(name, tmp_path):
+    """stg explore times a plan from programs lowered for the replay only (build(timing=True):
+    a repeated action adds its merged replay nodes, no trace node is made). For every strategy
+    of the digest matrix with 6 micro-batches per stage, the slice replay of those programs
+    times every stage as the replay of the lowered nodes does, under free communication
+    (whole microseconds: equal) and on a network, and the programs' stats and holes are the
+    same. Without dp the step reads the last micro-batch's tied-embedding gradient itself
+    (gpt-tied-pp-dp1): its producer must stay a node of its own in that action."""
+    from stg.explore.cost import slice_timings
+    from stg.explore.network import load_network
+
+    if name == "gpt-tied-pp-dp1":
+        model, plan = GPT, dict(pp=2, global_batch=1)
+    else:
+        model, plan = model_of(name, tmp_path), PLANS[name][1]
+    if "micro_batch" not in plan:
+        plan = {**plan, "global_batch": plan.get("global_batch", 1) * 6}
+    plan = {"seq": 32, **plan}
+    nodes, timing = build(model, plan), build(model, plan, nodes=False, timing=True)
+    assert [p.stats for p in timing.programs] == [p.stats for p in nodes.programs]
+    assert [p.holes for p in timing.programs] == [p.holes for p in nodes.programs]
+    assert all(p.replay.ids and not p.nodes for p in timing.programs)
+    network = load_network("dgx-h100-superpod")
+    for variant in range(nodes.variants):
+        (free, costed), (free_t, costed_t) = slice_timings(nodes, network, variant), slice_timings(timing, network, variant)
+        assert free_t == free
+        assert costed_t.makespan_us == pytest.approx(costed.makespan_us, rel=1e-12)
+        assert costed_t.finish_us == pytest.approx(costed.finish_us, rel=1e-12)
+        assert costed_t.busy_us == costed.busy_us
