@@ -104,10 +104,13 @@ def test_a_plan_lowered_for_timing_replays_as_its_nodes(name, tmp_path):
     of the digest matrix with 6 micro-batches per stage, the slice replay of those programs
     times every stage as the replay of the lowered nodes does, under free communication
     (whole microseconds: equal) and on a network, and the programs' stats and holes are the
-    same. Without dp the step reads the last micro-batch's tied-embedding gradient itself
+    same; the compiled replay (stg/chakra/replay_kernel.py) gives TimedReplay's numbers. Without dp the step reads the last micro-batch's tied-embedding gradient itself
     (gpt-tied-pp-dp1): its producer must stay a node of its own in that action."""
-    from stg.explore.cost import slice_timings
+    from stg.chakra.replay import CommCost, TimedReplay
+    from stg.chakra.replay_kernel import CompiledReplay
+    from stg.explore.cost import real_groups, slice_timings
     from stg.explore.network import load_network
+    from stg.slice_check import rank_graphs, replay_durations, slice_ranks
 
     if name == "gpt-tied-pp-dp1":
         model, plan = GPT, dict(pp=2, global_batch=1)
@@ -122,6 +125,13 @@ def test_a_plan_lowered_for_timing_replays_as_its_nodes(name, tmp_path):
     assert all(p.replay.ids and not p.nodes for p in timing.programs)
     network = load_network("dgx-h100-superpod")
     for variant in range(nodes.variants):
+        ranks = slice_ranks(timing, variant)
+        graphs, members = rank_graphs(timing, ranks)
+        durations = [replay_durations(timing.programs[timing.class_of(rank)]) for rank in ranks]
+        for cost in (CommCost(), network.bind(real_groups(timing, ranks), ranks, timing.mesh.size)):
+            # the compiled loop explore runs is TimedReplay's, to the last bit
+            assert CompiledReplay(graphs, members, durations).run(cost) == \
+                TimedReplay(graphs, members, durations, cost).run()
         (free, costed), (free_t, costed_t) = slice_timings(nodes, network, variant), slice_timings(timing, network, variant)
         assert free_t == free
         assert costed_t.makespan_us == pytest.approx(costed.makespan_us, rel=1e-12)

@@ -1,8 +1,9 @@
 """The step time of a plan: stg's timed replay of one pipeline slice, costed by a network.
 
 No second formula: the rank-class programs that `stg generate` would write are replayed by
-TimedReplay (stg/chakra/replay.py), one rank per pipeline stage (stg/slice_check.py), COMP
-nodes taking their duration from the device roofline that lowering already put on them,
+TimedReplay (stg/chakra/replay.py, its loop compiled: stg/chakra/replay_kernel.py), one rank per
+pipeline stage (stg/slice_check.py), COMP nodes taking their duration from the device roofline
+that lowering already put on them,
 collectives and sends their time on the network (stg/explore/network.py). A collective over
 tp, dp, cp or ep joins copies of this slice that run the same programs at the same times, so it
 starts when this slice's member joins and costs what its real group (its size, the tiers it
@@ -18,6 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from stg.chakra.replay import CommCost, TimedReplay
+from stg.chakra.replay_kernel import CompiledReplay
 from stg.device import device_spec
 from stg.explore.network import Network
 from stg.program import GroupHole
@@ -64,9 +66,10 @@ def slice_timings(workload, network: Network, variant: int = 0):
     ranks = slice_ranks(workload, variant)
     graphs, members = rank_graphs(workload, ranks)  # read-only to the replay: built once, run twice
     durations = [replay_durations(workload.programs[workload.class_of(rank)]) for rank in ranks]
-    free = TimedReplay(graphs, members, durations, CommCost()).run()
-    costed = TimedReplay(graphs, members, durations, network.bind(real_groups(workload, ranks), ranks, workload.mesh.size)).run()
-    return free, costed
+    compiled = CompiledReplay(graphs, members, durations)
+    costs = CommCost(), network.bind(real_groups(workload, ranks), ranks, workload.mesh.size)
+    # TimedReplay's numbers, compiled; TimedReplay itself says why a run that hangs hangs
+    return tuple(compiled.run(cost) or TimedReplay(graphs, members, durations, cost).run() for cost in costs)
 
 
 def peak_tflops(plan, model) -> float:

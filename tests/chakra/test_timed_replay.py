@@ -184,3 +184,23 @@ def test_parallel_load_gives_the_same_timing(tmp_path, monkeypatch):
     monkeypatch.setattr(load_module, "PARALLEL_LOAD_BYTES", 0)
     monkeypatch.setattr(load_module, "_cpu_count", lambda: 2)
     assert timed_replay(out, comm="alpha-beta") == sequential
+
+
+def test_the_compiled_loop_gives_the_replays_numbers_and_none_when_it_hangs(tmp_path):
+    """timed_replay runs TimedReplay's loop compiled (stg/chakra/replay_kernel.py) unless it
+    records nodes: on a 1F1B set under alpha-beta both give the same floats; on a set that
+    hangs the compiled run returns None (TimedReplay then says why)."""
+    from stg.chakra.replay import CommCost, CommModel, TimedReplay
+    from stg.chakra.validate import _load_and_check
+    from stg.chakra.replay_kernel import CompiledReplay
+
+    for name, ranks, groups in [("1f1b", one_f_one_b(2, 3, 1, 2), None),
+                                ("hang", {0: [comp(0, 10), send(1, 0, 1, tag=1, deps=[0]), coll(2, AR, 64, pg="1")],
+                                          1: [recv(0, 0, 1, tag=1), coll(1, AR, 64, pg="1", deps=[0])]}, {"1": [0, 1]})]:
+        loaded = _load_and_check(write_set(tmp_path / name, ranks, groups), None, durations=True)
+        compiled = CompiledReplay(loaded.graphs, loaded.groups, loaded.durations)
+        for cost in (CommCost(), CommCost(CommModel.ALPHA_BETA)):
+            if name == "hang":
+                assert compiled.run(cost) is None
+            else:
+                assert compiled.run(cost) == TimedReplay(loaded.graphs, loaded.groups, loaded.durations, cost).run()

@@ -1,0 +1,323 @@
+"""TimedReplay's run, compiled: the same rules, the same numbers, for the replays that explore runs
+by the thousand (stg/explore/cost.py).
+
+TimedReplay (stg/chakra/replay.py) is the reference and the only one that reports a deadlock or
+records per-node times. This is its event loop over flat arrays, compiled with numba: every
+rank's nodes numbered on in one index space, each ready queue and the event queue a binary heap
+in an array, communication times computed per node before the run by the same cost model. The
+order of events and of issues is TimedReplay's (events by (time, kind, rank, index), a
+collective's completion by its first member's rank and index; ranks issue in the order they
+changed), so every time is the same float. A run that does not finish returns None: the caller
+replays it with TimedReplay for the report.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from array import array
+
+import numpy as np
+
+from stg.chakra import et_def_pb2 as pb
+from stg.chakra.rank_graph import COLL, COMP, RECV, RankGraph
+from stg.chakra.replay import CostModel, Timing
+
+import numba
+
+_SEND = pb.COMM_SEND_NODE
+_COMP_DONE, _SEND_DONE, _RECV_DONE, _COLL_DONE = range(4)
+
+
+def _kernel(types, durations, child_start, children, pending, rank_of, rank_start, slot_us, group_of, p2p_key,
+            group_size, n_groups, n_keys, max_instances, max_members):
+    n, ranks = len(types), len(rank_start) - 1
+    # ready queues: per rank one heap each for COMP, COLL/SEND and RECV nodes, in its index range
+    heaps = np.empty((3, n), dtype=np.int64)
+    heap_size = np.zeros((3, ranks), dtype=np.int64)
+    # events: a heap of indices into (time, kind, a, b, node) rows
+    cap = 2 * n + 1
+    ev_time = np.empty(cap)
+    ev_kind = np.empty(cap, dtype=np.int64)
+    ev_a = np.empty(cap, dtype=np.int64)
+    ev_b = np.empty(cap, dtype=np.int64)
+    ev_node = np.empty(cap, dtype=np.int64)
+    ev_heap = np.empty(cap, dtype=np.int64)
+    ev_rows, ev_size = 0, 0
+    computing = np.zeros(ranks, dtype=np.bool_)
+    in_slot = np.full(ranks, -1, dtype=np.int64)
+    done = np.zeros(ranks, dtype=np.int64)
+    busy = np.zeros(ranks)
+    finish = np.zeros(ranks)
+    issued = np.zeros((ranks, n_groups), dtype=np.int64)
+    joined = np.zeros(n_groups * max_instances, dtype=np.int64)
+    members = np.empty((max(1, n_groups * max_instances), max_members), dtype=np.int64)
+    mailbox = np.zeros(n_keys, dtype=np.int64)
+    posted_first = np.full(n_keys, -1, dtype=np.int64)
+    posted_last = np.full(n_keys, -1, dtype=np.int64)
+    posted_next = np.full(n, -1, dtype=np.int64)
+    changed = np.empty(ranks, dtype=np.int64)
+    is_changed = np.zeros(ranks, dtype=np.bool_)
+    work = np.empty(ranks, dtype=np.int64)
+
+    for i in range(n):
+        if pending[i] == 0:  # ascending: each heap is already in order
+            t, r = types[i], rank_of[i]
+            q = 0 if t == COMP else 2 if t == RECV else 1
+            heaps[q, rank_start[r] + heap_size[q, r]] = i
+            heap_size[q, r] += 1
+    n_changed = ranks
+    for r in range(ranks):
+        changed[r] = r
+        is_changed[r] = True
+
+    now = 0.0
+    while True:
+        count = n_changed
+        for c in range(count):
+            work[c] = changed[c]
+        n_changed = 0
+        for c in range(count):
+            r = work[c]
+            is_changed[r] = False
+            base = rank_start[r]
+            if heap_size[0, r] and not computing[r]:
+                i = _pop(heaps[0], base, heap_size, 0, r)
+                computing[r] = True
+                d = durations[i]
+                busy[r] += d
+                ev_rows, ev_size = _push_event(ev_time, ev_kind, ev_a, ev_b, ev_node, ev_heap, ev_rows, ev_size,
+                                               now + d, _COMP_DONE, r, i - base, i)
+            if heap_size[1, r] and in_slot[r] < 0:
+                i = _pop(heaps[1], base, heap_size, 1, r)
+                in_slot[r] = i
+                if types[i] == COLL:
+                    g = group_of[i]
+                    k = issued[r, g]
+                    issued[r, g] = k + 1
+                    inst = g * max_instances + k
+                    members[inst, joined[inst]] = i
+                    joined[inst] += 1
+                    if joined[inst] == group_size[g]:
+                        first = members[inst, 0]
+                        ev_rows, ev_size = _push_event(ev_time, ev_kind, ev_a, ev_b, ev_node, ev_heap, ev_rows,
+                                                       ev_size, now + slot_us[i], _COLL_DONE, rank_of[first],
+                                                       first - rank_start[rank_of[first]], inst)
+                else:
+                    ev_rows, ev_size = _push_event(ev_time, ev_kind, ev_a, ev_b, ev_node, ev_heap, ev_rows, ev_size,
+                                                   now + slot_us[i], _SEND_DONE, r, i - base, i)
+            while heap_size[2, r]:
+                i = _pop(heaps[2], base, heap_size, 2, r)
+                key = p2p_key[i]
+                if mailbox[key]:
+                    mailbox[key] -= 1
+                    ev_rows, ev_size = _push_event(ev_time, ev_kind, ev_a, ev_b, ev_node, ev_heap, ev_rows, ev_size,
+                                                   now, _RECV_DONE, r, i - base, i)
+                elif posted_last[key] < 0:
+                    posted_first[key] = posted_last[key] = i
+                else:
+                    posted_next[posted_last[key]] = i
+                    posted_last[key] = i
+        if ev_size == 0:
+            break
+        now = ev_time[ev_heap[0]]
+        while ev_size and ev_time[ev_heap[0]] == now:
+            row = ev_heap[0]
+            ev_size = _pop_event(ev_time, ev_kind, ev_a, ev_b, ev_heap, ev_size)
+            kind, node = ev_kind[row], ev_node[row]
+            if kind == _COLL_DONE:
+                for m in range(joined[node]):
+                    j = members[node, m]
+                    in_slot[rank_of[j]] = -1
+                    n_changed = _complete(j, now, rank_of, types, child_start, children, pending, heaps, heap_size,
+                                          rank_start, done, finish, changed, is_changed, n_changed)
+                continue
+            r = rank_of[node]
+            if kind == _COMP_DONE:
+                computing[r] = False
+            elif kind == _SEND_DONE:
+                in_slot[r] = -1
+            n_changed = _complete(node, now, rank_of, types, child_start, children, pending, heaps, heap_size,
+                                  rank_start, done, finish, changed, is_changed, n_changed)
+            if kind == _SEND_DONE:
+                key = p2p_key[node]
+                j = posted_first[key]
+                if j >= 0:  # the oldest RECV posted for this message completes on arrival
+                    posted_first[key] = posted_next[j]
+                    if posted_first[key] < 0:
+                        posted_last[key] = -1
+                    n_changed = _complete(j, now, rank_of, types, child_start, children, pending, heaps, heap_size,
+                                          rank_start, done, finish, changed, is_changed, n_changed)
+                else:
+                    mailbox[key] += 1
+    return busy, finish, done
+
+
+def _complete(i, now, rank_of, types, child_start, children, pending, heaps, heap_size, rank_start, done, finish,
+              changed, is_changed, n_changed):
+    r = rank_of[i]
+    done[r] += 1
+    finish[r] = now
+    for e in range(child_start[i], child_start[i + 1]):
+        c = children[e]
+        pending[c] -= 1
+        if pending[c] == 0:
+            t = types[c]
+            q = 0 if t == COMP else 2 if t == RECV else 1
+            _push(heaps[q], rank_start[r], heap_size, q, r, c)
+    if not is_changed[r]:
+        is_changed[r] = True
+        changed[n_changed] = r
+        n_changed += 1
+    return n_changed
+
+
+def _push(heap, base, heap_size, q, r, value):
+    at = heap_size[q, r]
+    heap_size[q, r] = at + 1
+    while at > 0:
+        parent = (at - 1) >> 1
+        if heap[base + parent] <= value:
+            break
+        heap[base + at] = heap[base + parent]
+        at = parent
+    heap[base + at] = value
+
+
+def _pop(heap, base, heap_size, q, r):
+    top = heap[base]
+    size = heap_size[q, r] - 1
+    heap_size[q, r] = size
+    if size == 0:
+        return top
+    value = heap[base + size]
+    at = 0
+    while True:
+        child = 2 * at + 1
+        if child >= size:
+            break
+        if child + 1 < size and heap[base + child + 1] < heap[base + child]:
+            child += 1
+        if heap[base + child] >= value:
+            break
+        heap[base + at] = heap[base + child]
+        at = child
+    heap[base + at] = value
+    return top
+
+
+def _event_less(ev_time, ev_kind, ev_a, ev_b, x, y):
+    if ev_time[x] != ev_time[y]:
+        return ev_time[x] < ev_time[y]
+    if ev_kind[x] != ev_kind[y]:
+        return ev_kind[x] < ev_kind[y]
+    if ev_a[x] != ev_a[y]:
+        return ev_a[x] < ev_a[y]
+    return ev_b[x] < ev_b[y]
+
+
+def _push_event(ev_time, ev_kind, ev_a, ev_b, ev_node, ev_heap, rows, size, time, kind, a, b, node):
+    row = rows
+    ev_time[row], ev_kind[row], ev_a[row], ev_b[row], ev_node[row] = time, kind, a, b, node
+    at = size
+    while at > 0:
+        parent = (at - 1) >> 1
+        if not _event_less(ev_time, ev_kind, ev_a, ev_b, row, ev_heap[parent]):
+            break
+        ev_heap[at] = ev_heap[parent]
+        at = parent
+    ev_heap[at] = row
+    return rows + 1, size + 1
+
+
+def _pop_event(ev_time, ev_kind, ev_a, ev_b, ev_heap, size):
+    size -= 1
+    if size == 0:
+        return 0
+    row = ev_heap[size]
+    at = 0
+    while True:
+        child = 2 * at + 1
+        if child >= size:
+            break
+        if child + 1 < size and _event_less(ev_time, ev_kind, ev_a, ev_b, ev_heap[child + 1], ev_heap[child]):
+            child += 1
+        if not _event_less(ev_time, ev_kind, ev_a, ev_b, ev_heap[child], row):
+            break
+        ev_heap[at] = ev_heap[child]
+        at = child
+    ev_heap[at] = row
+    return size
+
+
+# compiled once per installation (numba's cache beside this file); loading it takes ~0.1 s
+_jit = numba.njit(cache=True)
+_push, _pop, _event_less, _push_event, _pop_event, _complete, _kernel = map(
+    _jit, (_push, _pop, _event_less, _push_event, _pop_event, _complete, _kernel))
+
+
+class CompiledReplay:
+    """A set of rank graphs laid out for the compiled run, once; `run(cost)` for each cost model
+    (explore replays a slice twice: free and on its network)."""
+
+    def __init__(self, graphs: list[RankGraph], groups: Mapping[int, Sequence[int]], durations: list[array]):
+        self.groups = groups
+        self.sizes = np.array([len(g.ids) for g in graphs], dtype=np.int64)
+        self.rank_start = np.zeros(len(graphs) + 1, dtype=np.int64)
+        np.cumsum(self.sizes, out=self.rank_start[1:])
+        n = int(self.rank_start[-1])
+        self.types = np.frombuffer(b"".join(g.types for g in graphs), dtype=np.uint8).astype(np.int64)
+        self.child_start = np.empty(n + 1, dtype=np.int64)
+        children, edges = [], 0
+        for r, g in enumerate(graphs):
+            starts = np.frombuffer(g.child_start, dtype=np.int64)
+            self.child_start[self.rank_start[r]:self.rank_start[r + 1]] = starts[:-1] + edges
+            children.append(np.frombuffer(g.children, dtype=np.int64) + self.rank_start[r])
+            edges += int(starts[-1])
+        self.child_start[n] = edges
+        self.children = np.concatenate(children) if children else np.empty(0, dtype=np.int64)
+        self.pending = np.concatenate([np.frombuffer(g.n_parents, dtype=np.int64) for g in graphs]) if graphs \
+            else np.empty(0, dtype=np.int64)
+        self.rank_of = np.repeat(np.arange(len(graphs), dtype=np.int64), self.sizes)
+        self.durations = np.concatenate([np.frombuffer(d, dtype=np.float64) for d in durations]) if durations \
+            else np.empty(0)
+        group_index = {group: k for k, group in enumerate(sorted(groups))}
+        self.group_size = np.array([len(groups[g]) for g in sorted(groups)], dtype=np.int64)
+        self.group_of = np.zeros(n, dtype=np.int64)
+        self.p2p_key = np.zeros(n, dtype=np.int64)
+        # each node holding the comm slot costs what its distinct (kind, key) costs
+        self.slot_key = np.full(n, -1, dtype=np.int64)
+        self.slot_keys: dict[tuple, int] = {}
+        keys: dict[tuple, int] = {}
+        per_group = np.zeros((len(graphs), max(1, len(groups))), dtype=np.int64)
+        for r, g in enumerate(graphs):
+            base = int(self.rank_start[r])
+            for i, key in g.comm.items():
+                t = g.types[i]
+                if t == COLL:
+                    self.slot_key[base + i] = self.slot_keys.setdefault((COLL, key), len(self.slot_keys))
+                    self.group_of[base + i] = group_index[key[0]]
+                    per_group[r, group_index[key[0]]] += 1
+                else:
+                    self.p2p_key[base + i] = keys.setdefault(key, len(keys))
+                    if t == _SEND:
+                        slot = (_SEND, (key[0], key[1], key[3]))
+                        self.slot_key[base + i] = self.slot_keys.setdefault(slot, len(self.slot_keys))
+        self.n_keys = max(1, len(keys))
+        self.max_instances = max(1, int(per_group.max()))
+
+    def run(self, cost: CostModel) -> Timing | None:
+        """What TimedReplay(graphs, groups, durations, cost).run() returns (without recorded
+        nodes), or None when the run does not finish."""
+        bound = cost.bind(self.groups)
+        costs = [bound.collective_us(key[1], key[2], key[0]) if kind == COLL else bound.send_us(*key)
+                 for kind, key in self.slot_keys]
+        slot_us = np.append(np.array(costs, dtype=np.float64), 0.0)[self.slot_key]  # -1: not a slot node
+        busy, finish, done = _kernel(self.types, self.durations, self.child_start, self.children, self.pending.copy(),
+                                     self.rank_of, self.rank_start, slot_us, self.group_of, self.p2p_key,
+                                     self.group_size, len(self.group_size), self.n_keys, self.max_instances,
+                                     max(1, int(self.group_size.max(initial=1))))
+        if (done != self.sizes).any():
+            return None
+        makespan = float(finish.max()) if len(finish) else 0.0
+        return Timing(makespan_us=makespan, busy_us=busy.tolist(), idle_us=[makespan - b for b in busy.tolist()],
+                      finish_us=finish.tolist())
