@@ -35,7 +35,7 @@ from stg.graph import DType, Op, OpKind, Phase, Role
 from stg.mesh import axis_symbol
 from parallelism.pipeline import Edge, StagePlan
 from stg.blocks import blocks
-from stg.program import ClassStats, GroupHole, NodeType, RankHole, RankProgram, ReplayNodes, TraceNode
+from stg.program import ClassStats, GroupHole, NodeType, RankHole, RankProgram, ReplayChunks, TraceNode
 from stg.repeats import ActionNodes, ActionTally, add_to, tallies
 from stg.schedule import Action, Kind, Schedule, one_f_one_b, virtual_stage
 from stg.sharding import ShardedGraph, per_graph
@@ -189,7 +189,7 @@ class _ProgramBuilder:
         # timing: the program as the timed replay reads it; a repeated action adds its merged
         # nodes there and None to self.nodes (its ids are taken, no node is made)
         self.timing = timing
-        self.replay = ReplayNodes([], [], [], [], [], {})
+        self.replay = ReplayChunks()
         self.head_of: dict[int, int] = {}  # the last node of a merged run -> its first
         self.read_later: dict[tuple, frozenset[str]] = {}  # per (virtual stage, kind), last: _read_later
         self.microbatches = max((a.microbatch for a in pipeline.schedule[rank]), default=0) + 1
@@ -501,18 +501,20 @@ class _ProgramBuilder:
                 durations[head[n]] = durations.get(head[n], 0) + node.duration_us
             if head[n] != n:
                 head_of[start + n] = start + head[n]
+        ids, types, n_deps, flat, times = [], [], [], [], []
         for n, node in enumerate(made):
             if head[n] != n:
                 continue
-            deps = sorted({start + head[d - start] if d >= start else head_of.get(d, d) for d in node.deps})
+            deps = [start + head[d - start] if d >= start else head_of.get(d, d) for d in node.deps]
             if node.type is not NodeType.COMP_NODE:
-                out.comm[len(out.ids)] = node.comm_key
-            out.ids.append(start + n)
-            out.types.append(int(node.type))
-            out.n_deps.append(len(deps))
-            out.deps.extend(deps)
-            out.durations.append(durations.get(n, 0))
+                out.comm[out.size + len(ids)] = node.comm_key
+            ids.append(start + n)
+            types.append(int(node.type))
+            n_deps.append(len(deps))
+            flat.extend(deps)
+            times.append(durations.get(n, 0))
             self.holes.update(node.holes)
+        out.add(ids, types, n_deps, flat, times)
 
     def _runs_to_the_end(self, start: int) -> list[int]:
         """Per node from `start` on, the first node of its run of COMP nodes, when nothing runs
@@ -613,7 +615,8 @@ def lower(sharded: ShardedGraph, evaluate: Evaluator, device: DeviceSpec, *, pip
                               keep_nodes or timing, timing)
     nodes = builder.build()
     if timing:
-        return RankProgram((rank,), (), builder.stats, counted_holes=frozenset(builder.holes), replay=builder.replay)
+        return RankProgram((rank,), (), builder.stats, counted_holes=frozenset(builder.holes),
+                           replay=builder.replay.nodes())
     if keep_nodes:
         return RankProgram((rank,), tuple(nodes), builder.stats)
     return RankProgram((rank,), (), builder.stats, counted_holes=frozenset(builder.holes))

@@ -8,9 +8,12 @@ stage). stg/chakra/writer.py serializes a program once and patches the holes per
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from enum import IntEnum
 from functools import cached_property
+
+import numpy as np
 
 from stg.graph import Phase
 from stg.redistribute import Collective
@@ -128,12 +131,33 @@ class ReplayNodes:
     by position: (GroupHole, collective type, bytes) of a collective, (src, dst, tag, bytes) of
     a send or receive, holes standing for the ranks."""
 
-    ids: list[int]
-    types: list[int]
-    n_deps: list[int]
-    deps: list[int]
-    durations: list[float]
+    ids: Sequence[int]
+    types: Sequence[int]
+    n_deps: Sequence[int]
+    deps: Sequence[int]  # a dependency may repeat (the replay's graph counts each once)
+    durations: Sequence[float]
     comm: dict[int, tuple]
+
+
+class ReplayChunks:
+    """ReplayNodes built a run of nodes at a time (lowering for timing: an action's nodes come
+    as arrays), joined once at the end."""
+
+    def __init__(self) -> None:
+        self.chunks: list[tuple] = []
+        self.size = 0  # nodes so far
+        self.comm: dict[int, tuple] = {}
+
+    def add(self, ids, types, n_deps, deps, durations) -> None:
+        """Append nodes: ids, types, dependency counts, flat dependencies and durations
+        (sequences or arrays); their comm entries go in self.comm at self.size + position first."""
+        self.chunks.append((ids, types, n_deps, deps, durations))
+        self.size += len(ids)
+
+    def nodes(self) -> ReplayNodes:
+        joined = [np.concatenate([np.asarray(c[k], dtype=np.float64 if k == 4 else np.int64) for c in self.chunks])
+                  if self.chunks else np.empty(0) for k in range(5)]
+        return ReplayNodes(*joined, self.comm)
 
 
 @dataclass(frozen=True)

@@ -11,6 +11,8 @@ from functools import cached_property
 from itertools import islice
 from typing import TYPE_CHECKING
 
+import numpy as np
+
 from stg.program import ClassStats, NodeType, TraceNode
 from stg.sharding import ShardedGraph, per_graph
 
@@ -112,6 +114,13 @@ class ActionNodes:
                    stats, len(builder.pipeline.edges), later)
 
     @cached_property
+    def _exits(self) -> tuple[tuple[str, ...], np.ndarray, tuple]:
+        """The exits as the tensors made by the action's own nodes (names, offsets) and the rest."""
+        made = [(role[1], ref) for role, ref in self.exit.items() if role[0] == "tensor" and type(ref) is int]
+        others = tuple((role, ref) for role, ref in self.exit.items() if role[0] != "tensor" or type(ref) is not int)
+        return tuple(name for name, _ in made), np.array([ref for _, ref in made], dtype=np.int64), others
+
+    @cached_property
     def _roles(self) -> frozenset:
         """Every set of roles a dependency or an exit refers to."""
         refs = {d for entry in self.nodes if not entry[5] for d in entry[4] if type(d) is frozenset}
@@ -139,8 +148,11 @@ class ActionNodes:
             self._replay_compact(builder, microbatch, resolved)
         else:
             self._replay_nodes(builder, microbatch, resolved)
-        for role, ref in self.exit.items():
-            node = len(builder.nodes) - len(self.nodes) + ref if type(ref) is int else resolved[ref]
+        start = len(builder.nodes) - len(self.nodes)
+        names, offsets, others = self._exits
+        here.update(zip(names, (offsets + start).tolist()))  # the tensors it makes, made here
+        for role, ref in others:
+            node = start + ref if type(ref) is int else resolved[ref]
             if role[0] == "prefetch":
                 builder.prefetch[role[1]] = node
             else:
@@ -197,20 +209,14 @@ class ActionNodes:
             sums[k] += duration
         outside = {roles: head_of.get(node, node) for roles, node in resolved.items()}
         outside[_CHAIN] = head_of.get(builder.last_compute, builder.last_compute)
-        position = len(out.ids)
-        for k, offset in enumerate(c.kept):
-            deps = sorted({start + d if type(d) is int else outside[d] for d in c.deps[k]})
-            out.ids.append(start + offset)
-            out.types.append(c.types[k])
-            out.n_deps.append(len(deps))
-            out.deps.extend(deps)
-            out.durations.append(sums[k])
-            template = c.comm[k]
-            if template is not None:
-                out.comm[position + k] = template if len(template) == 3 else \
-                    (template[0], template[1], template[2] + shift, template[3])
+        deps = c.deps + start
+        deps[c.outside_at] = [outside[roles] for roles in c.outside_roles]
+        position = out.size
+        out.comm.update(zip((c.collectives + position).tolist(), c.collective_keys))
+        out.comm.update((position + k, (src, dst, tag + shift, size)) for k, (src, dst, tag, size) in c.p2p)
+        out.add(c.kept + start, c.types, c.n_deps, deps, sums)
         builder.carry = carry
-        builder.comm_ids.update([start + offset for offset in c.comm_offsets])
+        builder.comm_ids.update((c.comm_offsets + start).tolist())
         head_of.update((start + tail, start + first) for tail, first in c.tails)
         if c.last_compute is not None:
             builder.last_compute = start + c.last_compute
@@ -229,15 +235,20 @@ class _Compact:
     else reads, joins that node's run. A node that later actions may read (an exit, the
     chains' last nodes, the prefetch point) ends its run. Dependencies are offsets of kept nodes or role sets."""
 
-    kept: tuple[int, ...]  # offsets of each run's first node (and of every other node)
+    kept: np.ndarray  # offsets of each run's first node (and of every other node)
     head: tuple[int, ...]  # per offset: its run's first node
-    types: tuple[int, ...]  # per kept node
-    deps: tuple[tuple, ...]  # per kept node: kept offsets and role sets (_CHAIN: the compute chain)
-    comm: tuple  # per kept node: None, (group, type, bytes), or (src, dst, tag, bytes)
+    types: np.ndarray  # per kept node
+    n_deps: np.ndarray  # per kept node
+    deps: np.ndarray  # flat: kept offsets, and at outside_at the nodes from before (0 here)
+    outside_at: np.ndarray
+    outside_roles: tuple[frozenset, ...]  # the roles of those (_CHAIN: the compute chain's last)
+    collectives: np.ndarray  # kept indices of collectives
+    collective_keys: tuple  # their (group, type, bytes)
+    p2p: tuple  # (kept index, (src, dst, tag, bytes)) of sends and receives
     exacts: tuple[float, ...]  # per COMP node in order: its unrounded duration
     runs: tuple[int, ...]  # per COMP node: the index in `kept` of its run
     tails: tuple[tuple[int, int], ...]  # (last node, first node) of each run of several
-    comm_offsets: tuple[int, ...]
+    comm_offsets: np.ndarray
     last_compute: int | None
     last_comm: int | None
     holes: frozenset
@@ -277,7 +288,14 @@ class _Compact:
         for n, first in head.items():
             if first != n:
                 tails[first] = n
-        return cls(tuple(kept), tuple(head[n] for n in range(len(entries))), tuple(types), tuple(deps), tuple(comm), tuple(exacts), tuple(runs),
+        flat = [d for node_deps in deps for d in node_deps]
+        outside_at = [i for i, d in enumerate(flat) if type(d) is not int]
+        ints = lambda values: np.array(values, dtype=np.int64)
+        return cls(ints(kept), tuple(head[n] for n in range(len(entries))), ints(types), ints([len(d) for d in deps]),
+                   ints([d if type(d) is int else 0 for d in flat]), ints(outside_at),
+                   tuple(flat[i] for i in outside_at), ints([k for k, key in enumerate(comm) if key and len(key) == 3]),
+                   tuple(key for key in comm if key and len(key) == 3),
+                   tuple((k, key) for k, key in enumerate(comm) if key and len(key) == 4), tuple(exacts), tuple(runs),
                    tuple((tail, first) for first, tail in tails.items()),
-                   tuple(n for n, e in enumerate(entries) if e[1] is not _COMP), last_compute, last_comm,
+                   ints([n for n, e in enumerate(entries) if e[1] is not _COMP]), last_compute, last_comm,
                    frozenset(holes))

@@ -19,6 +19,8 @@ from __future__ import annotations
 import re
 from array import array
 
+import numpy as np
+
 from stg.chakra.load import build_graph
 from stg.chakra.rank_graph import Problem, RankGraph
 from stg.chakra.replay import Replay
@@ -85,7 +87,7 @@ def _graph(index: int, rank: int, program: RankProgram, index_of: dict[int, int]
 
 def replay_durations(program: RankProgram) -> array:
     """The durations of the replay graph's nodes (_graph's), in its order."""
-    return array("d", _chains(program).durations)
+    return array("d", np.asarray(_chains(program).durations, dtype=np.float64).tobytes())
 
 
 def rank_graphs(workload, ranks: list[int]) -> tuple[list[RankGraph], dict[int, tuple[int, ...]]]:
