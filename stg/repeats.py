@@ -1,7 +1,8 @@
 """What a repeated action adds, worked out once: lowering runs an action of the schedule
 whose key (virtual stage, kind, final or not, its micro-batch's earlier actions) it has run
 before by repeating that run -- its stats tally without nodes (stg.evaluate), its nodes with
-them (stg generate). The builder is stg/lower.py's _ProgramBuilder."""
+them (stg generate), its merged replay nodes as arrays when lowered for timing (stg explore).
+The builder is stg/lower.py's _ProgramBuilder."""
 
 from __future__ import annotations
 
@@ -232,8 +233,8 @@ _CHAIN = frozenset({("chain", "compute")})  # a COMP node's first dependency: wh
 class _Compact:
     """A repeated action's nodes merged for the timed replay as stg/slice_check.py merges a
     program's: a COMP node whose one dependency is the COMP node before it, which nothing
-    else reads, joins that node's run. A node that later actions may read (an exit, the
-    chains' last nodes, the prefetch point) ends its run. Dependencies are offsets of kept nodes or role sets."""
+    else reads, joins that node's run. A node that later nodes may read (a tensor that a
+    later collective reads, the chains' last nodes, the prefetch point) ends its run."""
 
     kept: np.ndarray  # offsets of each run's first node (and of every other node)
     head: tuple[int, ...]  # per offset: its run's first node
@@ -278,7 +279,8 @@ class _Compact:
                 kept.append(n)
                 types.append(int(kind))
                 first = (() if not chained else (d,) if d is not None else (_CHAIN,))
-                deps.append(tuple({head[x] if type(x) is int else x for x in first + node_deps}))
+                inside = sorted({head[x] for x in first + node_deps if type(x) is int})
+                deps.append((*inside, *dict.fromkeys(x for x in first + node_deps if type(x) is not int)))
                 comm.append(node.comm_key)
                 holes.update(node.holes)
             if kind is _COMP:

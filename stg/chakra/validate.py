@@ -25,7 +25,6 @@ from stg.chakra.load import Progress, _load_groups, _load_ranks, _rank_files
 from stg.chakra.rank_graph import (ALL_RANKS, COLL, COMP, RECV, SEND, CommKey, Problem, RankGraph, coll_name,
                                    group_label, p2p_text)
 from stg.chakra.replay import CommCost, CommModel, Replay, ReplayError, TimedReplay, Timing
-from stg.chakra.replay_kernel import CompiledReplay
 
 # --- d./e. cross-rank matching --------------------------------------------------------------
 
@@ -195,6 +194,4 @@ def timed_replay(out_dir: str | Path, *, comm: CommModel | str = CommModel.FREE,
         raise ValueError(f"record: ranks {bad} are not in 0..{len(loaded.graphs) - 1}")
     if network is not None and comm is CommModel.ALPHA_BETA:
         cost = network.bind(loaded.groups, world=len(loaded.graphs))
-    # the same numbers from the compiled loop; TimedReplay records nodes and says why a set hangs
-    timing = None if record else CompiledReplay(loaded.graphs, loaded.groups, loaded.durations).run(cost)
-    return timing or TimedReplay(loaded.graphs, loaded.groups, loaded.durations, cost, record).run()
+    return TimedReplay(loaded.graphs, loaded.groups, loaded.durations, cost, record).run()

@@ -187,9 +187,9 @@ def test_parallel_load_gives_the_same_timing(tmp_path, monkeypatch):
 
 
 def test_the_compiled_loop_gives_the_replays_numbers_and_none_when_it_hangs(tmp_path):
-    """timed_replay runs TimedReplay's loop compiled (stg/chakra/replay_kernel.py) unless it
-    records nodes: on a 1F1B set under alpha-beta both give the same floats; on a set that
-    hangs the compiled run returns None (TimedReplay then says why)."""
+    """TimedReplay's loop compiled (stg/chakra/replay_kernel.py, what explore runs): on a 1F1B
+    set both give the same floats, free and under alpha-beta; on a set that hangs the compiled
+    run returns None (TimedReplay then says why)."""
     from stg.chakra.replay import CommCost, CommModel, TimedReplay
     from stg.chakra.validate import _load_and_check
     from stg.chakra.replay_kernel import CompiledReplay
