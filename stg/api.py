@@ -271,9 +271,10 @@ def build(model: Model | str | Path | Mapping, plan: Plan | Mapping, *, memory_l
     if memory_limit is not None and peak > memory_limit:  # refused before the costly lowering
         raise MemoryLimitError(f"memory: peak {peak / 2**30:.1f} GiB per rank over the {memory_limit / 2**30:.1f} "
                                "GiB usable", peak)
+    across_stages = {id(evaluate): {} for evaluate in evaluators}  # timing: a stage repeats another's actions
     programs = [lower(sharded, evaluate, device_spec(plan.device), pipeline=pipeline,
                       bucket_bytes=int(plan.bucket_mb * 2**20), rank=rank, comm_evaluate=shared, keep_nodes=nodes,
-                      timing=timing)
+                      timing=timing, shared=across_stages[id(evaluate)])
                 for rank in range(plan.pp) for evaluate in evaluators]
     return Workload(model, plan, mesh, sharded, tuple(programs), tuple(memories), bindings, variant_axes,
                     variant_map, embeddings, stages)

@@ -34,7 +34,7 @@ from stg.errors import LayoutError
 from stg.graph import DType, Op, OpKind, Phase, Role
 from stg.mesh import axis_symbol
 from parallelism.pipeline import Edge, StagePlan
-from stg.blocks import blocks
+from stg.blocks import NameTable, blocks
 from stg.program import ClassStats, GroupHole, NodeType, RankHole, RankProgram, ReplayChunks, TraceNode
 from stg.repeats import ActionNodes, ActionTally, add_to, tallies
 from stg.schedule import Action, Kind, Schedule, one_f_one_b, virtual_stage
@@ -160,7 +160,7 @@ class _ProgramBuilder:
 
     def __init__(self, sharded: ShardedGraph, evaluate: Evaluator, device: DeviceSpec, bucket_bytes: int,
                  pipeline: Pipeline, rank: int, comm_evaluate: Evaluator | None = None, keep_nodes: bool = True,
-                 timing: bool = False):
+                 timing: bool = False, shared: dict | None = None):
         self.sharded = sharded
         self.graph = sharded.graph
         self.ev = evaluate
@@ -193,6 +193,8 @@ class _ProgramBuilder:
         self.head_of: dict[int, int] = {}  # the last node of a merged run -> its first
         self.read_later: dict[tuple, frozenset[str]] = {}  # per (virtual stage, kind), last: _read_later
         self.microbatches = max((a.microbatch for a in pipeline.schedule[rank]), default=0) + 1
+        # timing: templates of every stage of this plan by (shape, chains present): see _action_shape
+        self.shared: dict[tuple, tuple] = shared if shared is not None else {}
 
     def _add(self, **kwargs) -> int:
         node = TraceNode(id=len(self.nodes), **kwargs)
@@ -462,6 +464,15 @@ class _ProgramBuilder:
         repeat = self.node_repeats.get(key)
         if repeat is not None and repeat.replay(self, action.microbatch, here):
             return
+        shape = None
+        if self.timing:  # another stage may have run an action of this shape
+            shape = self._action_shape(action, ops, units, here, key)
+            present = frozenset(r for r, v in self.chain_roles().items() if v is not None)
+            found = self.shared.get((shape[0], present))
+            moved = found and self._moved(found, shape)
+            if moved is not None and moved.replay(self, action.microbatch, here):
+                self.node_repeats[key] = moved
+                return
         start, chains, known = len(self.nodes), self.chain_roles(), len(here)
         total, self.stats = self.stats, ClassStats()
         self.action(action, ops, units, here, final=key[2])
@@ -473,6 +484,64 @@ class _ProgramBuilder:
         if self.timing:
             recorded = self.node_repeats[key]
             self._add_to_replay(start, recorded.compact.head if recorded else range(len(self.nodes) - start))
+            if recorded is not None:
+                shape = shape or self._action_shape(action, ops, units, here, key)
+                self.shared[(shape[0], recorded.present)] = (recorded, shape)
+
+    def _action_shape(self, action: Action, ops: list[Op], units: dict, here: dict, key: tuple) -> tuple:
+        """What an action's nodes depend on but names, peers and tags, with its names in order
+        of first use and its sends' and receives' edges: two stages' actions of equal shape
+        make the same nodes up to those (timing only; ActionNodes.moved). Its kind, chunk,
+        place before or after the last, its micro-batch's earlier actions by chunk and kind;
+        per op its kind, phase, costs, attributes, tensors (each by place, with its shape, dtype
+        and role the first time) and coalescing unit; the buckets a final action sends; the
+        tensors it receives and sends (with the peer stage of each edge)."""
+        table, parts, edges = NameTable(), [], []
+        tensors, seen = self.graph.tensors, set()
+
+        def tensor(name: str) -> int:
+            place = table.at(name)
+            if place not in seen:
+                seen.add(place)
+                parts.append(tensors[name].signature if name in tensors else None)
+            return place
+
+        def collective(op: Op) -> tuple:
+            return (tensor(op.inputs[0]), tensor(op.outputs[0]), op.bytes, table.attrs(op.attrs))
+
+        chunk = lambda stage: self.pipeline.stages.rank_and_chunk(stage)[1]
+        parts.append((action.kind, action.chunk, key[2:3] + key[4:], tuple((chunk(s), k) for s, k in key[3])))
+        stage = virtual_stage(self.rank, action.chunk, self.pipeline.stages.pp)
+        read = {name for op in ops for name in op.inputs}
+        for edge in self.pipeline.edges:
+            if edge.target == stage and edge.tensor in read and edge.tensor not in here:
+                parts.append(("recv", tensor(edge.tensor)))
+                edges.append((edge, edge.source))
+        for op in ops:
+            unit = _unit(op, self.graph)
+            members = units.get(unit, ())
+            parts.append((op.kind, op.phase, op.flops, op.bytes, op.label(), table.attrs(op.attrs),
+                          tuple(map(tensor, op.inputs)), tuple(map(tensor, op.outputs)),
+                          unit and (unit[0], unit[1], unit[3], unit[4], op is members[0], op is members[-1],
+                                    tuple(map(collective, members)))))
+            for bucket in self.flush_after.get(op.name, []) if key[2] else ():
+                parts.append(tuple(map(collective, bucket)))
+        made = {name for op in ops for name in op.outputs}
+        for edge in self.pipeline.edges:
+            if edge.source == stage and edge.tensor in made:
+                parts.append(("send", tensor(edge.tensor)))
+                edges.append((edge, edge.target))
+        return tuple(parts), table.names, edges
+
+    def _moved(self, found: tuple, shape: tuple) -> ActionNodes | None:
+        """A template another stage recorded, under this stage's names, tags and peers."""
+        template, (_, names, edges) = found
+        peers: dict = {}
+        for (_, old), (_, new) in zip(edges, shape[2]):
+            if peers.setdefault(self._peer(old), self._peer(new)) != self._peer(new):
+                return None  # two of its peers become one: not the same pattern
+        retag = {old.index: new.index for (old, _), (new, _) in zip(edges, shape[2])}
+        return template.moved(dict(zip(names, shape[1])), retag, peers)
 
     def _read_later(self, run: tuple, ops: list[Op], last: bool) -> frozenset[str]:
         """The tensors `ops` (the run of one virtual stage and action kind) make that collectives
@@ -604,15 +673,17 @@ class _ProgramBuilder:
 
 def lower(sharded: ShardedGraph, evaluate: Evaluator, device: DeviceSpec, *, pipeline: Pipeline,
           bucket_bytes: int, rank: int = 0, comm_evaluate: Evaluator | None = None,
-          keep_nodes: bool = True, timing: bool = False) -> RankProgram:
+          keep_nodes: bool = True, timing: bool = False, shared: dict | None = None) -> RankProgram:
     """The program of pipeline stage `rank`'s class: its schedule's actions, then the step.
     `comm_evaluate` sizes collectives and sends (default `evaluate`): the values that all
     ranks of a group share, where a class's own work differs (its embedding tables).
     `keep_nodes=False`: the same stats and holes without the node list (stg.evaluate);
     `timing=True`: the same stats and holes and, instead of the nodes, the compact form that the
-    timed replay reads (ReplayNodes: what stg explore times)."""
+    timed replay reads (ReplayNodes: what stg explore times); `shared`, with timing: a dict
+    that the stages of one plan (one evaluator) share, so that a stage repeats an action
+    another stage ran (stage-to-stage the actions differ in names, peers and tags only)."""
     builder = _ProgramBuilder(sharded, evaluate, device, bucket_bytes, pipeline, rank, comm_evaluate,
-                              keep_nodes or timing, timing)
+                              keep_nodes or timing, timing, shared)
     nodes = builder.build()
     if timing:
         return RankProgram((rank,), (), builder.stats, counted_holes=frozenset(builder.holes),

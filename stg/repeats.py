@@ -7,7 +7,7 @@ The builder is stg/lower.py's _ProgramBuilder."""
 from __future__ import annotations
 
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import cached_property
 from itertools import islice
 from typing import TYPE_CHECKING
@@ -191,6 +191,29 @@ class ActionNodes:
             setattr_(copy, "__dict__", fields)
             nodes.append(copy)
         builder.carry, builder.last_compute, builder.last_comm = carry, last_compute, last_comm
+
+    def moved(self, rename: dict[str, str], retag: dict[int, int], peers: dict) -> "ActionNodes | None":
+        """These nodes as another pipeline stage's action of the same shape makes them (timing
+        only: names are not redone): its tensors under `rename`, its sends and receives on the
+        edges `retag` maps edge indices to, their peers under `peers`; None if a tensor it
+        refers to has no new name."""
+        def roles(refs):
+            return frozenset(("tensor", rename[r[1]]) if r[0] == "tensor" else r for r in refs)
+
+        try:
+            nodes = []
+            for node, kind, suffix, chained, deps, inside, exact in self.nodes:
+                if kind is not _COMP and kind is not _COLL:
+                    edge = node.tag % self.edges
+                    node = replace(node, src=peers.get(node.src, node.src), dst=peers.get(node.dst, node.dst),
+                                   tag=node.tag - edge + retag[edge])
+                deps = deps if inside else tuple(d if type(d) is int else roles(d) for d in deps)
+                nodes.append((node, kind, suffix, chained, deps, inside, exact))
+            exit = {(role[0], rename[role[1]]) if role[0] == "tensor" else role: ref if type(ref) is int else roles(ref)
+                    for role, ref in self.exit.items()}
+        except KeyError:
+            return None
+        return replace(self, nodes=tuple(nodes), exit=exit)
 
     @cached_property
     def compact(self) -> "_Compact":

@@ -97,29 +97,49 @@ def test_a_plan_with_another_pp_binds_the_layers_tallies():
     assert layer_keys[0] and layer_keys[0] == layer_keys[1] == layer_keys[2]
 
 
-@pytest.mark.parametrize("name", sorted(PLANS) + ["gpt-tied-pp-dp1"])
-def test_a_plan_lowered_for_timing_replays_as_its_nodes(name, tmp_path):
+DEEP = {**LLAMA, "layers": 8}
+TIMING_CASES = {  # beyond the digest matrix: stages 1 and 2 of a 4-stage pipeline run alike
+    "gpt-tied-pp-dp1": (GPT, dict(pp=2, global_batch=1)),
+    "pp4-tp-zero1": (DEEP, dict(pp=4, tp=2, dp=2, zero=1, global_batch=4)),
+    "pp4-interleaved": (DEEP, dict(pp=4, vpp=2, schedule="interleaved", global_batch=4)),
+    "pp4-zbh1-zero3": (DEEP, dict(pp=4, dp=2, zero=3, schedule="zb-h1", global_batch=4)),
+    "pp4-recompute-full": (DEEP, dict(pp=4, tp=2, recompute="full", global_batch=4)),
+}
+
+
+@pytest.mark.parametrize("name", sorted(PLANS) + sorted(TIMING_CASES))
+def test_a_plan_lowered_for_timing_replays_as_its_nodes(name, tmp_path, monkeypatch):
     """stg explore times a plan from programs lowered for the replay only (build(timing=True):
     a repeated action adds its merged replay nodes, no trace node is made). For every strategy
     of the digest matrix with 6 micro-batches per stage, the slice replay of those programs
     times every stage as the replay of the lowered nodes does, under free communication
     (whole microseconds: equal) and on a network, and the programs' stats and holes are the
-    same; the compiled replay (stg/chakra/replay_kernel.py) gives TimedReplay's numbers. Without dp the step reads the last micro-batch's tied-embedding gradient itself
-    (gpt-tied-pp-dp1): its producer must stay a node of its own in that action."""
+    same; the compiled replay (stg/chakra/replay_kernel.py) gives TimedReplay's numbers.
+    Without dp the step reads the last micro-batch's tied-embedding gradient itself
+    (gpt-tied-pp-dp1): its producer must stay a node of its own in that action. In a 4-stage
+    pipeline a middle stage repeats the actions of the stage before it (ActionNodes.moved)."""
+    import stg.lower
     from stg.chakra.replay import CommCost, TimedReplay
     from stg.chakra.replay_kernel import CompiledReplay
     from stg.explore.cost import real_groups, slice_timings
     from stg.explore.network import load_network
     from stg.slice_check import rank_graphs, replay_durations, slice_ranks
 
-    if name == "gpt-tied-pp-dp1":
-        model, plan = GPT, dict(pp=2, global_batch=1)
-    else:
-        model, plan = model_of(name, tmp_path), PLANS[name][1]
+    model, plan = TIMING_CASES[name] if name in TIMING_CASES else (model_of(name, tmp_path), PLANS[name][1])
     if "micro_batch" not in plan:
         plan = {**plan, "global_batch": plan.get("global_batch", 1) * 6}
     plan = {"seq": 32, **plan}
+    ran = {True: 0, False: 0}
+    action = stg.lower._ProgramBuilder.action
+
+    def counted(self, *args, **kwargs):
+        ran[self.timing] += 1
+        return action(self, *args, **kwargs)
+
+    monkeypatch.setattr(stg.lower._ProgramBuilder, "action", counted)
     nodes, timing = build(model, plan), build(model, plan, nodes=False, timing=True)
+    if name.startswith("pp4"):
+        assert ran[True] < ran[False]
     assert [p.stats for p in timing.programs] == [p.stats for p in nodes.programs]
     assert [p.holes for p in timing.programs] == [p.holes for p in nodes.programs]
     assert all(len(p.replay.ids) and not p.nodes for p in timing.programs)
