@@ -274,7 +274,7 @@ def build(model: Model | str | Path | Mapping, plan: Plan | Mapping, *, memory_l
     across_stages = {id(evaluate): {} for evaluate in evaluators}  # timing: a stage repeats another's actions
     programs = [lower(sharded, evaluate, device_spec(plan.device), pipeline=pipeline,
                       bucket_bytes=int(plan.bucket_mb * 2**20), rank=rank, comm_evaluate=shared, keep_nodes=nodes,
-                      timing=timing, shared=across_stages[id(evaluate)])
+                      timing=timing, stage_templates=across_stages[id(evaluate)])
                 for rank in range(plan.pp) for evaluate in evaluators]
     return Workload(model, plan, mesh, sharded, tuple(programs), tuple(memories), bindings, variant_axes,
                     variant_map, embeddings, stages)

@@ -160,7 +160,7 @@ class _ProgramBuilder:
 
     def __init__(self, sharded: ShardedGraph, evaluate: Evaluator, device: DeviceSpec, bucket_bytes: int,
                  pipeline: Pipeline, rank: int, comm_evaluate: Evaluator | None = None, keep_nodes: bool = True,
-                 timing: bool = False, shared: dict | None = None):
+                 timing: bool = False, stage_templates: dict | None = None):
         self.sharded = sharded
         self.graph = sharded.graph
         self.ev = evaluate
@@ -194,7 +194,7 @@ class _ProgramBuilder:
         self.read_later: dict[tuple, frozenset[str]] = {}  # per (virtual stage, kind), last: _read_later
         self.microbatches = max((a.microbatch for a in pipeline.schedule[rank]), default=0) + 1
         # timing: templates of every stage of this plan by (shape, chains present): see _action_shape
-        self.shared: dict[tuple, tuple] = shared if shared is not None else {}
+        self.stage_templates: dict[tuple, tuple] = stage_templates if stage_templates is not None else {}
 
     def _add(self, **kwargs) -> int:
         node = TraceNode(id=len(self.nodes), **kwargs)
@@ -468,7 +468,7 @@ class _ProgramBuilder:
         if self.timing:  # another stage may have run an action of this shape
             shape = self._action_shape(action, ops, units, here, key)
             present = frozenset(r for r, v in self.chain_roles().items() if v is not None)
-            found = self.shared.get((shape[0], present))
+            found = self.stage_templates.get((shape[0], present))
             moved = found and self._moved(found, shape)
             if moved is not None and moved.replay(self, action.microbatch, here):
                 self.node_repeats[key] = moved
@@ -486,7 +486,7 @@ class _ProgramBuilder:
             self._add_to_replay(start, recorded.compact.head if recorded else range(len(self.nodes) - start))
             if recorded is not None:
                 shape = shape or self._action_shape(action, ops, units, here, key)
-                self.shared[(shape[0], recorded.present)] = (recorded, shape)
+                self.stage_templates[(shape[0], recorded.present)] = (recorded, shape)
 
     def _action_shape(self, action: Action, ops: list[Op], units: dict, here: dict, key: tuple) -> tuple:
         """What an action's nodes depend on but names, peers and tags, with its names in order
@@ -531,6 +531,8 @@ class _ProgramBuilder:
             if edge.source == stage and edge.tensor in made:
                 parts.append(("send", tensor(edge.tensor)))
                 edges.append((edge, edge.target))
+        last = bool(key[4:]) and key[4]
+        parts.append(tuple(sorted(map(tensor, self._read_later(key[:2], ops, last)))))  # where its runs end
         return tuple(parts), table.names, edges
 
     def _moved(self, found: tuple, shape: tuple) -> ActionNodes | None:
@@ -673,17 +675,17 @@ class _ProgramBuilder:
 
 def lower(sharded: ShardedGraph, evaluate: Evaluator, device: DeviceSpec, *, pipeline: Pipeline,
           bucket_bytes: int, rank: int = 0, comm_evaluate: Evaluator | None = None,
-          keep_nodes: bool = True, timing: bool = False, shared: dict | None = None) -> RankProgram:
+          keep_nodes: bool = True, timing: bool = False, stage_templates: dict | None = None) -> RankProgram:
     """The program of pipeline stage `rank`'s class: its schedule's actions, then the step.
     `comm_evaluate` sizes collectives and sends (default `evaluate`): the values that all
     ranks of a group share, where a class's own work differs (its embedding tables).
     `keep_nodes=False`: the same stats and holes without the node list (stg.evaluate);
     `timing=True`: the same stats and holes and, instead of the nodes, the compact form that the
-    timed replay reads (ReplayNodes: what stg explore times); `shared`, with timing: a dict
+    timed replay reads (ReplayNodes: what stg explore times); `stage_templates`, with timing: a dict
     that the stages of one plan (one evaluator) share, so that a stage repeats an action
     another stage ran (stage-to-stage the actions differ in names, peers and tags only)."""
     builder = _ProgramBuilder(sharded, evaluate, device, bucket_bytes, pipeline, rank, comm_evaluate,
-                              keep_nodes or timing, timing, shared)
+                              keep_nodes or timing, timing, stage_templates)
     nodes = builder.build()
     if timing:
         return RankProgram((rank,), (), builder.stats, counted_holes=frozenset(builder.holes),

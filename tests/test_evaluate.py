@@ -152,7 +152,8 @@ def test_a_plan_lowered_for_timing_replays_as_its_nodes(name, tmp_path, monkeypa
             # the compiled loop explore runs is TimedReplay's, to the last bit
             assert CompiledReplay(graphs, members, durations).run(cost) == \
                 TimedReplay(graphs, members, durations, cost).run()
-        (free, costed), (free_t, costed_t) = slice_timings(nodes, network, variant), slice_timings(timing, network, variant)
+        free, costed = slice_timings(nodes, network, variant)
+        free_t, costed_t = slice_timings(timing, network, variant)
         assert free_t == free
         assert costed_t.makespan_us == pytest.approx(costed.makespan_us, rel=1e-12)
         assert costed_t.finish_us == pytest.approx(costed.finish_us, rel=1e-12)
