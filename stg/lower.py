@@ -114,6 +114,50 @@ def _unit(op: Op, graph) -> tuple | None:
     return (role, op.phase, op.layer, op.attrs["collective"], op.attrs["axes"])
 
 
+class _Alike:
+    """Small ints for ops equal but for their names and for tensors equal but for theirs, so
+    an action's shape (_ProgramBuilder._action_shape) is a tuple of ints, cheap to hash and to
+    compare (its costs are sympy expressions, its kinds enums: both slow to hash in bulk)."""
+
+    def __init__(self) -> None:
+        self.ids: dict = {}
+
+    def _id(self, key, value) -> int:
+        found = self.ids.get(key)
+        if found is None:
+            found = self.ids[key] = self.ids.setdefault(("value", value), len(self.ids))
+        return found
+
+    def of_op(self, op: Op) -> int:
+        found = self.ids.get(op.name)
+        if found is None:
+            attrs = tuple((k, v) for k, v in op.attrs.items() if k not in _NAMED)
+            found = self._id(op.name, (op.kind, op.phase, op.flops, op.bytes, op.label(), attrs))
+        return found
+
+    def of_tensor(self, tensor) -> int | None:
+        return None if tensor is None else self._id(("tensor", tensor.name), tensor.signature)
+
+
+_NAMED = ("grad_of", "weight")  # attributes that hold names (stg.blocks.NameTable.attrs)
+
+
+@per_graph
+def _alike(sharded: "ShardedGraph") -> _Alike:
+    return _Alike()
+
+
+@per_graph
+def _shapes(sharded: "ShardedGraph") -> dict:
+    """Action shapes of a structure, by stage cut and action (_ProgramBuilder._shape)."""
+    return {}
+
+
+def _named(table: NameTable, op: Op) -> tuple:
+    """The places of the names an op's attributes hold."""
+    return tuple(table.attrs({k: op.attrs[k] for k in _NAMED if k in op.attrs}))
+
+
 @dataclass(frozen=True)
 class Pipeline:
     """What a rank class needs of the pipeline: its schedule and the stage cut."""
@@ -466,7 +510,7 @@ class _ProgramBuilder:
             return
         shape = None
         if self.timing:  # another stage may have run an action of this shape
-            shape = self._action_shape(action, ops, units, here, key)
+            shape = self._shape(action, ops, units, here, key)
             present = frozenset(r for r, v in self.chain_roles().items() if v is not None)
             found = self.stage_templates.get((shape[0], present))
             moved = found and self._moved(found, shape)
@@ -485,8 +529,21 @@ class _ProgramBuilder:
             recorded = self.node_repeats[key]
             self._add_to_replay(start, recorded.compact.head if recorded else range(len(self.nodes) - start))
             if recorded is not None:
-                shape = shape or self._action_shape(action, ops, units, here, key)
+                shape = shape or self._shape(action, ops, units, here, key)
                 self.stage_templates[(shape[0], recorded.present)] = (recorded, shape)
+
+    def _shape(self, action: Action, ops: list[Op], units: dict, here: dict, key: tuple) -> tuple:
+        """_action_shape, kept per structure: plans of one stage cut share their stages' runs of
+        ops, so the shape of an action with the same key, receives and buckets is the same."""
+        stage = key[0]
+        received = tuple(e.index for e in self.pipeline.edges if e.target == stage and e.tensor not in here)
+        flushes = tuple((op.name, tuple(tuple(m.name for m in b) for b in self.flush_after[op.name]))
+                        for op in ops if op.name in self.flush_after) if key[2] else ()
+        memo = _shapes(self.sharded)
+        found = memo.get(at := (self.pipeline.stages, self.pipeline.split_backward, key, received, flushes))
+        if found is None:
+            found = memo[at] = self._action_shape(action, ops, units, here, key)
+        return found
 
     def _action_shape(self, action: Action, ops: list[Op], units: dict, here: dict, key: tuple) -> tuple:
         """What an action's nodes depend on but names, peers and tags, with its names in order
@@ -497,17 +554,17 @@ class _ProgramBuilder:
         and role the first time) and coalescing unit; the buckets a final action sends; the
         tensors it receives and sends (with the peer stage of each edge)."""
         table, parts, edges = NameTable(), [], []
-        tensors, seen = self.graph.tensors, set()
+        tensors, seen, same = self.graph.tensors, set(), _alike(self.sharded)
 
         def tensor(name: str) -> int:
             place = table.at(name)
             if place not in seen:
                 seen.add(place)
-                parts.append(tensors[name].signature if name in tensors else None)
+                parts.append(same.of_tensor(tensors.get(name)))
             return place
 
         def collective(op: Op) -> tuple:
-            return (tensor(op.inputs[0]), tensor(op.outputs[0]), op.bytes, table.attrs(op.attrs))
+            return tensor(op.inputs[0]), tensor(op.outputs[0]), same.of_op(op), _named(table, op)
 
         chunk = lambda stage: self.pipeline.stages.rank_and_chunk(stage)[1]
         parts.append((action.kind, action.chunk, key[2:3] + key[4:], tuple((chunk(s), k) for s, k in key[3])))
@@ -520,8 +577,7 @@ class _ProgramBuilder:
         for op in ops:
             unit = _unit(op, self.graph)
             members = units.get(unit, ())
-            parts.append((op.kind, op.phase, op.flops, op.bytes, op.label(), table.attrs(op.attrs),
-                          tuple(map(tensor, op.inputs)), tuple(map(tensor, op.outputs)),
+            parts.append((same.of_op(op), _named(table, op), tuple(map(tensor, op.inputs)), tuple(map(tensor, op.outputs)),
                           unit and (unit[0], unit[1], unit[3], unit[4], op is members[0], op is members[-1],
                                     tuple(map(collective, members)))))
             for bucket in self.flush_after.get(op.name, []) if key[2] else ():

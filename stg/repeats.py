@@ -73,6 +73,7 @@ class ActionNodes:
     stats: ClassStats
     edges: int
     read_later: frozenset[int]  # offsets of nodes whose tensors later actions or the step may read
+    roles: frozenset | None = None  # the role sets it refers to, when moved (see _roles)
 
     @classmethod
     def record(cls, builder: "_ProgramBuilder", microbatch: int, start: int, chains: dict, known: int, here: dict,
@@ -124,6 +125,8 @@ class ActionNodes:
     @cached_property
     def _roles(self) -> frozenset:
         """Every set of roles a dependency or an exit refers to."""
+        if self.roles is not None:
+            return self.roles
         refs = {d for entry in self.nodes if not entry[5] for d in entry[4] if type(d) is frozenset}
         return frozenset(refs | {r for r in self.exit.values() if type(r) is frozenset})
 
@@ -194,26 +197,28 @@ class ActionNodes:
 
     def moved(self, rename: dict[str, str], retag: dict[int, int], peers: dict) -> "ActionNodes | None":
         """These nodes as another pipeline stage's action of the same shape makes them (timing
-        only: names are not redone): its tensors under `rename`, its sends and receives on the
-        edges `retag` maps edge indices to, their peers under `peers`; None if a tensor it
-        refers to has no new name."""
+        only: nodes keep their names and only the merged replay form is moved): its tensors
+        under `rename`, its sends and receives on the edges `retag` maps edge indices to, their
+        peers under `peers`; None if a tensor it refers to has no new name."""
         def roles(refs):
             return frozenset(("tensor", rename[r[1]]) if r[0] == "tensor" else r for r in refs)
 
+        def p2p(key):
+            src, dst, tag, size = key
+            return peers.get(src, src), peers.get(dst, dst), tag - tag % self.edges + retag[tag % self.edges], size
+
+        c = self.compact
         try:
-            nodes = []
-            for node, kind, suffix, chained, deps, inside, exact in self.nodes:
-                if kind is not _COMP and kind is not _COLL:
-                    edge = node.tag % self.edges
-                    node = replace(node, src=peers.get(node.src, node.src), dst=peers.get(node.dst, node.dst),
-                                   tag=node.tag - edge + retag[edge])
-                deps = deps if inside else tuple(d if type(d) is int else roles(d) for d in deps)
-                nodes.append((node, kind, suffix, chained, deps, inside, exact))
             exit = {(role[0], rename[role[1]]) if role[0] == "tensor" else role: ref if type(ref) is int else roles(ref)
                     for role, ref in self.exit.items()}
+            compact = replace(c, outside_roles=tuple(r if r is _CHAIN else roles(r) for r in c.outside_roles),
+                              p2p=tuple((k, p2p(key)) for k, key in c.p2p),
+                              holes=frozenset(peers.get(h, h) for h in c.holes))
         except KeyError:
             return None
-        return replace(self, nodes=tuple(nodes), exit=exit)
+        moved = replace(self, exit=exit, roles=frozenset(map(roles, self._roles)))
+        moved.__dict__["compact"] = compact  # cached_property's slot
+        return moved
 
     @cached_property
     def compact(self) -> "_Compact":
