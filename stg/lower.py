@@ -34,10 +34,11 @@ from stg.errors import LayoutError
 from stg.graph import DType, Op, OpKind, Phase, Role
 from stg.mesh import axis_symbol
 from parallelism.pipeline import Edge, StagePlan
-from stg.blocks import NameTable, blocks
+from stg.blocks import blocks
 from stg.program import ClassStats, GroupHole, NodeType, RankHole, RankProgram, ReplayChunks, TraceNode
 from stg.repeats import ActionNodes, ActionTally, add_to, tallies
 from stg.schedule import Action, Kind, Schedule, one_f_one_b, virtual_stage
+from stg.shapes import moved_here, shape_of
 from stg.sharding import ShardedGraph, per_graph
 
 
@@ -112,50 +113,6 @@ def _unit(op: Op, graph) -> tuple | None:
     if role not in (Role.WEIGHT, Role.GRADIENT):
         return None
     return (role, op.phase, op.layer, op.attrs["collective"], op.attrs["axes"])
-
-
-class _Alike:
-    """Small ints for ops equal but for their names and for tensors equal but for theirs, so
-    an action's shape (_ProgramBuilder._action_shape) is a tuple of ints, cheap to hash and to
-    compare (its costs are sympy expressions, its kinds enums: both slow to hash in bulk)."""
-
-    def __init__(self) -> None:
-        self.ids: dict = {}
-
-    def _id(self, key, value) -> int:
-        found = self.ids.get(key)
-        if found is None:
-            found = self.ids[key] = self.ids.setdefault(("value", value), len(self.ids))
-        return found
-
-    def of_op(self, op: Op) -> int:
-        found = self.ids.get(op.name)
-        if found is None:
-            attrs = tuple((k, v) for k, v in op.attrs.items() if k not in _NAMED)
-            found = self._id(op.name, (op.kind, op.phase, op.flops, op.bytes, op.label(), attrs))
-        return found
-
-    def of_tensor(self, tensor) -> int | None:
-        return None if tensor is None else self._id(("tensor", tensor.name), tensor.signature)
-
-
-_NAMED = ("grad_of", "weight")  # attributes that hold names (stg.blocks.NameTable.attrs)
-
-
-@per_graph
-def _alike(sharded: "ShardedGraph") -> _Alike:
-    return _Alike()
-
-
-@per_graph
-def _shapes(sharded: "ShardedGraph") -> dict:
-    """Action shapes of a structure, by stage cut and action (_ProgramBuilder._shape)."""
-    return {}
-
-
-def _named(table: NameTable, op: Op) -> tuple:
-    """The places of the names an op's attributes hold."""
-    return tuple(table.attrs({k: op.attrs[k] for k in _NAMED if k in op.attrs}))
 
 
 @dataclass(frozen=True)
@@ -239,6 +196,9 @@ class _ProgramBuilder:
         self.microbatches = max((a.microbatch for a in pipeline.schedule[rank]), default=0) + 1
         # timing: templates of every stage of this plan by (shape, chains present): see _action_shape
         self.stage_templates: dict[tuple, tuple] = stage_templates if stage_templates is not None else {}
+
+    def unit(self, op: Op) -> tuple | None:
+        return _unit(op, self.graph)
 
     def _add(self, **kwargs) -> int:
         node = TraceNode(id=len(self.nodes), **kwargs)
@@ -510,10 +470,10 @@ class _ProgramBuilder:
             return
         shape = None
         if self.timing:  # another stage may have run an action of this shape
-            shape = self._shape(action, ops, units, here, key)
+            shape = shape_of(self, action, ops, units, here, key)
             present = frozenset(r for r, v in self.chain_roles().items() if v is not None)
             found = self.stage_templates.get((shape[0], present))
-            moved = found and self._moved(found, shape)
+            moved = found and moved_here(self, found, shape)
             if moved is not None and moved.replay(self, action.microbatch, here):
                 self.node_repeats[key] = moved
                 return
@@ -529,77 +489,8 @@ class _ProgramBuilder:
             recorded = self.node_repeats[key]
             self._add_to_replay(start, recorded.compact.head if recorded else range(len(self.nodes) - start))
             if recorded is not None:
-                shape = shape or self._shape(action, ops, units, here, key)
+                shape = shape or shape_of(self, action, ops, units, here, key)
                 self.stage_templates[(shape[0], recorded.present)] = (recorded, shape)
-
-    def _shape(self, action: Action, ops: list[Op], units: dict, here: dict, key: tuple) -> tuple:
-        """_action_shape, kept per structure: plans of one stage cut share their stages' runs of
-        ops, so the shape of an action with the same key, receives and buckets is the same."""
-        stage = key[0]
-        received = tuple(e.index for e in self.pipeline.edges if e.target == stage and e.tensor not in here)
-        flushes = tuple((op.name, tuple(tuple(m.name for m in b) for b in self.flush_after[op.name]))
-                        for op in ops if op.name in self.flush_after) if key[2] else ()
-        memo = _shapes(self.sharded)
-        found = memo.get(at := (self.pipeline.stages, self.pipeline.split_backward, key, received, flushes))
-        if found is None:
-            found = memo[at] = self._action_shape(action, ops, units, here, key)
-        return found
-
-    def _action_shape(self, action: Action, ops: list[Op], units: dict, here: dict, key: tuple) -> tuple:
-        """What an action's nodes depend on but names, peers and tags, with its names in order
-        of first use and its sends' and receives' edges: two stages' actions of equal shape
-        make the same nodes up to those (timing only; ActionNodes.moved). Its kind, chunk,
-        place before or after the last, its micro-batch's earlier actions by chunk and kind;
-        per op its kind, phase, costs, attributes, tensors (each by place, with its shape, dtype
-        and role the first time) and coalescing unit; the buckets a final action sends; the
-        tensors it receives and sends (with the peer stage of each edge)."""
-        table, parts, edges = NameTable(), [], []
-        tensors, seen, same = self.graph.tensors, set(), _alike(self.sharded)
-
-        def tensor(name: str) -> int:
-            place = table.at(name)
-            if place not in seen:
-                seen.add(place)
-                parts.append(same.of_tensor(tensors.get(name)))
-            return place
-
-        def collective(op: Op) -> tuple:
-            return tensor(op.inputs[0]), tensor(op.outputs[0]), same.of_op(op), _named(table, op)
-
-        chunk = lambda stage: self.pipeline.stages.rank_and_chunk(stage)[1]
-        parts.append((action.kind, action.chunk, key[2:3] + key[4:], tuple((chunk(s), k) for s, k in key[3])))
-        stage = virtual_stage(self.rank, action.chunk, self.pipeline.stages.pp)
-        read = {name for op in ops for name in op.inputs}
-        for edge in self.pipeline.edges:
-            if edge.target == stage and edge.tensor in read and edge.tensor not in here:
-                parts.append(("recv", tensor(edge.tensor)))
-                edges.append((edge, edge.source))
-        for op in ops:
-            unit = _unit(op, self.graph)
-            members = units.get(unit, ())
-            parts.append((same.of_op(op), _named(table, op), tuple(map(tensor, op.inputs)), tuple(map(tensor, op.outputs)),
-                          unit and (unit[0], unit[1], unit[3], unit[4], op is members[0], op is members[-1],
-                                    tuple(map(collective, members)))))
-            for bucket in self.flush_after.get(op.name, []) if key[2] else ():
-                parts.append(tuple(map(collective, bucket)))
-        made = {name for op in ops for name in op.outputs}
-        for edge in self.pipeline.edges:
-            if edge.source == stage and edge.tensor in made:
-                parts.append(("send", tensor(edge.tensor)))
-                edges.append((edge, edge.target))
-        last = bool(key[4:]) and key[4]
-        parts.append(tuple(sorted(map(tensor, self._read_later(key[:2], ops, last)))))  # where its runs end
-        return tuple(parts), table.names, edges
-
-    def _moved(self, found: tuple, shape: tuple) -> ActionNodes | None:
-        """A template another stage recorded, under this stage's names, tags and peers."""
-        template, (_, names, edges) = found
-        peers: dict = {}
-        for (_, old), (_, new) in zip(edges, shape[2]):
-            if peers.setdefault(self._peer(old), self._peer(new)) != self._peer(new):
-                return None  # two of its peers become one: not the same pattern
-        retag = {old.index: new.index for (old, _), (new, _) in zip(edges, shape[2])}
-        return template.moved(dict(zip(names, shape[1])), retag, peers)
 
     def _read_later(self, run: tuple, ops: list[Op], last: bool) -> frozenset[str]:
         """The tensors `ops` (the run of one virtual stage and action kind) make that collectives

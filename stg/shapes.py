@@ -1,0 +1,136 @@
+"""An action's shape: what its nodes depend on but names, peers and tags. Lowered for timing
+(stg explore), a pipeline stage repeats an action that another stage of the plan ran with the
+same shape, its template moved to this stage's names, edge tags and peers (ActionNodes.moved),
+instead of running its ops: stage to stage, a pipeline's actions differ in those only."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from stg.blocks import NameTable
+from stg.graph import Op
+from stg.schedule import Action, virtual_stage
+from stg.sharding import ShardedGraph, per_graph
+
+if TYPE_CHECKING:
+    from stg.lower import _ProgramBuilder
+    from stg.repeats import ActionNodes
+
+
+class _Alike:
+    """Small ints for ops equal but for their names and for tensors equal but for theirs, so
+    an action's shape (_action_shape) is a tuple of ints, cheap to hash and to
+    compare (its costs are sympy expressions, its kinds enums: both slow to hash in bulk)."""
+
+    def __init__(self) -> None:
+        self.ids: dict = {}
+
+    def _id(self, key, value) -> int:
+        found = self.ids.get(key)
+        if found is None:
+            found = self.ids[key] = self.ids.setdefault(("value", value), len(self.ids))
+        return found
+
+    def of_op(self, op: Op) -> int:
+        found = self.ids.get(op.name)
+        if found is None:
+            attrs = tuple((k, v) for k, v in op.attrs.items() if k not in _NAMED)
+            found = self._id(op.name, (op.kind, op.phase, op.flops, op.bytes, op.label(), attrs))
+        return found
+
+    def of_tensor(self, tensor) -> int | None:
+        return None if tensor is None else self._id(("tensor", tensor.name), tensor.signature)
+
+
+_NAMED = ("grad_of", "weight")  # attributes that hold names (stg.blocks.NameTable.attrs)
+
+
+@per_graph
+def _alike(sharded: ShardedGraph) -> _Alike:
+    return _Alike()
+
+
+@per_graph
+def _shapes(sharded: ShardedGraph) -> dict:
+    """Action shapes of a structure, by stage cut and action (shape_of)."""
+    return {}
+
+
+def _named(table: NameTable, op: Op) -> tuple:
+    """The places of the names an op's attributes hold."""
+    return tuple(table.attrs({k: op.attrs[k] for k in _NAMED if k in op.attrs}))
+
+
+def shape_of(builder: _ProgramBuilder, action: Action, ops: list[Op], units: dict, here: dict,
+             key: tuple) -> tuple:
+    """_action_shape, kept per structure: plans of one stage cut share their stages' runs of
+    ops, so the shape of an action with the same key, receives and buckets is the same."""
+    stage = key[0]
+    received = tuple(e.index for e in builder.pipeline.edges if e.target == stage and e.tensor not in here)
+    flushes = tuple((op.name, tuple(tuple(m.name for m in b) for b in builder.flush_after[op.name]))
+                    for op in ops if op.name in builder.flush_after) if key[2] else ()
+    memo = _shapes(builder.sharded)
+    found = memo.get(at := (builder.pipeline.stages, builder.pipeline.split_backward, key, received, flushes))
+    if found is None:
+        found = memo[at] = _action_shape(builder, action, ops, units, here, key)
+    return found
+
+
+def _action_shape(builder: _ProgramBuilder, action: Action, ops: list[Op], units: dict, here: dict,
+                  key: tuple) -> tuple:
+    """What an action's nodes depend on but names, peers and tags, with its names in order
+    of first use and its sends' and receives' edges: two stages' actions of equal shape
+    make the same nodes up to those (timing only; ActionNodes.moved). Its kind, chunk,
+    place before or after the last, its micro-batch's earlier actions by chunk and kind;
+    per op its kind, phase, costs, attributes, tensors (each by place, with its shape, dtype
+    and role the first time) and coalescing unit; the buckets a final action sends; the
+    tensors it receives and sends (with the peer stage of each edge)."""
+    table, parts, edges = NameTable(), [], []
+    tensors, seen, same = builder.graph.tensors, set(), _alike(builder.sharded)
+
+    def tensor(name: str) -> int:
+        place = table.at(name)
+        if place not in seen:
+            seen.add(place)
+            parts.append(same.of_tensor(tensors.get(name)))
+        return place
+
+    def collective(op: Op) -> tuple:
+        return tensor(op.inputs[0]), tensor(op.outputs[0]), same.of_op(op), _named(table, op)
+
+    chunk = lambda stage: builder.pipeline.stages.rank_and_chunk(stage)[1]
+    parts.append((action.kind, action.chunk, key[2:3] + key[4:], tuple((chunk(s), k) for s, k in key[3])))
+    stage = virtual_stage(builder.rank, action.chunk, builder.pipeline.stages.pp)
+    read = {name for op in ops for name in op.inputs}
+    for edge in builder.pipeline.edges:
+        if edge.target == stage and edge.tensor in read and edge.tensor not in here:
+            parts.append(("recv", tensor(edge.tensor)))
+            edges.append((edge, edge.source))
+    for op in ops:
+        unit = builder.unit(op)
+        members = units.get(unit, ())
+        parts.append((same.of_op(op), _named(table, op), tuple(map(tensor, op.inputs)),
+                      tuple(map(tensor, op.outputs)),
+                      unit and (unit[0], unit[1], unit[3], unit[4], op is members[0], op is members[-1],
+                                tuple(map(collective, members)))))
+        for bucket in builder.flush_after.get(op.name, []) if key[2] else ():
+            parts.append(tuple(map(collective, bucket)))
+    made = {name for op in ops for name in op.outputs}
+    for edge in builder.pipeline.edges:
+        if edge.source == stage and edge.tensor in made:
+            parts.append(("send", tensor(edge.tensor)))
+            edges.append((edge, edge.target))
+    last = bool(key[4:]) and key[4]
+    parts.append(tuple(sorted(map(tensor, builder._read_later(key[:2], ops, last)))))  # where its runs end
+    return tuple(parts), table.names, edges
+
+
+def moved_here(builder: _ProgramBuilder, found: tuple, shape: tuple) -> ActionNodes | None:
+    """A template another stage recorded, under this stage's names, tags and peers."""
+    template, (_, names, edges) = found
+    peers: dict = {}
+    for (_, old), (_, new) in zip(edges, shape[2]):
+        if peers.setdefault(builder._peer(old), builder._peer(new)) != builder._peer(new):
+            return None  # two of its peers become one: not the same pattern
+    retag = {old.index: new.index for (old, _), (new, _) in zip(edges, shape[2])}
+    return template.moved(dict(zip(names, shape[1])), retag, peers)
