@@ -3,8 +3,9 @@
 No second formula: the rank-class programs that `stg generate` would write are replayed by
 TimedReplay (stg/chakra/replay.py, its loop compiled: stg/chakra/replay_kernel.py), one rank per
 pipeline stage (stg/slice_check.py), COMP nodes taking their duration from the device roofline
-that lowering already put on them,
-collectives and sends their time on the network (stg/explore/network.py). A collective over
+that lowering already put on them, collectives and sends their time on the network
+(stg/explore/network.py); the programs are lowered for timing only (stg.api.build(timing=True):
+the same stats and replay, no trace nodes). A collective over
 tp, dp, cp or ep joins copies of this slice that run the same programs at the same times, so it
 starts when this slice's member joins and costs what its real group (its size, the tiers it
 spans) costs: the slice's makespan is the whole set's, as `stg validate --timed alpha-beta

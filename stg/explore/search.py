@@ -70,7 +70,7 @@ def evaluate(model: Model, plan: Plan, network: Network, capacity: int) -> Estim
     """A plan's estimate; StgError when it does not build, MemoryLimitError (before lowering)
     when it does not fit `capacity` bytes per rank. Its memory and FLOPs are its own; its
     pipeline replay may be extended from two shorter ones (stg/explore/probe.py)."""
-    if probe_counts(plan) is None:  # replayed whole: one build, with its nodes
+    if probe_counts(plan) is None:  # replayed whole: one build, lowered for timing
         return estimate(build(model, plan, memory_limit=capacity, nodes=False, timing=True), network)
     workload = build(model, plan, memory_limit=capacity, nodes=False)
     return estimate(workload, network, plan_timings(model, plan, network))
