@@ -219,7 +219,8 @@ def build(model: Model | str | Path | Mapping, plan: Plan | Mapping, *, memory_l
     (bytes per rank), MemoryLimitError before lowering when a rank class's peak exceeds it.
     `nodes=False` lowers the programs' stats and holes without their nodes: the summary
     without what only writing needs (stg.evaluate); `timing=True` lowers, instead of their
-    nodes, the compact form the timed replay reads (what stg explore times)."""
+    nodes (whatever `nodes` says), the compact form the timed replay reads (what stg explore
+    times)."""
     model = model if isinstance(model, Model) else load_model(model)
     plan = plan if isinstance(plan, Plan) else Plan.from_dict(plan)
     model = _in_dtype(model, plan)

@@ -35,7 +35,8 @@ from stg.graph import DType, Op, OpKind, Phase, Role
 from stg.mesh import axis_symbol
 from parallelism.pipeline import Edge, StagePlan
 from stg.blocks import blocks
-from stg.program import ClassStats, GroupHole, NodeType, RankHole, RankProgram, ReplayChunks, TraceNode
+from stg.program import (ClassStats, GroupHole, NodeType, RankHole, RankProgram, ReplayChunks, TraceNode,
+                         merged_runs, replay_nodes)
 from stg.repeats import ActionNodes, ActionTally, add_to, tallies
 from stg.schedule import Action, Kind, Schedule, one_f_one_b, virtual_stage
 from stg.shapes import moved_here, shape_of
@@ -468,12 +469,11 @@ class _ProgramBuilder:
         repeat = self.node_repeats.get(key)
         if repeat is not None and repeat.replay(self, action.microbatch, here):
             return
-        shape = None
         if self.timing:  # another stage may have run an action of this shape
             shape = shape_of(self, action, ops, units, here, key)
             present = frozenset(r for r, v in self.chain_roles().items() if v is not None)
             found = self.stage_templates.get((shape[0], present))
-            moved = found and moved_here(self, found, shape)
+            moved = moved_here(self, found, shape) if found else None
             if moved is not None and moved.replay(self, action.microbatch, here):
                 self.node_repeats[key] = moved
                 return
@@ -488,8 +488,7 @@ class _ProgramBuilder:
         if self.timing:
             recorded = self.node_repeats[key]
             self._add_to_replay(start, recorded.compact.head if recorded else range(len(self.nodes) - start))
-            if recorded is not None:
-                shape = shape or shape_of(self, action, ops, units, here, key)
+            if recorded is not None:  # its shape is the one found before it ran
                 self.stage_templates[(shape[0], recorded.present)] = (recorded, shape)
 
     def _read_later(self, run: tuple, ops: list[Op], last: bool) -> frozenset[str]:
@@ -512,41 +511,11 @@ class _ProgramBuilder:
     def _add_to_replay(self, start: int, head) -> None:
         """The nodes made from `start` on, as the timed replay reads them: `head[n]` is the
         first node (an offset) of the run of COMP nodes that node `start + n` joins."""
-        made, head_of, out = self.nodes[start:], self.head_of, self.replay
-        durations = {}
-        for n, node in enumerate(made):
-            if node.type is NodeType.COMP_NODE:
-                durations[head[n]] = durations.get(head[n], 0) + node.duration_us
-            if head[n] != n:
-                head_of[start + n] = start + head[n]
-        ids, types, n_deps, flat, times = [], [], [], [], []
-        for n, node in enumerate(made):
-            if head[n] != n:
-                continue
-            deps = [start + head[d - start] if d >= start else head_of.get(d, d) for d in node.deps]
-            if node.type is not NodeType.COMP_NODE:
-                out.comm[out.size + len(ids)] = node.comm_key
-            ids.append(start + n)
-            types.append(int(node.type))
-            n_deps.append(len(deps))
-            flat.extend(deps)
-            times.append(durations.get(n, 0))
-            self.holes.update(node.holes)
-        out.add(ids, types, n_deps, flat, times)
-
-    def _runs_to_the_end(self, start: int) -> list[int]:
-        """Per node from `start` on, the first node of its run of COMP nodes, when nothing runs
-        after them (the step): a COMP node joins the run of its one dependency, a COMP node that
-        nothing else depends on."""
         made = self.nodes[start:]
-        readers = Counter(d for node in made for d in node.deps)
-        head: list[int] = []
-        for n, node in enumerate(made):
-            d = node.deps[0] if len(node.deps) == 1 else -1
-            joins = (node.type is NodeType.COMP_NODE and d >= start and made[d - start].type is NodeType.COMP_NODE
-                     and readers[d] == 1)
-            head.append(head[d - start] if joins else n)
-        return head
+        self.head_of.update((start + n, start + first) for n, first in enumerate(head) if first != n)
+        rows = replay_nodes(made, head, start, self.head_of)
+        self.replay.add(rows.ids, rows.types, rows.n_deps, rows.deps, rows.durations, rows.comm)
+        self.holes.update(hole for node in made if node.type is not NodeType.COMP_NODE for hole in node.holes)
 
     def plan_gradient_buckets(self, step: list[Op], runs: dict) -> None:
         """The step's reductions of gradients the micro-batches make go out in buckets as the
@@ -615,8 +584,10 @@ class _ProgramBuilder:
             final.update(where[microbatch])
         start = len(self.nodes)
         self.step(step, final)
-        if self.timing:
-            self._add_to_replay(start, self._runs_to_the_end(start))
+        if self.timing:  # nothing runs after the step: its runs end where its nodes say
+            made = self.nodes[start:]
+            deps = [tuple(d - start if d >= start else -1 for d in node.deps) for node in made]
+            self._add_to_replay(start, merged_runs([node.type is NodeType.COMP_NODE for node in made], deps))
         return self.nodes
 
 

@@ -8,7 +8,7 @@ stage). stg/chakra/writer.py serializes a program once and patches the holes per
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import IntEnum
 from functools import cached_property
@@ -139,6 +139,45 @@ class ReplayNodes:
     comm: dict[int, tuple]
 
 
+def merged_runs(comp: Sequence[bool], deps: Sequence[Sequence[int]], ends: Collection[int] = ()) -> list[int]:
+    """Per node, the first node of its run of COMP nodes (the replay's merge, ReplayNodes): a
+    COMP node whose one dependency is a COMP node that nothing else depends on joins that
+    node's run, unless that node is in `ends`. `deps` index the same nodes; -1 stands for a
+    node from elsewhere."""
+    readers = Counter(d for node_deps in deps for d in node_deps)
+    head: list[int] = []
+    for n, node_deps in enumerate(deps):
+        d = node_deps[0] if len(node_deps) == 1 else -1
+        joins = comp[n] and d >= 0 and comp[d] and readers[d] == 1 and d not in ends
+        head.append(head[d] if joins else n)
+    return head
+
+
+def replay_nodes(nodes: Sequence[TraceNode], head: Sequence[int], start: int = 0,
+                 outside: Mapping[int, int] | None = None) -> ReplayNodes:
+    """Nodes start, start + 1, ... merged into the first of their runs (`head`: offsets, see
+    merged_runs), each run lasting its nodes' sum; a dependency on a node before `start` reads
+    through `outside` (a merged run's last node -> its first)."""
+    outside = outside or {}
+    durations: dict[int, int] = {}
+    for n, node in enumerate(nodes):
+        if node.type is NodeType.COMP_NODE:
+            durations[head[n]] = durations.get(head[n], 0) + node.duration_us
+    ids, types, n_deps, flat, times, comm = [], [], [], [], [], {}
+    for n, node in enumerate(nodes):
+        if head[n] != n:
+            continue
+        deps = sorted({start + head[d - start] if d >= start else outside.get(d, d) for d in node.deps})
+        if node.type is not NodeType.COMP_NODE:
+            comm[len(ids)] = node.comm_key
+        ids.append(start + n)
+        types.append(int(node.type))
+        n_deps.append(len(deps))
+        flat.extend(deps)
+        times.append(durations.get(n, 0))
+    return ReplayNodes(ids, types, n_deps, flat, times, comm)
+
+
 class ReplayChunks:
     """ReplayNodes built a run of nodes at a time (lowering for timing: an action's nodes come
     as arrays), joined once at the end."""
@@ -148,9 +187,10 @@ class ReplayChunks:
         self.size = 0  # nodes so far
         self.comm: dict[int, tuple] = {}
 
-    def add(self, ids, types, n_deps, deps, durations) -> None:
+    def add(self, ids, types, n_deps, deps, durations, comm: Mapping[int, tuple] | None = None) -> None:
         """Append nodes: ids, types, dependency counts, flat dependencies and durations
-        (sequences or arrays); their comm entries go in self.comm at self.size + position first."""
+        (sequences or arrays), and comm entries by their position among them."""
+        self.comm.update((self.size + position, key) for position, key in (comm or {}).items())
         self.chunks.append((ids, types, n_deps, deps, durations))
         self.size += len(ids)
 

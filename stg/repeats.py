@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from stg.program import ClassStats, NodeType, TraceNode
+from stg.program import ClassStats, NodeType, TraceNode, merged_runs
 from stg.sharding import ShardedGraph, per_graph
 
 if TYPE_CHECKING:
@@ -259,10 +259,11 @@ _CHAIN = frozenset({("chain", "compute")})  # a COMP node's first dependency: wh
 
 @dataclass(frozen=True)
 class _Compact:
-    """A repeated action's nodes merged for the timed replay as stg/slice_check.py merges a
-    program's: a COMP node whose one dependency is the COMP node before it, which nothing
-    else reads, joins that node's run. A node that later nodes may read (a tensor that a
-    later collective reads, the chains' last nodes, the prefetch point) ends its run."""
+    """A repeated action's nodes merged for the timed replay as a program's are
+    (stg.program.merged_runs): a COMP node whose one dependency is the COMP node before it,
+    which nothing else reads, joins that node's run. A node that later nodes may read (a
+    tensor that a later collective reads, the chains' last nodes, the prefetch point) ends
+    its run."""
 
     kept: np.ndarray  # offsets of each run's first node (and of every other node)
     head: tuple[int, ...]  # per offset: its run's first node
@@ -289,23 +290,22 @@ class _Compact:
         last_comm = max((n for n, e in enumerate(entries) if e[1] is not _COMP and e[1] is not _RECV), default=None)
         prefetch = {r for role, r in action.exit.items() if role[0] == "prefetch" and type(r) is int}
         kept_by = action.read_later | prefetch | {last_compute, last_comm}
-        readers = Counter(d for e in entries for d in e[4] if type(d) is int)
-        previous, chain_of = None, {}
+        previous, chain_of = None, {}  # a chained COMP node -> the COMP node before it in the action
         for n, e in enumerate(entries):
             if e[1] is _COMP:
                 if e[3] and previous is not None:
-                    readers[previous] += 1
                     chain_of[n] = previous
                 previous = n
-        head, index, kept, types, deps, comm, exacts, runs, holes = {}, {}, [], [], [], [], [], [], set()
+        local = [((chain_of.get(n, -1),) if e[3] else ()) + tuple(d if type(d) is int else -1 for d in e[4])
+                 for n, e in enumerate(entries)]
+        head = merged_runs([e[1] is _COMP for e in entries], local, kept_by)
+        index, kept, types, deps, comm, exacts, runs, holes = {}, [], [], [], [], [], [], set()
         for n, (node, kind, _, chained, node_deps, _, exact) in enumerate(entries):
-            d = chain_of.get(n)
-            if kind is _COMP and d is not None and not node_deps and readers[d] == 1 and d not in kept_by:
-                head[n] = head[d]
-            else:
-                head[n], index[n] = n, len(kept)
+            if head[n] == n:
+                index[n] = len(kept)
                 kept.append(n)
                 types.append(int(kind))
+                d = chain_of.get(n)
                 first = (() if not chained else (d,) if d is not None else (_CHAIN,))
                 inside = sorted({head[x] for x in first + node_deps if type(x) is int})
                 deps.append((*inside, *dict.fromkeys(x for x in first + node_deps if type(x) is not int)))
@@ -315,13 +315,13 @@ class _Compact:
                 exacts.append(exact)
                 runs.append(index[head[n]])
         tails = {}
-        for n, first in head.items():
+        for n, first in enumerate(head):
             if first != n:
                 tails[first] = n
         flat = [d for node_deps in deps for d in node_deps]
         outside_at = [i for i, d in enumerate(flat) if type(d) is not int]
         ints = lambda values: np.array(values, dtype=np.int64)
-        return cls(ints(kept), tuple(head[n] for n in range(len(entries))), ints(types), ints([len(d) for d in deps]),
+        return cls(ints(kept), tuple(head), ints(types), ints([len(d) for d in deps]),
                    ints([d if type(d) is int else 0 for d in flat]), ints(outside_at),
                    tuple(flat[i] for i in outside_at), ints([k for k, key in enumerate(comm) if key and len(key) == 3]),
                    tuple(key for key in comm if key and len(key) == 3),

@@ -26,7 +26,7 @@ from stg.chakra.rank_graph import Problem, RankGraph
 from stg.chakra.replay import Replay
 from stg.chakra.validate import unread_problems
 from stg.errors import StgError
-from stg.program import GroupHole, NodeType, RankProgram, ReplayNodes
+from stg.program import GroupHole, NodeType, RankProgram, ReplayNodes, merged_runs, replay_nodes
 from stg.sharding import per_graph
 
 
@@ -45,29 +45,12 @@ def _chains(program: RankProgram) -> ReplayNodes:
     if program.replay is not None:
         return program.replay
     nodes = program.nodes
-    dependents = [0] * len(nodes)
-    previous, one_stream = None, True  # do COMP nodes form one chain (so only a run's next can start)?
-    for node in nodes:
-        for d in node.deps:
-            dependents[d] += 1
-        if node.type is NodeType.COMP_NODE:
-            one_stream = one_stream and (previous is None or previous in node.deps)
-            previous = node.id
-    head = list(range(len(nodes)))  # node id -> the first node of its run
-    kept, durations = [], {}
-    for node in nodes:
-        d = node.deps[0] if len(node.deps) == 1 else None
-        if (one_stream and node.type is NodeType.COMP_NODE and d is not None
-                and nodes[d].type is NodeType.COMP_NODE and dependents[d] == 1):
-            head[node.id] = head[d]
-            durations[head[d]] += node.duration_us
-        else:
-            kept.append(node)
-            durations[node.id] = node.duration_us
-    deps = [sorted({head[d] for d in n.deps}) for n in kept]
-    return ReplayNodes([n.id for n in kept], [int(n.type) for n in kept], [len(d) for d in deps],
-                       [d for ds in deps for d in ds], [durations[n.id] for n in kept],
-                       {p: n.comm_key for p, n in enumerate(kept) if n.type is not NodeType.COMP_NODE})
+    comp = [node.type is NodeType.COMP_NODE for node in nodes]
+    chain = [node.id for node in nodes if node.type is NodeType.COMP_NODE]
+    # do COMP nodes form one chain (so only a run's next can start)?
+    one_stream = all(previous in nodes[n].deps for previous, n in zip(chain, chain[1:]))
+    head = merged_runs(comp, [node.deps for node in nodes]) if one_stream else range(len(nodes))
+    return replay_nodes(nodes, head)
 
 
 def _graph(index: int, rank: int, program: RankProgram, index_of: dict[int, int], workload) -> RankGraph:

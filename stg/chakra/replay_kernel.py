@@ -29,8 +29,8 @@ _COMP_DONE, _SEND_DONE, _RECV_DONE, _COLL_DONE = range(4)
 
 
 def _kernel(types, durations, child_start, children, pending, rank_of, rank_start, slot_us, group_of, p2p_key,
-            group_size, n_groups, n_keys, max_instances, max_members):
-    n, ranks = len(types), len(rank_start) - 1
+            group_size, n_keys, max_instances, max_members):
+    n, ranks, n_groups = len(types), len(rank_start) - 1, len(group_size)
     # ready queues: per rank one heap each for COMP, COLL/SEND and RECV nodes, in its index range
     heaps = np.empty((3, n), dtype=np.int64)
     heap_size = np.zeros((3, ranks), dtype=np.int64)
@@ -314,7 +314,7 @@ class CompiledReplay:
         slot_us = np.append(np.array(costs, dtype=np.float64), 0.0)[self.slot_key]  # -1: not a slot node
         busy, finish, done = _kernel(self.types, self.durations, self.child_start, self.children, self.pending.copy(),
                                      self.rank_of, self.rank_start, slot_us, self.group_of, self.p2p_key,
-                                     self.group_size, len(self.group_size), self.n_keys, self.max_instances,
+                                     self.group_size, self.n_keys, self.max_instances,
                                      max(1, int(self.group_size.max(initial=1))))
         if (done != self.sizes).any():
             return None

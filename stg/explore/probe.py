@@ -54,12 +54,12 @@ def plan_timings(model, plan: Plan, network: Network) -> list[tuple[Timing, Timi
     """Per variant, the (free, costed) timings of one pipeline slice of `plan`."""
     counts = probe_counts(plan)
     if counts is None:
-        workload = build(model, plan, nodes=False, timing=True)
+        workload = build(model, plan, timing=True)
         return [slice_timings(workload, network, v) for v in range(workload.variants)]
     runs = []
     for microbatches in counts:
         probe = replace(plan, global_batch=microbatches * plan.micro_batch * plan.data_ranks)
-        workload = build(model, probe, nodes=False, timing=True)
+        workload = build(model, probe, timing=True)
         runs.append([slice_timings(workload, network, v) for v in range(workload.variants)])
     scale = (plan.microbatches - counts[0]) / (counts[1] - counts[0])
     return [(_extend(f1, f2, scale), _extend(t1, t2, scale)) for (f1, t1), (f2, t2) in zip(*runs)]

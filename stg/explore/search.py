@@ -71,7 +71,7 @@ def evaluate(model: Model, plan: Plan, network: Network, capacity: int) -> Estim
     when it does not fit `capacity` bytes per rank. Its memory and FLOPs are its own; its
     pipeline replay may be extended from two shorter ones (stg/explore/probe.py)."""
     if probe_counts(plan) is None:  # replayed whole: one build, lowered for timing
-        return estimate(build(model, plan, memory_limit=capacity, nodes=False, timing=True), network)
+        return estimate(build(model, plan, memory_limit=capacity, timing=True), network)
     workload = build(model, plan, memory_limit=capacity, nodes=False)
     return estimate(workload, network, plan_timings(model, plan, network))
 
