@@ -19,7 +19,14 @@ import sympy
 from stg.errors import GraphError
 
 
-class DType(Enum):
+class FastEnum(Enum):
+    """An Enum hashed in C by identity (equality is identity already): Enum's own __hash__ is
+    a Python call, and these members key the passes' and the lowering's hottest dicts."""
+
+    __hash__ = object.__hash__
+
+
+class DType(FastEnum):
     BF16 = ("bf16", 2)
     FP16 = ("fp16", 2)
     FP32 = ("fp32", 4)
@@ -40,7 +47,7 @@ class DType(Enum):
         raise ValueError(f"unknown dtype {text!r}; expected one of {[m.label for m in cls]}")
 
 
-class Role(Enum):
+class Role(FastEnum):
     INPUT = "input"  # data fed to the step: token ids, labels
     WEIGHT = "weight"
     ACTIVATION = "activation"
@@ -48,7 +55,7 @@ class Role(Enum):
     OPTIMIZER_STATE = "optimizer_state"
 
 
-class OpKind(Enum):
+class OpKind(FastEnum):
     EINSUM = "einsum"
     POINTWISE = "pointwise"
     POINTWISE_GRAD = "pointwise_grad"
@@ -93,7 +100,7 @@ class OpKind(Enum):
     CONSTRAIN = "constrain"
 
 
-class Phase(Enum):
+class Phase(FastEnum):
     """When an op runs in a training step; the letters are the pipeline-schedule vocabulary."""
 
     FORWARD = "F"

@@ -12,16 +12,16 @@ per-rank input; ALL_GATHER: the per-rank shard.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from enum import Enum
 from typing import Sequence
 
 import sympy
 
 from stg.errors import LayoutError
+from stg.graph import FastEnum
 from stg.mesh import Layout, Partial, Replicate, Shard
 
 
-class Collective(Enum):
+class Collective(FastEnum):
     """Values are Chakra's CollectiveCommType numbers."""
 
     ALL_REDUCE = 0
