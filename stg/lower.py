@@ -561,9 +561,13 @@ class _ProgramBuilder:
         last = {(virtual_stage(self.rank, a.chunk, stages.pp), a.kind): n for n, a in enumerate(actions)}
         where: dict[int, dict[str, int]] = {}
         history: dict[int, tuple] = {}  # micro-batch -> (virtual stage, kind) of its actions so far
+        # without nodes: each micro-batch's action keys so far, and how many actions have each
+        # key (a long pipeline runs a million actions of a few keys: per action, only counting)
+        keys: dict[int, list] = {}
+        times: Counter = Counter()
         for n, action in enumerate(actions):
             stage = virtual_stage(self.rank, action.chunk, stages.pp)
-            ops, here = runs.get((stage, action.kind), []), where.setdefault(action.microbatch, {})
+            ops = runs.get((stage, action.kind), [])
             # the last run of a chunk and kind sends the gradient buckets its ops finish; one
             # whose ops finish none is like any other (and repeats the others' nodes)
             is_final = last[(stage, action.kind)] == n and any(op.name in self.flush_after for op in ops)
@@ -572,14 +576,17 @@ class _ProgramBuilder:
             key = (stage, action.kind, is_final, history.get(action.microbatch, ()))
             history[action.microbatch] = key[3] + (key[:2],)
             if self.keep_nodes:
-                self.action_nodes(action, ops, units, here, key)
+                self.action_nodes(action, ops, units, where.setdefault(action.microbatch, {}), key)
                 continue
-            if key not in self.repeats:
+            earlier = keys.setdefault(action.microbatch, [])
+            if key not in self.repeats:  # it finds what its micro-batch's earlier actions made
+                here = dict.fromkeys(name for k in earlier for name in self.repeats[k][1])
                 self.repeats[key] = self._action_stats(action, ops, units, here, key)
-            stats, made = self.repeats[key]
-            self.stats.add(stats)
-            here.update(dict.fromkeys(made))
-        final: dict[str, int] = {}
+            earlier.append(key)
+            times[key] += 1
+        for key, count in times.items():  # one add per key
+            self.stats.add(self.repeats[key][0], count)
+        final: dict[str, int] = {}  # without nodes the step reads no producers: empty
         for microbatch in sorted(where):
             final.update(where[microbatch])
         start = len(self.nodes)

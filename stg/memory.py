@@ -165,9 +165,11 @@ def _peak(actions, by_layer: Counter, until_w: Counter, stages) -> int:
         return chunks
 
     totals, lates = per_chunk(by_layer), per_chunk(until_w)
+    change = {(kind, chunk): {Kind.F: totals[chunk], Kind.B: -(totals[chunk] - lates[chunk]), Kind.W: -lates[chunk]}[kind]
+              for chunk in {action.chunk for action in actions} for kind in Kind}
     held = peak = 0
     for action in actions:
-        total, late = totals[action.chunk], lates[action.chunk]
-        held += {Kind.F: total, Kind.B: -(total - late), Kind.W: -late}[action.kind]
-        peak = max(peak, held)
+        held += change[action.kind, action.chunk]
+        if held > peak:
+            peak = held
     return peak

@@ -98,11 +98,14 @@ class ClassStats:
     matmul_flops: int = 0  # einsum FLOPs of forward and backward (excludes the optimizer)
     recompute_flops: int = 0  # forward work re-run in the backward (counted in phase B too)
 
-    def add(self, other: "ClassStats") -> None:
+    def add(self, other: "ClassStats", times: int = 1) -> None:
+        """self += times * other."""
         for name in ("flops_by_phase", "comm_bytes", "comm_count", "nodes"):
-            getattr(self, name).update(getattr(other, name))
+            counter = getattr(self, name)
+            for key, value in getattr(other, name).items():
+                counter[key] += times * value
         for name in ("compute_bytes", "send_bytes", "recv_bytes", "matmul_flops", "recompute_flops"):
-            setattr(self, name, getattr(self, name) + getattr(other, name))
+            setattr(self, name, getattr(self, name) + times * getattr(other, name))
 
     def to_dict(self) -> dict:
         fb = sum(v for k, v in self.flops_by_phase.items() if k != Phase.STEP.value)

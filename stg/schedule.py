@@ -22,16 +22,16 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from enum import Enum
 from typing import Callable
 
 from stg.errors import PlanError
+from stg.graph import FastEnum
 from stg.limits import MAX_LAYERS, MAX_MICROBATCHES, MAX_WORLD, check_int
 
 MAX_ACTIONS = 2**20  # (micro-batch, chunk) slots over all stages: 3 actions each, held as objects
 
 
-class Kind(Enum):
+class Kind(FastEnum):
     F = "F"
     B = "B"
     W = "W"
@@ -148,14 +148,19 @@ def make_schedule(name: str, p: int, m: int, v: int = 1) -> Schedule:
 
 def check(schedule: Schedule, p: int, m: int, v: int) -> None:
     """Every stage runs every (micro-batch, kind, chunk) once, F before B before W."""
+    order = {Kind.F: 0, Kind.B: 1, Kind.W: 2}
     for rank, actions in enumerate(schedule):
-        assert len(actions) == len(set(actions)) == 3 * m * v, rank
-        assert set(actions) == {Action(i, k, c) for i in range(m) for k in Kind for c in range(v)}, rank
-        seen = {a: n for n, a in enumerate(actions)}
-        for a in actions:
-            if a.kind is not Kind.F:
-                before = Kind.F if a.kind is Kind.B else Kind.B
-                assert seen[Action(a.microbatch, before, a.chunk)] < seen[a], (rank, a)
+        assert len(actions) == 3 * m * v, rank
+        # each action's place in the list, at slot (micro-batch, chunk, kind): no object hashing,
+        # this runs over every action of every stage (a million for a long pipeline)
+        position = [-1] * (3 * m * v)
+        for n, a in enumerate(actions):
+            assert 0 <= a.microbatch < m and 0 <= a.chunk < v, (rank, a)
+            slot = 3 * (a.microbatch * v + a.chunk) + order[a.kind]
+            assert position[slot] < 0, (rank, a)  # runs twice
+            position[slot] = n
+        # all 3mv slots are filled (as many actions, none twice); F before B before W
+        assert all(f < b < w for f, b, w in zip(position[::3], position[1::3], position[2::3])), rank
 
 
 def virtual_stage(rank: int, chunk: int, p: int) -> int:
