@@ -68,3 +68,10 @@ def test_unknown_model_and_bad_yaml(tmp_path):
     listy.write_text("- 1\n- 2\n")
     with pytest.raises(ModelSpecError, match="expected a mapping"):
         load_model(str(listy))
+
+
+def test_megatron_1t_matches_narayanan_et_al():
+    # Narayanan et al. 2021, section 5.1: P = 12 l h^2 (1 + 13/(12h) + (V + s)/(12 l h)), which
+    # counts every layer and the embeddings; the final LayerNorm (2h) is the rest (Table 1: 1008B)
+    l, h, V, s = 128, 25600, 51200, 2048
+    assert load_model("megatron-1t").params == 12 * l * h * h + 13 * l * h + (V + s) * h + 2 * h
