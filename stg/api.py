@@ -406,7 +406,11 @@ _CACHE_SIZE = 8  # sharded graphs of the largest models hold tens of thousands o
 
 
 def _cached(cache: dict, key: tuple, make):
-    if key not in cache:
+    """The least recently used entry goes first (a search alternates between a plan's
+    structure and those of its folded probes, stg/explore/probe.py)."""
+    if key in cache:
+        cache[key] = cache.pop(key)
+    else:
         if len(cache) >= _CACHE_SIZE:
             del cache[next(iter(cache))]
         cache[key] = make()

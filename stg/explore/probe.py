@@ -1,4 +1,4 @@
-"""A plan's pipeline timed from two short probes instead of all its micro-batches.
+"""A plan's pipeline timed from shorter ones: two with fewer micro-batches, or four folded.
 
 The slice replay costs time in proportion to the micro-batches. Past its warm-up a pipeline
 schedule repeats itself: the step is a max-plus linear system of identical micro-batches, and
@@ -22,18 +22,48 @@ pipeline (pp = 1) the step is m identical micro-batches of gradient accumulation
 one flushing the gradient buckets: the same rule applies (m > 12 probed at 3 and 6), within
 0.1 % over dp with ZeRO 0-3, tp with and without sp, cp and full recomputation, m = 26 (the
 rest is each COMP node's rounding to whole microseconds).
-tests/test_explore.py holds the result to the replay of the whole plan.
+
+A long pipeline is also folded. Its replay costs pp x m stage micro-batches, but the middle
+stages of a cut that gives them the same blocks run one program up to names and peers, and
+the step of such a pipeline is bilinear in its stage and micro-batch counts once it holds at
+least two middle stages (four in all) and is past the fill's transient. So a plan whose cut
+has a run of alike middle stages, m >= 2 pp micro-batches and pp >= 2 p2 stages is timed
+from four folded pipelines -- the same model with fewer of those middle blocks, the stages
+before and after the run kept as they are; p1 and p2 stages, m1 = 6 p2 and m2 = 12 p2
+micro-batches -- and every time (the step, each stage's busy time and finish) is
+
+    T(pp, m) = a + b pp + c m + d pp m,  fitted exactly on the four,
+
+each stage taking its counterpart's (the same stage from its end of the pipeline, or the
+first of the alike middle ones). p1 and p2 keep pp's place in the network's period along the
+stages (ranks are pp-major: with 4 ranks a stage on nodes of 8 the links between stages
+alternate NVLink and InfiniBand, period 2): p1 >= 4 with p1 = pp mod the period, p2 = p1 + 2
+or + a period. Measured against the whole replay: a llama3-8b-sized layer, tp 2 x dp 2 (period
+2), folded at 4 and 6 stages, predicted 8 to 24 stages at m = 2 pp to 6 pp within 0.008 %
+under 1F1B, ZB-H1 with ZeRO-3 and GPipe; llama3-70b at pp 16 with its balanced cut (1, 1, 2,
+6 x 12, 4) within 0.03 %; folding at 3 and 4 stages, or at 4 and 5 against a period of 2, was
+7-73 % off, and probing at 3 p2 and 6 p2 micro-batches left the m-slope 0.2 % short. The
+interleaved schedule is not folded: its step's slope in pp varied by 3 % between 4, 6, 8 and
+12 stages. Folding pays where the four folds replay under half the plan's stage
+micro-batches (2 (m1 + m2)(p1 + p2) <= pp m); the folded models are new structures (their
+symbolic passes are paid once per search, stg/api.py keeps the recent ones).
+tests/test_explore.py holds both shortcuts to the replay of the whole plan.
 """
 
 from __future__ import annotations
 
 from dataclasses import replace
+from math import gcd, lcm
 
+from model_zoo import Model
+from model_zoo.transformer import TransformerConfig
 from stg.api import build
 from stg.chakra.replay import Timing
 from stg.explore.cost import slice_timings
 from stg.explore.network import Network
 from stg.plan import Plan
+
+FOLD_FEWEST = 4  # stages of the smaller folded pipeline: with fewer the fit is off (see above)
 
 
 def probe_counts(plan: Plan) -> tuple[int, int] | None:
@@ -63,3 +93,84 @@ def plan_timings(model, plan: Plan, network: Network) -> list[tuple[Timing, Timi
         runs.append([slice_timings(workload, network, v) for v in range(workload.variants)])
     scale = (plan.microbatches - counts[0]) / (counts[1] - counts[0])
     return [(_extend(f1, f2, scale), _extend(t1, t2, scale)) for (f1, t1), (f2, t2) in zip(*runs)]
+
+
+def _ends(split: tuple[int, ...]) -> tuple[int, int, int]:
+    """(head, middle, tail) of a stage cut: the longest run of stages holding one block count
+    (`middle`) between the first and the last stage (which also hold the embedding and the
+    output layer), and how many stages come before and after it."""
+    best = (0, 1, 1)  # (length, start, end) of the run
+    start = 1
+    for end in range(2, len(split)):
+        if split[end] != split[start] or end == len(split) - 1:
+            best = max(best, (end - start, -start, end))
+            start = end
+    length, start, end = best
+    return -start, split[-start], len(split) - end
+def fold_counts(workload, network: Network) -> tuple[tuple[int, int], tuple[int, int]] | None:
+    """((p1, p2), (m1, m2)): the stage and micro-batch counts of the folded pipelines that
+    time `workload`'s plan (built without nodes), or None when it cannot be folded or gains
+    nothing by it."""
+    plan, config, stages = workload.plan, workload.model.config, workload.stages
+    if stages is None or not isinstance(config, TransformerConfig):
+        return None
+    split = stages.split(config.layers)
+    head, middle, tail = _ends(split)
+    if plan.vpp > 1 or len(split) - head - tail < 2:
+        # interleaved: the step is not bilinear in pp (its p-slope varied by 3 % between 4, 6, 8
+        # and 12 stages); a pipeline with fewer than two alike middle stages has nothing to fold
+        return None
+    if config.first_dense_layers > sum(split[:head]):
+        return None  # a dense block (DeepSeek's first ones) in a middle stage
+    stride = workload.mesh.stride("pp")
+    period = lcm(*(tier.size // gcd(tier.size, stride) for tier in network.tiers if tier.size))
+    # at least two middle stages and four in all, as many fewer than pp as whole periods
+    fewest = max(FOLD_FEWEST, head + tail + 2)
+    p1 = plan.pp - period * ((plan.pp - fewest) // period)
+    p2 = p1 + period * -(-2 // period)
+    m = plan.microbatches
+    if plan.pp < 2 * p2 or m < 2 * plan.pp:
+        return None
+    m1, m2 = 6 * p2, 12 * p2  # past the fill's transient (at 3 and 6 p2 the slope in m was 0.2 % short)
+    if 2 * (m1 + m2) * (p1 + p2) > plan.pp * m:
+        return None  # the folds cost half as much as the plan or more
+    return (p1, p2), (m1, m2)
+
+
+def folded_timings(model: Model, workload, network: Network) -> list[tuple[Timing, Timing]] | None:
+    """Per variant, the (free, costed) timings of `workload`'s pipeline slice fitted from four
+    folded pipelines, or None when the plan is not folded (fold_counts)."""
+    counts = fold_counts(workload, network)
+    if counts is None:
+        return None
+    (p1, p2), (m1, m2) = counts
+    plan, split = workload.plan, workload.stages.split(model.layers)
+    head, middle, tail = _ends(split)
+    runs = {}
+    for p in (p1, p2):
+        cut = (*split[:head], *[middle] * (p - head - tail), *split[len(split) - tail:])
+        folded = Model(replace(model.config, layers=sum(cut)), model.source)
+        for m in (m1, m2):
+            probe = replace(plan, pp=p, layers_per_stage=cut, global_batch=m * plan.micro_batch * plan.data_ranks)
+            built = build(folded, probe, timing=True)
+            runs[p, m] = [slice_timings(built, network, variant) for variant in range(built.variants)]
+
+    def fit(value) -> float:
+        """value(p, m) at (pp, m), from the four runs: bilinear."""
+        a, b, c, d = (value(p1, m1), value(p2, m1), value(p1, m2), value(p2, m2))
+        x, y = (plan.pp - p1) / (p2 - p1), (plan.microbatches - m1) / (m2 - m1)
+        return a + x * (b - a) + y * (c - a) + x * y * (d - c - b + a)
+
+    # a real stage's counterpart in a folded pipeline of p stages: the same from either end,
+    # or (a middle one, all alike) the first middle stage
+    counterpart = lambda stage, p: stage if stage < head else p - (plan.pp - stage) if plan.pp - stage <= tail else head
+
+    def timing(variant: int, costed: int) -> Timing:
+        at = lambda p, m: runs[p, m][variant][costed]
+        makespan = fit(lambda p, m: at(p, m).makespan_us)
+        per_stage = lambda of: [fit(lambda p, m: getattr(at(p, m), of)[counterpart(stage, p)])
+                                for stage in range(plan.pp)]
+        busy = per_stage("busy_us")
+        return Timing(makespan, busy, [makespan - b for b in busy], per_stage("finish_us"))
+
+    return [(timing(variant, 0), timing(variant, 1)) for variant in range(len(runs[p1, m1]))]

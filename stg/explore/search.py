@@ -30,7 +30,7 @@ from stg.errors import OutputError, PlanError, StgError
 from stg.evaluation import structure_order
 from stg.explore.cost import Estimate, estimate
 from stg.explore.network import Network, load_network
-from stg.explore.probe import plan_timings, probe_counts
+from stg.explore.probe import FOLD_FEWEST, folded_timings, plan_timings, probe_counts
 from stg.explore.space import Cluster, Job, Space, plans, reason, recommendation_plans, resolve
 from stg.plan import Plan
 
@@ -68,12 +68,15 @@ class Result:
 
 def evaluate(model: Model, plan: Plan, network: Network, capacity: int) -> Estimate:
     """A plan's estimate; StgError when it does not build, MemoryLimitError (before lowering)
-    when it does not fit `capacity` bytes per rank. Its memory and FLOPs are its own; its
-    pipeline replay may be extended from two shorter ones (stg/explore/probe.py)."""
-    if probe_counts(plan) is None:  # replayed whole: one build, lowered for timing
+    when it does not fit `capacity` bytes per rank. Its memory and FLOPs are its own; a long
+    pipeline's replay is fitted from folded or shorter ones (stg/explore/probe.py)."""
+    if probe_counts(plan) is None and plan.pp < 2 * FOLD_FEWEST:  # replayed whole: one build, for timing
         return estimate(build(model, plan, memory_limit=capacity, timing=True), network)
     workload = build(model, plan, memory_limit=capacity, nodes=False)
-    return estimate(workload, network, plan_timings(model, plan, network))
+    timings = folded_timings(model, workload, network)
+    if timings is None and probe_counts(plan) is None:
+        return estimate(build(model, plan, timing=True), network)
+    return estimate(workload, network, timings or plan_timings(model, plan, network))
 
 
 def _evaluate_chunk(chunk: list[Plan]) -> list[Row | str]:
