@@ -163,15 +163,8 @@ def untie(forward, stages: StagePlan) -> tuple[object, dict[str, tuple[tuple[str
 
     from stg.graph import Graph
 
-    stages_of: dict[str, list[int]] = {}
-    for op in forward.ops:
-        for name in op.inputs:
-            if forward.tensors[name].role.value == "weight":
-                stage = stages.virtual_stage(op.layer)
-                if stage not in stages_of.setdefault(name, []):
-                    stages_of[name].append(stage)
-    ties = {w: tuple((w if n == 0 else f"{w}@stage{s}", s) for n, s in enumerate(sorted(ss)))
-            for w, ss in stages_of.items() if len(ss) > 1}
+    ties = {w: tuple((w if n == 0 else f"{w}@stage{s}", s) for n, s in enumerate(readers))
+            for w, readers in _tied_readers(forward, stages).items()}
     if not ties:
         return forward, {}
     tensors = dict(forward.tensors)
@@ -183,6 +176,51 @@ def untie(forward, stages: StagePlan) -> tuple[object, dict[str, tuple[tuple[str
     graph = Graph(tensors, ops)
     graph.verify()
     return graph, ties
+
+
+def _tied_readers(forward, stages: StagePlan) -> dict[str, dict[int, list[int]]]:
+    """Per weight read on several virtual stages: the blocks reading it on each, by stage."""
+    readers: dict[str, dict[int, list[int]]] = {}
+    for op in forward.ops:
+        for name in op.inputs:
+            if forward.tensors[name].role.value == "weight":
+                layers = readers.setdefault(name, {}).setdefault(stages.virtual_stage(op.layer), [])
+                if op.layer not in layers:
+                    layers.append(op.layer)
+    return {w: dict(sorted(by_stage.items())) for w, by_stage in readers.items() if len(by_stage) > 1}
+
+
+def tie_pattern(forward, stages: StagePlan) -> tuple:
+    """Which blocks read which copy of each tied weight, without the stage numbers that name the
+    copies: two cuts with one pattern untie into one graph up to those names (`retie`)."""
+    return tuple((w, tuple(map(tuple, by_stage.values()))) for w, by_stage in _tied_readers(forward, stages).items())
+
+
+def retie(sharded, ties: dict, other: dict):
+    """`sharded` (untied into copies `ties`, not yet tie_gradients'd) with each copy and every
+    tensor and op derived from it named after the copies `other` of the same pattern: a
+    tied model's passes are run once per pattern, not once per stage cut."""
+    import re
+
+    from stg.graph import Graph, Op
+    from stg.sharding import ShardedGraph
+
+    mapping = {old: new for w in ties for (old, _), (new, _) in zip(ties[w], other[w]) if old != new}
+    if not mapping:
+        return sharded
+    # a copy's name, whole or as the head of a derived one (not as a prefix of a longer stage number)
+    pattern = re.compile("|".join(re.escape(old) + r"(?!\d)" for old in sorted(mapping, key=len, reverse=True)))
+    name = lambda text: pattern.sub(lambda m: mapping[m.group(0)], text) if "@stage" in text else text
+
+    def value(v):
+        return name(v) if isinstance(v, str) else type(v)(map(value, v)) if isinstance(v, (tuple, list)) else v
+    tensor = lambda t: t.renamed(name(t.name)) if "@stage" in t.name else t
+    ops = tuple(Op(name(op.name), op.kind, tuple(map(name, op.inputs)), tuple(map(name, op.outputs)), op.flops,
+                   op.bytes, op.phase, op.layer, {k: value(v) for k, v in op.attrs.items()})
+                if any("@stage" in n for n in (op.name, *op.inputs, *op.outputs)) else op for op in sharded.graph.ops)
+    graph = Graph({name(n): tensor(t) for n, t in sharded.graph.tensors.items()}, ops)
+    return ShardedGraph(graph, {name(n): layout for n, layout in sharded.layouts.items()},
+                        {name(n): tensor(t) for n, t in sharded.global_tensors.items()}, sharded.mesh_axes)
 
 
 def tie_gradients(sharded, ties: dict, stages: StagePlan):

@@ -30,7 +30,7 @@ from stg.errors import PlanError
 from stg.groups import GroupIds
 from stg.graph import DType, Graph, OpKind, Phase
 from stg.limits import MAX_EMBEDDING_RANKS, MAX_NODES
-from parallelism.pipeline import cut, layer_crossings, stage_plan, tie_gradients, untie
+from parallelism.pipeline import cut, layer_crossings, retie, stage_plan, tie_gradients, tie_pattern, untie
 from stg.chakra.writer import fixed_varint, rank_width
 from stg.lower import Evaluator, Pipeline, check_divisibility, lower
 from stg.program import GroupHole, RankHole, RankProgram
@@ -368,13 +368,23 @@ class Structure:
         grad_dtype = DType.parse(self.grad_dtype) if self.grad_dtype else None
         return training_graph(forward, grad_dtype, OPTIMIZERS[self.optimizer]), ties
 
-    def passes(self) -> ShardedGraph:
+    def untied(self) -> tuple[ShardedGraph, dict]:
+        """The sharded graph before the tied copies' gradients are summed, and the copies."""
         # one training graph per model and options, and one re-run of it per recompute mode
         cached = _hashable(self)
         train, ties = _cached(_TRAINING, self.key()[:5], self.training) if cached else self.training()
         rerun = lambda: recompute(train, self.recompute, last_block=self.config.layers)  # noqa: E731
-        sharded = shard(_cached(_RECOMPUTED, self.key()[:6], rerun) if cached else rerun(), self.spec)
-        return tie_gradients(sharded, ties, self.stages) if ties else sharded
+        return shard(_cached(_RECOMPUTED, self.key()[:6], rerun) if cached else rerun(), self.spec), ties
+
+    def passes(self) -> ShardedGraph:
+        if not self.stages:
+            return self.untied()[0]
+        # a tied model: the passes of another cut with the same tie pattern, its copies renamed
+        forward = Model(self.config, "").forward_graph(self.options)
+        ties = untie(forward, self.stages)[1]
+        pattern_key = (*self.key()[:2], tie_pattern(forward, self.stages), *self.key()[3:])
+        sharded, theirs = _cached(_UNTIED, pattern_key, self.untied) if _hashable(self) else self.untied()
+        return tie_gradients(retie(sharded, theirs, ties), ties, self.stages)
 
     def key(self) -> tuple:
         # the spec holds dicts: its printed form is the key (built in a fixed order)
@@ -402,6 +412,7 @@ def _structure(model: Model, plan: Plan, options: GraphOptions, stages) -> Struc
 _TRAINING: dict[tuple, tuple[Graph, dict]] = {}  # differentiated graphs, shared across shardings
 _RECOMPUTED: dict[tuple, Graph] = {}  # and with their recomputation (the graphs sharding reads)
 _CACHE: dict[tuple, ShardedGraph] = {}
+_UNTIED: dict[tuple, tuple[ShardedGraph, dict]] = {}  # a tied model's, per tie pattern (Structure.passes)
 _CACHE_SIZE = 8  # sharded graphs of the largest models hold tens of thousands of ops
 
 

@@ -112,6 +112,37 @@ def test_tied_embeddings_keep_a_copy_on_the_last_stage(tmp_path):
     assert validate(out) == []
 
 
+def test_a_tied_model_runs_its_passes_once_per_tie_pattern(monkeypatch):
+    """Cuts that tie the same blocks (the embedding on the first stage, the output layer on the
+    last) share one run of the symbolic passes; another cut renames the copies
+    (embed.weight@stage3 -> @stage7) in every tensor and op made from them, and equals its own
+    passes exactly."""
+    import stg.api
+
+    gpt = load_model(dict(name="tiny-gpt", family="gpt", layers=8, hidden=64, ffn=256, heads=4, vocab=1000,
+                          max_positions=128))
+    plans = [Plan(pp=4, dp=2, zero=1, global_batch=8, seq=32), Plan(pp=8, dp=2, zero=1, global_batch=16, seq=32),
+             Plan(pp=4, vpp=2, dp=2, zero=1, schedule="interleaved", global_batch=16, seq=32)]
+    def forget():
+        for cache in ("_CACHE", "_UNTIED", "_TRAINING", "_RECOMPUTED"):
+            monkeypatch.setattr(stg.api, cache, {})
+    fresh = []
+    for plan in plans:
+        forget()
+        fresh.append(build(gpt, plan).sharded)
+    forget()
+    passes = []
+    monkeypatch.setattr(stg.api.Structure, "untied", lambda self, run=stg.api.Structure.untied: passes.append(1) or run(self))
+    shared = [build(gpt, plan).sharded for plan in plans]
+    assert len(passes) == 1
+    copies = {n for n in shared[1].graph.tensors if "@" in n}
+    assert copies and all("@stage7" in n for n in copies)  # the last of 8 stages holds the copy
+    for mine, theirs in zip(shared, fresh):
+        assert mine.graph.tensors == theirs.graph.tensors
+        assert mine.graph.ops == theirs.graph.ops
+        assert (mine.layouts, mine.global_tensors) == (theirs.layouts, theirs.global_tensors)
+
+
 @pytest.mark.parametrize("costs, stages, split", [
     ([0] + [2] * 6 + [0], 3, (2, 2, 2)),
     # the head costs 2.5 blocks: a block beside it (3.5) is the least bottleneck; of the
