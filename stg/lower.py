@@ -25,6 +25,7 @@ from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass
+from operator import attrgetter
 from typing import Mapping
 
 import sympy
@@ -152,6 +153,7 @@ def _stage_work(sharded: ShardedGraph, stages: StagePlan, split_backward: bool) 
 
 
 _TYPE_NAMES = {kind: kind.name for kind in NodeType}
+_CHUNK_KIND = attrgetter("chunk", "kind")
 
 
 class _ProgramBuilder:
@@ -194,7 +196,7 @@ class _ProgramBuilder:
         self.replay = ReplayChunks()
         self.head_of: dict[int, int] = {}  # the last node of a merged run -> its first
         self.read_later: dict[tuple, frozenset[str]] = {}  # per (virtual stage, kind), last: _read_later
-        self.microbatches = max((a.microbatch for a in pipeline.schedule[rank]), default=0) + 1
+        self.microbatches = max(1, len(pipeline.schedule[rank]) // (3 * pipeline.stages.vpp))  # 3 kinds each
         # timing: templates of every stage of this plan by (shape, chains present): see _action_shape
         self.stage_templates: dict[tuple, tuple] = stage_templates if stage_templates is not None else {}
 
@@ -553,40 +555,74 @@ class _ProgramBuilder:
         for bucket in self.buckets(later):
             self.collective(self._bucket_name("S", bucket), bucket, where)
 
+    def _key(self, stage: int, kind: Kind, last: bool, ops: list[Op], history: tuple) -> tuple:
+        """What an action adds depends only on this key: the tensors it finds made (or
+        received) are those of its micro-batch's earlier actions, `history`; the last run of a
+        chunk and kind sends the gradient buckets its ops finish (one whose ops finish none is
+        like any other, and repeats the others' nodes)."""
+        return stage, kind, last and any(op.name in self.flush_after for op in ops), history
+
+    def _run_actions(self, actions: list[Action], runs: dict, units: dict) -> dict[int, dict[str, int]]:
+        """Run (or repeat) every action's nodes; per micro-batch, the producer of each tensor."""
+        pp = self.pipeline.stages.pp
+        last = {(virtual_stage(self.rank, a.chunk, pp), a.kind): n for n, a in enumerate(actions)}
+        where: dict[int, dict[str, int]] = {}
+        history: dict[int, tuple] = {}  # micro-batch -> (virtual stage, kind) of its actions so far
+        for n, action in enumerate(actions):
+            stage = virtual_stage(self.rank, action.chunk, pp)
+            ops = runs.get((stage, action.kind), [])
+            key = self._key(stage, action.kind, last[(stage, action.kind)] == n, ops, history.get(action.microbatch, ()))
+            history[action.microbatch] = key[3] + (key[:2],)
+            self.action_nodes(action, ops, units, where.setdefault(action.microbatch, {}), key)
+        return where
+
+    def _count_actions(self, actions: list[Action], runs: dict, units: dict) -> None:
+        """Without nodes: the stats of every action, by key. A long pipeline runs a million
+        actions of a few keys, and a micro-batch's keys follow from the chunks and kinds of its
+        actions in order (and which of them is the last of its chunk and kind): per action only
+        its micro-batch's sequence is taken, then each distinct sequence is walked once."""
+        pp = self.pipeline.stages.pp
+        sequences: list[list[Action]] = [[] for _ in range(self.microbatches)]
+        for action in actions:
+            sequences[action.microbatch].append(action)
+        last = {}
+        for action in reversed(actions):  # the last action of each chunk and kind
+            last.setdefault((action.chunk, action.kind), action)
+        finals = set(last.values())
+        final_microbatches = {action.microbatch for action in finals}
+        walks: dict[tuple, list] = {}  # distinct sequence -> [a micro-batch's actions, how many]
+        for microbatch, sequence in enumerate(sequences):
+            steps = tuple(map(_CHUNK_KIND, sequence))
+            lasts = tuple(a in finals for a in sequence) if microbatch in final_microbatches else (False,) * len(steps)
+            walk = walks.setdefault((steps, lasts), [sequence, 0])
+            walk[1] += 1
+        times: Counter = Counter()
+        for (steps, lasts), (sequence, count) in walks.items():
+            history, earlier = (), []
+            for action, (chunk, kind), is_last in zip(sequence, steps, lasts):
+                stage = virtual_stage(self.rank, chunk, pp)
+                ops = runs.get((stage, kind), [])
+                key = self._key(stage, kind, is_last, ops, history)
+                if key not in self.repeats:  # it finds what its micro-batch's earlier actions made
+                    here = dict.fromkeys(name for k in earlier for name in self.repeats[k][1])
+                    self.repeats[key] = self._action_stats(action, ops, units, here, key)
+                earlier.append(key)
+                history += ((stage, kind),)
+                times[key] += count
+        for key, count in times.items():  # one add per key
+            self.stats.add(self.repeats[key][0], count)
+
     def build(self) -> list[TraceNode]:
         stages = self.pipeline.stages
         runs, units, step = _stage_work(self.sharded, stages, self.pipeline.split_backward)[self.rank]
         self.plan_gradient_buckets(step, runs)
         actions = self.pipeline.schedule[self.rank]
-        last = {(virtual_stage(self.rank, a.chunk, stages.pp), a.kind): n for n, a in enumerate(actions)}
-        where: dict[int, dict[str, int]] = {}
-        history: dict[int, tuple] = {}  # micro-batch -> (virtual stage, kind) of its actions so far
-        # without nodes: each micro-batch's action keys so far, and how many actions have each
-        # key (a long pipeline runs a million actions of a few keys: per action, only counting)
-        keys: dict[int, list] = {}
-        times: Counter = Counter()
-        for n, action in enumerate(actions):
-            stage = virtual_stage(self.rank, action.chunk, stages.pp)
-            ops = runs.get((stage, action.kind), [])
-            # the last run of a chunk and kind sends the gradient buckets its ops finish; one
-            # whose ops finish none is like any other (and repeats the others' nodes)
-            is_final = last[(stage, action.kind)] == n and any(op.name in self.flush_after for op in ops)
-            # what an action adds to the stats depends only on this key: the tensors it finds
-            # made (or received) are those of its micro-batch's earlier actions
-            key = (stage, action.kind, is_final, history.get(action.microbatch, ()))
-            history[action.microbatch] = key[3] + (key[:2],)
-            if self.keep_nodes:
-                self.action_nodes(action, ops, units, where.setdefault(action.microbatch, {}), key)
-                continue
-            earlier = keys.setdefault(action.microbatch, [])
-            if key not in self.repeats:  # it finds what its micro-batch's earlier actions made
-                here = dict.fromkeys(name for k in earlier for name in self.repeats[k][1])
-                self.repeats[key] = self._action_stats(action, ops, units, here, key)
-            earlier.append(key)
-            times[key] += 1
-        for key, count in times.items():  # one add per key
-            self.stats.add(self.repeats[key][0], count)
-        final: dict[str, int] = {}  # without nodes the step reads no producers: empty
+        if self.keep_nodes:
+            where = self._run_actions(actions, runs, units)
+        else:
+            self._count_actions(actions, runs, units)
+            where = {}  # without nodes the step reads no producers
+        final: dict[str, int] = {}
         for microbatch in sorted(where):
             final.update(where[microbatch])
         start = len(self.nodes)

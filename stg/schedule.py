@@ -20,6 +20,7 @@ runs it with given action costs and free communication and reports the makespan.
 
 from __future__ import annotations
 
+import functools
 import re
 from dataclasses import dataclass
 from typing import Callable
@@ -57,41 +58,49 @@ class Action:
 Schedule = list[list[Action]]  # per stage
 
 
-def _backward(mb: int, chunk: int = 0) -> list[Action]:
-    return [Action(mb, Kind.B, chunk), Action(mb, Kind.W, chunk)]
+def _actions(m: int, v: int = 1) -> dict[Kind, list[list[Action]]]:
+    """Every action of m micro-batches and v chunks, made once, by kind, chunk and micro-batch:
+    a schedule's stages share them (pp x 3mv objects are millions for a long pipeline)."""
+    return {kind: [[Action(i, kind, c) for i in range(m)] for c in range(v)] for kind in Kind}
 
 
 def gpipe(p: int, m: int, v: int = 1) -> Schedule:
-    return [[Action(i, Kind.F) for i in range(m)] + [a for i in range(m) for a in _backward(i)] for _ in range(p)]
+    a = _actions(m)
+    f, b, w = a[Kind.F][0], a[Kind.B][0], a[Kind.W][0]
+    return [[*f, *(x for i in range(m) for x in (b[i], w[i]))] for _ in range(p)]
 
 
 def one_f_one_b(p: int, m: int, v: int = 1) -> Schedule:
+    a = _actions(m)
+    f, b, w = a[Kind.F][0], a[Kind.B][0], a[Kind.W][0]
     stages = []
     for rank in range(p):
         warmup = min(p - rank - 1, m)
-        actions = [Action(i, Kind.F) for i in range(warmup)]
+        actions = f[:warmup]
         for i in range(m - warmup):
-            actions += [Action(warmup + i, Kind.F), *_backward(i)]
+            actions += (f[warmup + i], b[i], w[i])
         for i in range(m - warmup, m):
-            actions += _backward(i)
+            actions += (b[i], w[i])
         stages.append(actions)
     return stages
 
 
 def zb_h1(p: int, m: int, v: int = 1) -> Schedule:
+    a = _actions(m)
+    f, b, w = a[Kind.F][0], a[Kind.B][0], a[Kind.W][0]
     stages = []
     for rank in range(p):
         warmup = min(p - rank - 1, m)
-        actions = [Action(i, Kind.F) for i in range(warmup)]
+        actions = f[:warmup]
         deferred = 0  # weight passes run so far
         for i in range(m):
             if warmup + i < m:
-                actions.append(Action(warmup + i, Kind.F))
-            actions.append(Action(i, Kind.B))
+                actions.append(f[warmup + i])
+            actions.append(b[i])
             if i - deferred >= rank:  # keep `rank` weight passes pending
-                actions.append(Action(deferred, Kind.W))
+                actions.append(w[deferred])
                 deferred += 1
-        actions += [Action(i, Kind.W) for i in range(deferred, m)]
+        actions += w[deferred:]
         stages.append(actions)
     return stages
 
@@ -101,22 +110,20 @@ def interleaved(p: int, m: int, v: int) -> Schedule:
     last chunk for backwards) of micro-batch (k div pv) p + k mod p."""
     if m % p:
         raise PlanError(f"microbatches={m} must be a multiple of pp={p} for the interleaved schedule")
-    total = m * v
+    total, table = m * v, _actions(m, v)
 
     def action(k: int, kind: Kind) -> Action:
         chunk = (k % (p * v)) // p
-        return Action((k // (p * v)) * p + k % p, kind, chunk if kind is Kind.F else v - 1 - chunk)
+        return table[kind][chunk if kind is Kind.F else v - 1 - chunk][(k // (p * v)) * p + k % p]
 
     stages = []
     for rank in range(p):
         warmup = total if m == p else min((p - rank - 1) * 2 + (v - 1) * p, total)
         actions = [action(k, Kind.F) for k in range(warmup)]
         for k in range(total - warmup):
-            back = action(k, Kind.B)
-            actions += [action(warmup + k, Kind.F), back, Action(back.microbatch, Kind.W, back.chunk)]
+            actions += (action(warmup + k, Kind.F), action(k, Kind.B), action(k, Kind.W))
         for k in range(total - warmup, total):
-            back = action(k, Kind.B)
-            actions += [back, Action(back.microbatch, Kind.W, back.chunk)]
+            actions += (action(k, Kind.B), action(k, Kind.W))
         stages.append(actions)
     return stages
 
@@ -141,6 +148,13 @@ def make_schedule(name: str, p: int, m: int, v: int = 1) -> Schedule:
         check_int(field, value, PlanError, maximum=most)
     if p * m * v > MAX_ACTIONS:
         raise PlanError(f"pp*microbatches*vpp = {p * m * v:,} pipeline slots is too many (at most {MAX_ACTIONS:,})")
+    return _made(name, p, m, v)
+
+
+@functools.lru_cache(maxsize=4)
+def _made(name: str, p: int, m: int, v: int) -> Schedule:
+    """A checked schedule, made once for the plans of a search that share it (a long
+    pipeline's holds a million actions); callers read it and never change it."""
     schedule = SCHEDULES[name](p, m, v)
     check(schedule, p, m, v)
     return schedule
