@@ -1,6 +1,6 @@
 """Plan search speed and a public plan (issue 13).
 
-    python benchmarks/bench_explore.py [--skip-405b] [--agreement]
+    python benchmarks/bench_explore.py [--skip-405b] [--agreement] [--1t [--workers 2]]
 
 1. Plans per second (CPU time of this process) for llama3-8b on 64 H100s and llama3-70b on
    256 and on 64 H100s (every plan built by stg.api.build, timed by the slice replay; a plan over
@@ -11,7 +11,11 @@
    (Meta reports 38-43 % BF16 MFU for its 8K-sequence pretraining on 8K-16K GPUs).
 3. Side by side, long pipelines (64-128 micro-batches) timed by replaying every micro-batch
    and from two probes (stg/explore/probe.py): CPU-s ratio and the step-time difference.
-4. --agreement: for a few plans, the estimate against `stg validate --timed alpha-beta
+4. Side by side, pipelines of 16 stages and 256 micro-batches timed whole and from four
+   folded ones (stg/explore/probe.py): CPU-s ratio and the step-time difference.
+5. --1t: the default space of megatron-1t on 512 H100s (global batch 3,072, seq 2,048), wall
+   time with --workers processes (issue 13: under 60 s on the 2-core machine).
+6. --agreement: for a few plans, the estimate against `stg validate --timed alpha-beta
    --network` of the written set (relative difference).
 """
 
@@ -25,7 +29,7 @@ from stg.api import build, generate
 from stg.chakra.validate import timed_replay
 from stg.explore import Cluster, Job, Space, explore, load_network
 from stg.explore.cost import estimate
-from stg.explore.probe import plan_timings
+from stg.explore.probe import fold_counts, folded_timings, plan_timings
 from stg.plan import Plan
 
 NETWORK = "dgx-h100-superpod"
@@ -78,6 +82,42 @@ def probes() -> None:
     print(f"probed / whole replay: {whole_s:.1f} / {probed_s:.1f} CPU-s = {whole_s / probed_s:.1f}x faster")
 
 
+def folds() -> None:
+    """Side by side: long pipelines timed by replaying all their stages and micro-batches and
+    from four folded pipelines (stg/explore/probe.py), in one process: CPU ratio, step difference."""
+    network = load_network(NETWORK)
+    plans = [Plan(dp=2, tp=8, pp=16, zero=1, global_batch=512, seq=4096, layers_per_stage="auto"),
+             Plan(dp=2, tp=8, pp=16, schedule="zb-h1", zero=1, global_batch=512, seq=4096, layers_per_stage="auto")]
+    whole_s = folded_s = 0.0
+    for plan in plans:
+        build("llama3-70b", plan, nodes=False)  # the structure, shared by both
+        started = time.process_time()
+        whole = estimate(build("llama3-70b", plan, timing=True), network)
+        whole_s += time.process_time() - started
+        started = time.process_time()
+        counted = build("llama3-70b", plan, nodes=False)
+        folded = estimate(counted, network, folded_timings(counted.model, counted, network))
+        folded_s += time.process_time() - started
+        print(f"  llama3-70b dp{plan.dp} tp{plan.tp} pp{plan.pp} {plan.schedule}, {plan.microbatches} micro-batches, "
+              f"folded at {fold_counts(counted, network)}: step {whole.step_us / 1e3:.1f} ms whole, "
+              f"{folded.step_us / 1e3:.1f} ms folded ({abs(folded.step_us - whole.step_us) / whole.step_us:.3%})")
+    print(f"folded / whole replay: {whole_s:.1f} / {folded_s:.1f} CPU-s = {whole_s / folded_s:.1f}x faster "
+          "(the folded models' symbolic passes included)")
+
+
+def space_1t(workers: int) -> None:
+    """The default space of a 1T dense model on 512 GPUs (what Calculon searches in 317 CPU-s):
+    wall time with `workers` processes."""
+    started = time.perf_counter()
+    result = explore("megatron-1t", Cluster(gpus=512), Job(global_batch=3072, seq=2048), workers=workers)
+    wall = time.perf_counter() - started
+    best = result.rows[0].to_dict() if result.rows else {}
+    print(f"megatron-1t on 512 x h100, default space: {result.considered} plans ({len(result.rows)} valid, "
+          f"dropped {result.dropped}) in {wall:.0f} s wall on {workers} workers; best "
+          f"{ {k: best[k] for k in ('dp', 'tp', 'pp', 'schedule', 'recompute', 'micro_batch')} if best else None} "
+          f"step {best.get('step_ms', 0) / 1e3:.2f} s MFU {best.get('mfu', 0):.1%}")
+
+
 def agreement() -> None:
     network = load_network(NETWORK)
     plans = [Plan(dp=2, tp=4, pp=2, zero=1, global_batch=16, seq=2048),
@@ -98,6 +138,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--skip-405b", action="store_true")
     parser.add_argument("--agreement", action="store_true")
+    parser.add_argument("--1t", dest="one_t", action="store_true", help="also the 1T space (minutes)")
+    parser.add_argument("--workers", type=int, default=2)
     args = parser.parse_args()
     rate("llama3-8b on 64 x h100", "llama3-8b", Cluster(gpus=64), Job(global_batch=256, seq=8192),
          Space(tp=(1, 2, 4, 8), pp=(1, 2, 4), recompute=("none", "full"), micro_batch=(1,), schedule=("1f1b",)))
@@ -108,6 +150,9 @@ def main() -> None:
          Space(tp=(1, 2, 4, 8), pp=(1, 2, 4, 8), zero=(0, 1), recompute=("none", "full"), micro_batch=(1,),
                schedule=("1f1b",)))
     probes()
+    folds()
+    if args.one_t:
+        space_1t(args.workers)
     if not args.skip_405b:
         meta_405b()
     if args.agreement:

@@ -190,6 +190,7 @@ class _ProgramBuilder:
         self.comm_ids: set[int] = set()  # nodes that are not COMP
         self.exact: dict[int, float] = {}  # a COMP node -> its duration before rounding
         self.node_repeats: dict[tuple, ActionNodes | None] = {}  # with nodes: per action key
+        self.repeat_stats: dict[int, list] = {}  # id -> [stats of a repeated action, times] (repeated)
         # timing: the program as the timed replay reads it; a repeated action adds its merged
         # nodes there and None to self.nodes (its ids are taken, no node is made)
         self.timing = timing
@@ -199,6 +200,11 @@ class _ProgramBuilder:
         self.microbatches = max(1, len(pipeline.schedule[rank]) // (3 * pipeline.stages.vpp))  # 3 kinds each
         # timing: templates of every stage of this plan by (shape, chains present): see _action_shape
         self.stage_templates: dict[tuple, tuple] = stage_templates if stage_templates is not None else {}
+
+    def repeated(self, stats: ClassStats) -> None:
+        """A repeated action's stats, added once per distinct stats at the end (build)."""
+        entry = self.repeat_stats.setdefault(id(stats), [stats, 0])
+        entry[1] += 1
 
     def unit(self, op: Op) -> tuple | None:
         return _unit(op, self.graph)
@@ -619,6 +625,8 @@ class _ProgramBuilder:
         actions = self.pipeline.schedule[self.rank]
         if self.keep_nodes:
             where = self._run_actions(actions, runs, units)
+            for stats, times in self.repeat_stats.values():
+                self.stats.add(stats, times)
         else:
             self._count_actions(actions, runs, units)
             where = {}  # without nodes the step reads no producers

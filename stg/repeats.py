@@ -161,7 +161,7 @@ class ActionNodes:
                 builder.prefetch[role[1]] = node
             else:
                 here[role[1]] = node
-        builder.stats.add(self.stats)
+        builder.repeated(self.stats)
         return True
 
     def _replay_nodes(self, builder: "_ProgramBuilder", microbatch: int, resolved: dict) -> None:
