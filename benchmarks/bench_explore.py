@@ -35,13 +35,15 @@ from stg.plan import Plan
 NETWORK = "dgx-h100-superpod"
 
 
-def rate(name: str, model: str, cluster: Cluster, job: Job, space: Space) -> None:
-    cpu = time.process_time()
-    result = explore(model, cluster, job, space)
-    cpu = time.process_time() - cpu
+def rate(name: str, model: str, cluster: Cluster, job: Job, space: Space = Space(), workers: int = 1) -> None:
+    """Plans per CPU-second of this process (workers = 1), or the wall time with `workers`."""
+    cpu, wall = time.process_time(), time.perf_counter()
+    result = explore(model, cluster, job, space, workers=workers)
+    cpu, wall = time.process_time() - cpu, time.perf_counter() - wall
     best = result.rows[0].to_dict() if result.rows else {}
-    print(f"{name}: {result.considered} plans ({len(result.rows)} valid, dropped {result.dropped}) in "
-          f"{cpu:.1f} CPU-s: {result.considered / cpu:.2f} plans/CPU-s, {len(result.rows) / cpu:.2f} evaluated/CPU-s; "
+    speed = (f"{cpu:.1f} CPU-s: {result.considered / cpu:.2f} plans/CPU-s, {len(result.rows) / cpu:.2f} evaluated/CPU-s"
+             if workers == 1 else f"{wall:.0f} s wall on {workers} workers")
+    print(f"{name}: {result.considered} plans ({len(result.rows)} valid, dropped {result.dropped}) in {speed}; "
           f"best: {({k: best[k] for k in ('dp', 'tp', 'pp', 'schedule', 'recompute', 'micro_batch')} if best else None)} "
           f"step {best.get('step_ms', 0):.0f} ms MFU {best.get('mfu', 0):.1%}")
 
@@ -105,19 +107,6 @@ def folds() -> None:
           "(the folded models' symbolic passes included)")
 
 
-def space_1t(workers: int) -> None:
-    """The default space of a 1T dense model on 512 GPUs (what Calculon searches in 317 CPU-s):
-    wall time with `workers` processes."""
-    started = time.perf_counter()
-    result = explore("megatron-1t", Cluster(gpus=512), Job(global_batch=3072, seq=2048), workers=workers)
-    wall = time.perf_counter() - started
-    best = result.rows[0].to_dict() if result.rows else {}
-    print(f"megatron-1t on 512 x h100, default space: {result.considered} plans ({len(result.rows)} valid, "
-          f"dropped {result.dropped}) in {wall:.0f} s wall on {workers} workers; best "
-          f"{ {k: best[k] for k in ('dp', 'tp', 'pp', 'schedule', 'recompute', 'micro_batch')} if best else None} "
-          f"step {best.get('step_ms', 0) / 1e3:.2f} s MFU {best.get('mfu', 0):.1%}")
-
-
 def agreement() -> None:
     network = load_network(NETWORK)
     plans = [Plan(dp=2, tp=4, pp=2, zero=1, global_batch=16, seq=2048),
@@ -151,8 +140,9 @@ def main() -> None:
                schedule=("1f1b",)))
     probes()
     folds()
-    if args.one_t:
-        space_1t(args.workers)
+    if args.one_t:  # the space Calculon searches in 317 CPU-s
+        rate("megatron-1t on 512 x h100, default space", "megatron-1t", Cluster(gpus=512),
+             Job(global_batch=3072, seq=2048), workers=args.workers)
     if not args.skip_405b:
         meta_405b()
     if args.agreement:

@@ -148,16 +148,16 @@ def make_schedule(name: str, p: int, m: int, v: int = 1) -> Schedule:
         check_int(field, value, PlanError, maximum=most)
     if p * m * v > MAX_ACTIONS:
         raise PlanError(f"pp*microbatches*vpp = {p * m * v:,} pipeline slots is too many (at most {MAX_ACTIONS:,})")
-    return _made(name, p, m, v)
+    return [list(actions) for actions in _made(name, p, m, v)]  # the caller's to change
 
 
 @functools.lru_cache(maxsize=4)
-def _made(name: str, p: int, m: int, v: int) -> Schedule:
+def _made(name: str, p: int, m: int, v: int) -> tuple[tuple[Action, ...], ...]:
     """A checked schedule, made once for the plans of a search that share it (a long
-    pipeline's holds a million actions); callers read it and never change it."""
+    pipeline's holds a million actions)."""
     schedule = SCHEDULES[name](p, m, v)
     check(schedule, p, m, v)
-    return schedule
+    return tuple(map(tuple, schedule))
 
 
 def check(schedule: Schedule, p: int, m: int, v: int) -> None:

@@ -3,7 +3,7 @@
 import pytest
 
 from stg.errors import PlanError
-from stg.schedule import SPLIT_BACKWARD, Action, Kind, grid, make_schedule, peak_in_flight, simulate
+from stg.schedule import SPLIT_BACKWARD, Action, Kind, grid, make_schedule, one_f_one_b, peak_in_flight, simulate
 
 F, B, W = Kind.F, Kind.B, Kind.W
 CASES = [(p, m) for p in (2, 4, 8) for m in (p, 2 * p, 4 * p)]
@@ -122,3 +122,11 @@ def test_bad_schedules():
 def test_grid_prints_one_row_per_stage():
     text = grid(make_schedule("1f1b", 2, 2))
     assert text.splitlines() == ["stage  0: 0F0 1F0 0B0 0W0 1B0 1W0", "stage  1: 0F0 0B0 0W0 1F0 1B0 1W0"]
+
+
+def test_a_schedule_changed_by_its_caller_is_not_the_next_callers():
+    """Schedules are kept for the plans of a search that share them: each caller gets its own lists."""
+    first = make_schedule("1f1b", 4, 8)
+    first[0][0], first[0][5] = first[0][5], first[0][0]
+    first[1].clear()
+    assert make_schedule("1f1b", 4, 8) == one_f_one_b(4, 8)
