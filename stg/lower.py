@@ -577,7 +577,8 @@ class _ProgramBuilder:
         for n, action in enumerate(actions):
             stage = virtual_stage(self.rank, action.chunk, pp)
             ops = runs.get((stage, action.kind), [])
-            key = self._key(stage, action.kind, last[(stage, action.kind)] == n, ops, history.get(action.microbatch, ()))
+            is_last = last[(stage, action.kind)] == n
+            key = self._key(stage, action.kind, is_last, ops, history.get(action.microbatch, ()))
             history[action.microbatch] = key[3] + (key[:2],)
             self.action_nodes(action, ops, units, where.setdefault(action.microbatch, {}), key)
         return where

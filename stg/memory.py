@@ -165,8 +165,10 @@ def _peak(actions, by_layer: Counter, until_w: Counter, stages) -> int:
         return chunks
 
     totals, lates = per_chunk(by_layer), per_chunk(until_w)
-    change = {(kind, chunk): {Kind.F: totals[chunk], Kind.B: -(totals[chunk] - lates[chunk]), Kind.W: -lates[chunk]}[kind]
-              for chunk in {action.chunk for action in actions} for kind in Kind}
+    change = {}  # what each kind of action on each chunk adds to the bytes held
+    for chunk in {action.chunk for action in actions}:
+        total, late = totals[chunk], lates[chunk]
+        change.update({(Kind.F, chunk): total, (Kind.B, chunk): -(total - late), (Kind.W, chunk): -late})
     held = peak = 0
     for action in actions:
         held += change[action.kind, action.chunk]
