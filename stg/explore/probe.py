@@ -111,19 +111,24 @@ def _ends(split: tuple[int, ...]) -> tuple[int, int, int]:
             start = end
     length, start, end = best
     return -start, split[-start], len(split) - end
+def may_fold(plan: Plan) -> bool:
+    """Whether `plan` can be folded at all (fold_counts then needs its cut and the network):
+    long enough for two folds of at least 4 and 6 stages, past the fill, not interleaved (its
+    step is not bilinear in pp: the slope varied by 3 % between 4, 6, 8 and 12 stages)."""
+    return plan.vpp == 1 and plan.pp >= 2 * (FOLD_FEWEST + 2) and plan.microbatches >= 2 * plan.pp
+
+
 def fold_counts(workload, network: Network) -> tuple[tuple[int, int], tuple[int, int]] | None:
     """((p1, p2), (m1, m2)): the stage and micro-batch counts of the folded pipelines that
     time `workload`'s plan (built without nodes), or None when it cannot be folded or gains
     nothing by it."""
     plan, config, stages = workload.plan, workload.model.config, workload.stages
-    if stages is None or not isinstance(config, TransformerConfig):
+    if not may_fold(plan) or stages is None or not isinstance(config, TransformerConfig):
         return None
     split = stages.split(config.layers)
     head, middle, tail = _ends(split)
-    if plan.vpp > 1 or len(split) - head - tail < 2:
-        # interleaved: the step is not bilinear in pp (its p-slope varied by 3 % between 4, 6, 8
-        # and 12 stages); a pipeline with fewer than two alike middle stages has nothing to fold
-        return None
+    if len(split) - head - tail < 2:
+        return None  # fewer than two alike middle stages: nothing to fold
     if config.first_dense_layers > sum(split[:head]):
         return None  # a dense block (DeepSeek's first ones) in a middle stage
     stride = workload.mesh.stride("pp")
@@ -133,7 +138,7 @@ def fold_counts(workload, network: Network) -> tuple[tuple[int, int], tuple[int,
     p1 = plan.pp - period * ((plan.pp - fewest) // period)
     p2 = p1 + period * -(-2 // period)
     m = plan.microbatches
-    if plan.pp < 2 * p2 or m < 2 * plan.pp:
+    if plan.pp < 2 * p2:
         return None
     m1, m2 = 6 * p2, 12 * p2  # past the fill's transient (at 3 and 6 p2 the slope in m was 0.2 % short)
     if 2 * (m1 + m2) * (p1 + p2) > plan.pp * m:

@@ -30,7 +30,7 @@ from stg.errors import OutputError, PlanError, StgError
 from stg.evaluation import structure_order
 from stg.explore.cost import Estimate, estimate
 from stg.explore.network import Network, load_network
-from stg.explore.probe import FOLD_FEWEST, folded_timings, plan_timings, probe_counts
+from stg.explore.probe import folded_timings, may_fold, plan_timings, probe_counts
 from stg.explore.space import Cluster, Job, Space, plans, reason, recommendation_plans, resolve
 from stg.plan import Plan
 
@@ -70,7 +70,7 @@ def evaluate(model: Model, plan: Plan, network: Network, capacity: int) -> Estim
     """A plan's estimate; StgError when it does not build, MemoryLimitError (before lowering)
     when it does not fit `capacity` bytes per rank. Its memory and FLOPs are its own; a long
     pipeline's replay is fitted from folded or shorter ones (stg/explore/probe.py)."""
-    if probe_counts(plan) is None and plan.pp < 2 * FOLD_FEWEST:  # replayed whole: one build, for timing
+    if probe_counts(plan) is None and not may_fold(plan):  # replayed whole: one build, for timing
         return estimate(build(model, plan, memory_limit=capacity, timing=True), network)
     workload = build(model, plan, memory_limit=capacity, nodes=False)
     timings = folded_timings(model, workload, network)
