@@ -163,8 +163,7 @@ def untie(forward, stages: StagePlan) -> tuple[object, dict[str, tuple[tuple[str
 
     from stg.graph import Graph
 
-    ties = {w: tuple((w if n == 0 else f"{w}@stage{s}", s) for n, s in enumerate(readers))
-            for w, readers in _tied_readers(forward, stages).items()}
+    ties = tie_copies(forward, stages)
     if not ties:
         return forward, {}
     tensors = dict(forward.tensors)
@@ -188,6 +187,12 @@ def _tied_readers(forward, stages: StagePlan) -> dict[str, dict[int, list[int]]]
                 if op.layer not in layers:
                     layers.append(op.layer)
     return {w: dict(sorted(by_stage.items())) for w, by_stage in readers.items() if len(by_stage) > 1}
+
+
+def tie_copies(forward, stages: StagePlan) -> dict[str, tuple[tuple[str, int], ...]]:
+    """untie's copies, without the graph: per tied weight, (copy, virtual stage) pairs."""
+    return {w: tuple((w if n == 0 else f"{w}@stage{s}", s) for n, s in enumerate(readers))
+            for w, readers in _tied_readers(forward, stages).items()}
 
 
 def tie_pattern(forward, stages: StagePlan) -> tuple:

@@ -30,7 +30,8 @@ from stg.errors import PlanError
 from stg.groups import GroupIds
 from stg.graph import DType, Graph, OpKind, Phase
 from stg.limits import MAX_EMBEDDING_RANKS, MAX_NODES
-from parallelism.pipeline import cut, layer_crossings, retie, stage_plan, tie_gradients, tie_pattern, untie
+from parallelism.pipeline import (cut, layer_crossings, retie, stage_plan, tie_copies, tie_gradients, tie_pattern,
+                                  untie)
 from stg.chakra.writer import fixed_varint, rank_width
 from stg.lower import Evaluator, Pipeline, check_divisibility, lower
 from stg.program import GroupHole, RankHole, RankProgram
@@ -381,7 +382,7 @@ class Structure:
             return self.untied()[0]
         # a tied model: the passes of another cut with the same tie pattern, its copies renamed
         forward = Model(self.config, "").forward_graph(self.options)
-        ties = untie(forward, self.stages)[1]
+        ties = tie_copies(forward, self.stages)
         pattern_key = (*self.key()[:2], tie_pattern(forward, self.stages), *self.key()[3:])
         sharded, theirs = _cached(_UNTIED, pattern_key, self.untied) if _hashable(self) else self.untied()
         return tie_gradients(retie(sharded, theirs, ties), ties, self.stages)
@@ -401,7 +402,7 @@ def _hashable(structure: Structure) -> bool:
 
 
 def _structure(model: Model, plan: Plan, options: GraphOptions, stages) -> Structure:
-    if stages is not None and not untie(model.forward_graph(options), stages)[1]:
+    if stages is not None and not tie_copies(model.forward_graph(options), stages):
         stages = None
     return Structure(model.config, options, stages, plan.grad_dtype, plan.optimizer, plan.recompute,
                      sharding_spec(plan))
