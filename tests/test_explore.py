@@ -326,9 +326,8 @@ def test_recommendation_models_search_their_table_sharding():
 def test_a_long_pipeline_is_timed_from_two_probes_as_its_whole_replay(schedule, zero, tp, pp):
     """With m > 12 pp micro-batches the search replays 3 pp and 6 pp (the interleaved schedule
     2 pp and 4 pp, from m > 8 pp) and extends the times linearly (stg/explore/probe.py); the
-    step stays within 0.5 % of replaying all m (the
-    periodic regime of a max-plus system), the memory and FLOPs are the plan's own. Without
-    a pipeline (pp = 1: gradient accumulation) too."""
+    step stays within 0.5 % of replaying all m (the periodic regime of a max-plus system), the
+    memory and FLOPs are the plan's own. Without a pipeline (pp = 1: gradient accumulation) too."""
     from stg.explore.probe import plan_timings, probe_counts
 
     m = 26 if pp == 2 else 20

@@ -123,6 +123,7 @@ def test_a_tied_model_runs_its_passes_once_per_tie_pattern(monkeypatch):
                           max_positions=128))
     plans = [Plan(pp=4, dp=2, zero=1, global_batch=8, seq=32), Plan(pp=8, dp=2, zero=1, global_batch=16, seq=32),
              Plan(pp=4, vpp=2, dp=2, zero=1, schedule="interleaved", global_batch=16, seq=32)]
+
     def forget():
         for cache in ("_CACHE", "_UNTIED", "_TRAINING", "_RECOMPUTED"):
             monkeypatch.setattr(stg.api, cache, {})
