@@ -152,6 +152,15 @@ def _stage_work(sharded: ShardedGraph, stages: StagePlan, split_backward: bool) 
     return work
 
 
+def _finals(actions: list[Action]) -> set[Action]:
+    """The last action of each chunk and kind in a stage's list (it sends the gradient buckets
+    its ops finish)."""
+    last = {}
+    for action in reversed(actions):
+        last.setdefault((action.chunk, action.kind), action)
+    return set(last.values())
+
+
 _TYPE_NAMES = {kind: kind.name for kind in NodeType}
 _CHUNK_KIND = attrgetter("chunk", "kind")
 
@@ -366,11 +375,21 @@ class _ProgramBuilder:
                 self.collective(self._bucket_name("S", bucket), bucket, where)
         self.send_made(stage, action.microbatch, ops, where)
 
-    def receive(self, stage: int, microbatch: int, ops: list[Op], where: dict) -> None:
+    def received(self, stage: int, ops: list[Op], where: dict):
+        """The edges into virtual stage `stage` that `ops` receive: of the tensors they read,
+        those their micro-batch does not hold yet (`where`, checked as each edge comes)."""
         read = {name for op in ops for name in op.inputs}
-        for edge in self.pipeline.edges:
-            if edge.target == stage and edge.tensor in read and edge.tensor not in where:
-                self.recv(edge, microbatch, where)
+        return (edge for edge in self.pipeline.edges
+                if edge.target == stage and edge.tensor in read and edge.tensor not in where)
+
+    def sent(self, stage: int, ops: list[Op]) -> list[Edge]:
+        """The edges out of virtual stage `stage` that carry tensors `ops` make."""
+        made = {name for op in ops for name in op.outputs}
+        return [edge for edge in self.pipeline.edges if edge.source == stage and edge.tensor in made]
+
+    def receive(self, stage: int, microbatch: int, ops: list[Op], where: dict) -> None:
+        for edge in self.received(stage, ops, where):
+            self.recv(edge, microbatch, where)
 
     def run(self, op: Op, units: dict[tuple, list[Op]], label: str, where: dict) -> None:
         unit = _unit(op, self.graph)
@@ -384,10 +403,8 @@ class _ProgramBuilder:
             self.collective(self._bucket_name(label, members), members, where)
 
     def send_made(self, stage: int, microbatch: int, ops: list[Op], where: dict) -> None:
-        made = {name for op in ops for name in op.outputs}
-        for edge in self.pipeline.edges:
-            if edge.source == stage and edge.tensor in made:
-                self.send(edge, microbatch, where)
+        for edge in self.sent(stage, ops):
+            self.send(edge, microbatch, where)
 
     def _tally_action(self, action: Action, ops: list[Op], units: dict, where: dict, final: bool) -> None:
         """What `action` adds without nodes, from its layers' tallies -- kept per structure: a
@@ -570,15 +587,13 @@ class _ProgramBuilder:
 
     def _run_actions(self, actions: list[Action], runs: dict, units: dict) -> dict[int, dict[str, int]]:
         """Run (or repeat) every action's nodes; per micro-batch, the producer of each tensor."""
-        pp = self.pipeline.stages.pp
-        last = {(virtual_stage(self.rank, a.chunk, pp), a.kind): n for n, a in enumerate(actions)}
+        pp, finals = self.pipeline.stages.pp, _finals(actions)
         where: dict[int, dict[str, int]] = {}
         history: dict[int, tuple] = {}  # micro-batch -> (virtual stage, kind) of its actions so far
-        for n, action in enumerate(actions):
+        for action in actions:
             stage = virtual_stage(self.rank, action.chunk, pp)
             ops = runs.get((stage, action.kind), [])
-            is_last = last[(stage, action.kind)] == n
-            key = self._key(stage, action.kind, is_last, ops, history.get(action.microbatch, ()))
+            key = self._key(stage, action.kind, action in finals, ops, history.get(action.microbatch, ()))
             history[action.microbatch] = key[3] + (key[:2],)
             self.action_nodes(action, ops, units, where.setdefault(action.microbatch, {}), key)
         return where
@@ -588,14 +603,10 @@ class _ProgramBuilder:
         actions of a few keys, and a micro-batch's keys follow from the chunks and kinds of its
         actions in order (and which of them is the last of its chunk and kind): per action only
         its micro-batch's sequence is taken, then each distinct sequence is walked once."""
-        pp = self.pipeline.stages.pp
+        pp, finals = self.pipeline.stages.pp, _finals(actions)
         sequences: list[list[Action]] = [[] for _ in range(self.microbatches)]
         for action in actions:
             sequences[action.microbatch].append(action)
-        last = {}
-        for action in reversed(actions):  # the last action of each chunk and kind
-            last.setdefault((action.chunk, action.kind), action)
-        finals = set(last.values())
         final_microbatches = {action.microbatch for action in finals}
         walks: dict[tuple, list] = {}  # distinct sequence -> [a micro-batch's actions, how many]
         for microbatch, sequence in enumerate(sequences):

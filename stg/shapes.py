@@ -66,7 +66,7 @@ def shape_of(builder: _ProgramBuilder, action: Action, ops: list[Op], units: dic
     """_action_shape, kept per structure: plans of one stage cut share their stages' runs of
     ops, so the shape of an action with the same key, receives and buckets is the same."""
     stage = key[0]
-    received = tuple(e.index for e in builder.pipeline.edges if e.target == stage and e.tensor not in here)
+    received = tuple(edge.index for edge in builder.received(stage, ops, here))
     flushes = tuple((op.name, tuple(tuple(m.name for m in b) for b in builder.flush_after[op.name]))
                     for op in ops if op.name in builder.flush_after) if key[2] else ()
     memo = _shapes(builder.sharded)
@@ -101,11 +101,9 @@ def _action_shape(builder: _ProgramBuilder, action: Action, ops: list[Op], units
     chunk = lambda stage: builder.pipeline.stages.rank_and_chunk(stage)[1]
     parts.append((action.kind, action.chunk, key[2:3] + key[4:], tuple((chunk(s), k) for s, k in key[3])))
     stage = virtual_stage(builder.rank, action.chunk, builder.pipeline.stages.pp)
-    read = {name for op in ops for name in op.inputs}
-    for edge in builder.pipeline.edges:
-        if edge.target == stage and edge.tensor in read and edge.tensor not in here:
-            parts.append(("recv", tensor(edge.tensor)))
-            edges.append((edge, edge.source))
+    for edge in builder.received(stage, ops, here):
+        parts.append(("recv", tensor(edge.tensor)))
+        edges.append((edge, edge.source))
     for op in ops:
         unit = builder.unit(op)
         members = units.get(unit, ())
@@ -115,11 +113,9 @@ def _action_shape(builder: _ProgramBuilder, action: Action, ops: list[Op], units
                                 tuple(map(collective, members)))))
         for bucket in builder.flush_after.get(op.name, []) if key[2] else ():
             parts.append(tuple(map(collective, bucket)))
-    made = {name for op in ops for name in op.outputs}
-    for edge in builder.pipeline.edges:
-        if edge.source == stage and edge.tensor in made:
-            parts.append(("send", tensor(edge.tensor)))
-            edges.append((edge, edge.target))
+    for edge in builder.sent(stage, ops):
+        parts.append(("send", tensor(edge.tensor)))
+        edges.append((edge, edge.target))
     last = bool(key[4:]) and key[4]
     parts.append(tuple(sorted(map(tensor, builder._read_later(key[:2], ops, last)))))  # where its runs end
     return tuple(parts), table.names, edges

@@ -84,17 +84,19 @@ def _extend(a: Timing, b: Timing, scale: float) -> Timing:
                   [line(x, y) for x, y in zip(a.finish_us, b.finish_us)])
 
 
+def _replayed(model, plan: Plan, network: Network) -> list[tuple[Timing, Timing]]:
+    """Per variant, the (free, costed) timings of one pipeline slice of `plan`, replayed whole."""
+    workload = build(model, plan, timing=True)
+    return [slice_timings(workload, network, variant) for variant in range(workload.variants)]
+
+
 def plan_timings(model, plan: Plan, network: Network) -> list[tuple[Timing, Timing]]:
     """Per variant, the (free, costed) timings of one pipeline slice of `plan`."""
     counts = probe_counts(plan)
     if counts is None:
-        workload = build(model, plan, timing=True)
-        return [slice_timings(workload, network, v) for v in range(workload.variants)]
-    runs = []
-    for microbatches in counts:
-        probe = replace(plan, global_batch=microbatches * plan.micro_batch * plan.data_ranks)
-        workload = build(model, probe, timing=True)
-        runs.append([slice_timings(workload, network, v) for v in range(workload.variants)])
+        return _replayed(model, plan, network)
+    runs = [_replayed(model, replace(plan, global_batch=microbatches * plan.micro_batch * plan.data_ranks), network)
+            for microbatches in counts]
     scale = (plan.microbatches - counts[0]) / (counts[1] - counts[0])
     return [(_extend(f1, f2, scale), _extend(t1, t2, scale)) for (f1, t1), (f2, t2) in zip(*runs)]
 
@@ -102,15 +104,16 @@ def plan_timings(model, plan: Plan, network: Network) -> list[tuple[Timing, Timi
 def _ends(split: tuple[int, ...]) -> tuple[int, int, int]:
     """(head, middle, tail) of a stage cut: the longest run of stages holding one block count
     (`middle`) between the first and the last stage (which also hold the embedding and the
-    output layer), and how many stages come before and after it."""
-    best = (0, 1, 1)  # (length, start, end) of the run
-    start = 1
+    output layer), and how many stages come before and after it (the earliest longest run)."""
+    runs, start = [], 1  # (length, -start) of each run of equal counts in split[1:-1]
     for end in range(2, len(split)):
         if split[end] != split[start] or end == len(split) - 1:
-            best = max(best, (end - start, -start, end))
+            runs.append((end - start, -start))
             start = end
-    length, start, end = best
-    return -start, split[-start], len(split) - end
+    length, start = max(runs, default=(1, -1))
+    return -start, split[-start], len(split) + start - length
+
+
 def may_fold(plan: Plan) -> bool:
     """Whether `plan` can be folded at all (fold_counts then needs its cut and the network):
     long enough for two folds of at least 4 and 6 stages, past the fill, not interleaved (its
@@ -122,10 +125,10 @@ def fold_counts(workload, network: Network) -> tuple[tuple[int, int], tuple[int,
     """((p1, p2), (m1, m2)): the stage and micro-batch counts of the folded pipelines that
     time `workload`'s plan (built without nodes), or None when it cannot be folded or gains
     nothing by it."""
-    plan, config, stages = workload.plan, workload.model.config, workload.stages
-    if not may_fold(plan) or stages is None or not isinstance(config, TransformerConfig):
+    plan, config = workload.plan, workload.model.config
+    if not may_fold(plan) or not isinstance(config, TransformerConfig):
         return None
-    split = stages.split(config.layers)
+    split = workload.stages.split(config.layers)
     head, middle, tail = _ends(split)
     if len(split) - head - tail < 2:
         return None  # fewer than two alike middle stages: nothing to fold
@@ -137,11 +140,10 @@ def fold_counts(workload, network: Network) -> tuple[tuple[int, int], tuple[int,
     fewest = max(FOLD_FEWEST, head + tail + 2)
     p1 = plan.pp - period * ((plan.pp - fewest) // period)
     p2 = p1 + period * -(-2 // period)
-    m = plan.microbatches
     if plan.pp < 2 * p2:
         return None
     m1, m2 = 6 * p2, 12 * p2  # past the fill's transient (at 3 and 6 p2 the slope in m was 0.2 % short)
-    if 2 * (m1 + m2) * (p1 + p2) > plan.pp * m:
+    if 2 * (m1 + m2) * (p1 + p2) > plan.pp * plan.microbatches:
         return None  # the folds cost half as much as the plan or more
     return (p1, p2), (m1, m2)
 
@@ -161,8 +163,7 @@ def folded_timings(model: Model, workload, network: Network) -> list[tuple[Timin
         folded = Model(replace(model.config, layers=sum(cut)), model.source)
         for m in (m1, m2):
             probe = replace(plan, pp=p, layers_per_stage=cut, global_batch=m * plan.micro_batch * plan.data_ranks)
-            built = build(folded, probe, timing=True)
-            runs[p, m] = [slice_timings(built, network, variant) for variant in range(built.variants)]
+            runs[p, m] = _replayed(folded, probe, network)
 
     def fit(value) -> float:
         """value(p, m) at (pp, m), from the four runs: bilinear."""

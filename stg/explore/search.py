@@ -73,10 +73,7 @@ def evaluate(model: Model, plan: Plan, network: Network, capacity: int) -> Estim
     if probe_counts(plan) is None and not may_fold(plan):  # replayed whole: one build, for timing
         return estimate(build(model, plan, memory_limit=capacity, timing=True), network)
     workload = build(model, plan, memory_limit=capacity, nodes=False)
-    timings = folded_timings(model, workload, network)
-    if timings is None and probe_counts(plan) is None:
-        return estimate(build(model, plan, timing=True), network)
-    return estimate(workload, network, timings or plan_timings(model, plan, network))
+    return estimate(workload, network, folded_timings(model, workload, network) or plan_timings(model, plan, network))
 
 
 def _evaluate_chunk(chunk: list[Plan]) -> list[Row | str]:
