@@ -234,12 +234,6 @@ def build(model: Model | str | Path | Mapping, plan: Plan | Mapping, *, memory_l
     options = GraphOptions(plan.flash_attention, embeddings.groups if embeddings else None, plan.fp8,
                            plan.fp8_param_gather)
     structure = _structure(model, plan, options, stages)
-    sharded = _symbolic_passes(structure) if _hashable(structure) else structure.passes()
-    if plan.tp > 1 and not plan.sp and any(op.kind is OpKind.DISPATCH for op in sharded.graph.ops):
-        # without sp every tp rank holds every token and would route and compute them all;
-        # Megatron-Core refuses MoE with tp but without sp for the same reason
-        raise PlanError(f"sp: model {model.name} routes tokens to experts; with tp={plan.tp} it needs sequence "
-                        "parallelism (--sp), so each tp rank routes its own tokens, as Megatron-Core requires")
     bindings = {
         **model.config.sizes(vocab_multiple=plan.make_vocab_divisible_by * plan.tp),
         B: plan.micro_batch * plan.data_ranks,
@@ -250,29 +244,25 @@ def build(model: Model | str | Path | Mapping, plan: Plan | Mapping, *, memory_l
         **(embeddings.bindings() if embeddings else {}),
         **{axis_symbol(axis): size for axis, size in mesh.axes},
     }
-    check_divisibility(sharded, bindings)
-    _check_sensible(model, plan, sharded)
     # what every rank of a stage shares sizes the collectives (slots padded to the widest);
     # each variant's own values size its compute and memory
     shared = Evaluator(bindings)
-    pipeline = _pipeline(model, plan, sharded, stages)
     variants, variant_axes, variant_map = _variants(plan, bindings, embeddings)
-    # a variant whose symbols size no tensor (an expert slot's load) shares its stage's memory
-    in_shapes = _shape_symbols(sharded)
     evaluators = [Evaluator({**bindings, **variant}) if variant else shared for variant in variants]
-    memories = []
-    for rank in range(plan.pp):  # one rank class per pipeline stage and variant
-        stage_memory = None
-        for variant, evaluate in zip(variants, evaluators):
-            if in_shapes & set(variant):
-                memories.append(memory(sharded, evaluate, pipeline.stages, pipeline.schedule[rank], rank))
-            else:
-                stage_memory = stage_memory or memory(sharded, shared, pipeline.stages, pipeline.schedule[rank], rank)
-                memories.append(stage_memory)
-    peak = max(m.peak for m in memories)
-    if memory_limit is not None and peak > memory_limit:  # refused before the costly lowering
-        raise MemoryLimitError(f"memory: peak {peak / 2**30:.1f} GiB per rank over the {memory_limit / 2**30:.1f} "
-                               "GiB usable", peak)
+    if memory_limit is not None and structure.stages is not None and _hashable(structure):
+        # A tied model's cut adds to its untied graph (one for every cut) only the tied weights'
+        # copies, with their gradients and optimizer states: that graph's memory under this cut
+        # bounds every stage's from below, and refuses most plans over the limit before the cut's
+        # own passes (a search meets many cuts).
+        untied = _symbolic_passes(replace(structure, stages=None))
+        _check_graph(model, plan, untied, bindings)
+        schedule = make_schedule(plan.schedule, plan.pp, plan.microbatches, plan.vpp)
+        _refuse_over(memory_limit, _memories(untied, plan, stages, schedule, variants, evaluators, shared), "at least ")
+    sharded = _symbolic_passes(structure) if _hashable(structure) else structure.passes()
+    _check_graph(model, plan, sharded, bindings)
+    pipeline = _pipeline(model, plan, sharded, stages)
+    memories = _memories(sharded, plan, pipeline.stages, pipeline.schedule, variants, evaluators, shared)
+    _refuse_over(memory_limit, memories)  # before the costly lowering
     across_stages = {id(evaluate): {} for evaluate in evaluators}  # timing: a stage repeats another's actions
     programs = [lower(sharded, evaluate, device_spec(plan.device), pipeline=pipeline,
                       bucket_bytes=int(plan.bucket_mb * 2**20), rank=rank, comm_evaluate=shared, keep_nodes=nodes,
@@ -280,6 +270,44 @@ def build(model: Model | str | Path | Mapping, plan: Plan | Mapping, *, memory_l
                 for rank in range(plan.pp) for evaluate in evaluators]
     return Workload(model, plan, mesh, sharded, tuple(programs), tuple(memories), bindings, variant_axes,
                     variant_map, embeddings, stages)
+
+
+def _check_graph(model: Model, plan: Plan, sharded: ShardedGraph, bindings: Mapping) -> None:
+    """What the plan asks of the sharded graph: sp for routed experts, sizes that divide, a
+    program that fits in memory, no ignored fields."""
+    if plan.tp > 1 and not plan.sp and any(op.kind is OpKind.DISPATCH for op in sharded.graph.ops):
+        # without sp every tp rank holds every token and would route and compute them all;
+        # Megatron-Core refuses MoE with tp but without sp for the same reason
+        raise PlanError(f"sp: model {model.name} routes tokens to experts; with tp={plan.tp} it needs sequence "
+                        "parallelism (--sp), so each tp rank routes its own tokens, as Megatron-Core requires")
+    check_divisibility(sharded, bindings)
+    _check_sensible(model, plan, sharded)
+
+
+def _memories(sharded: ShardedGraph, plan: Plan, stages, schedule, variants: list[dict], evaluators: list,
+              shared: Evaluator) -> list[Memory]:
+    """Per rank class (pipeline stage, then variant), its memory."""
+    # a variant whose symbols size no tensor (an expert slot's load) shares its stage's memory
+    in_shapes = _shape_symbols(sharded)
+    memories = []
+    for rank in range(plan.pp):
+        stage_memory = None
+        for variant, evaluate in zip(variants, evaluators):
+            if in_shapes & set(variant):
+                memories.append(memory(sharded, evaluate, stages, schedule[rank], rank))
+            else:
+                stage_memory = stage_memory or memory(sharded, shared, stages, schedule[rank], rank)
+                memories.append(stage_memory)
+    return memories
+
+
+def _refuse_over(limit: int | None, memories: list[Memory], bound: str = "") -> None:
+    """MemoryLimitError when a rank class's peak (`bound`: "at least ", a lower bound of it)
+    exceeds `limit` bytes."""
+    peak = max(m.peak for m in memories)
+    if limit is not None and peak > limit:
+        raise MemoryLimitError(f"memory: peak {bound}{peak / 2**30:.1f} GiB per rank over the {limit / 2**30:.1f} "
+                               "GiB usable", peak)
 
 
 def _check_sensible(model: Model, plan: Plan, sharded: ShardedGraph) -> None:

@@ -189,3 +189,30 @@ def test_llama3_405b_on_16_stages_drops_a_block_from_the_first_and_last():
     costs = _block_costs(load_model("llama3-405b"), Plan(pp=16, layers_per_stage="auto", seq=8192, global_batch=16))
     assert 0.5 < costs[-1] / costs[1] < 0.7
     assert balanced_split(costs, 16) == (7,) + (8,) * 14 + (7,)
+
+
+def test_a_tied_model_over_a_memory_limit_is_refused_from_its_untied_graph(monkeypatch):
+    """The cut's copy of the embedding (the last stage's, for the tied output layer) adds to the
+    last stage only its gradient and its Adam state (hand count: vocab 1,000 x hidden 64
+    parameters, 2 bytes each of bf16 gradient and, ZeRO-1 over dp=2, half of 12 bytes of fp32
+    master weight and two moments): the untied graph under the same cut is a lower bound of every
+    stage's memory, so a plan over it is refused without the cut's own passes, and a plan
+    between it and the peak by the cut's exact peak."""
+    import stg.api
+    from stg.api import MemoryLimitError
+
+    gpt = load_model(dict(name="tiny-gpt", family="gpt", layers=8, hidden=64, ffn=256, heads=4, vocab=1000,
+                          max_positions=128))
+    plan = Plan(pp=4, dp=2, zero=1, global_batch=8, seq=32, layers_per_stage=[1, 1, 1, 5])  # the last stage peaks
+    peaks = [m.peak for m in build(gpt, plan).memory]
+    bound = max(peaks[:-1] + [peaks[-1] - 1000 * 64 * (2 + 12 // 2)])
+    assert peaks[-1] > bound
+    monkeypatch.setattr(stg.api, "_CACHE", {})
+    monkeypatch.setattr(stg.api, "_UNTIED", {})
+    with pytest.raises(MemoryLimitError, match="peak at least") as refused:
+        build(gpt, plan, memory_limit=bound - 1)
+    assert refused.value.peak == bound and not stg.api._UNTIED  # the cut's own passes never ran
+    with pytest.raises(MemoryLimitError, match=r"peak \d") as refused:
+        build(gpt, plan, memory_limit=peaks[-1] - 1)
+    assert refused.value.peak == peaks[-1] and stg.api._UNTIED
+    build(gpt, plan, memory_limit=peaks[-1])  # exactly at the limit fits
