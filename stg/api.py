@@ -209,7 +209,9 @@ def _in_dtype(model: Model, plan: Plan) -> Model:
 
 
 class MemoryLimitError(PlanError):
-    """A plan whose peak memory per rank exceeds the limit `build` was given."""
+    """A plan whose peak memory per rank exceeds the limit `build` was given. `peak` is the
+    summary's peak, or a lower bound of it when the message says "at least" (a tied model's
+    plan refused from its untied graph)."""
 
     def __init__(self, message: str, peak: int) -> None:
         super().__init__(message)
@@ -271,12 +273,13 @@ def _build(model, plan, memory_limit: int | None, nodes: bool, timing: bool) -> 
     shared = Evaluator(bindings)
     variants, variant_axes, variant_map = _variants(plan, bindings, embeddings)
     evaluators = [Evaluator({**bindings, **variant}) if variant else shared for variant in variants]
-    if memory_limit is not None and structure.stages is not None and _hashable(structure):
+    if memory_limit is not None and structure.stages is not None and _hashable(structure) \
+            and structure.key() not in _CACHE:
         # A tied model's cut adds to its untied graph (one for every cut) only the tied weights'
         # copies, with their gradients and optimizer states: that graph's memory under this cut
         # bounds every stage's from below, and refuses most plans over the limit before the cut's
         # own passes (a search meets many cuts).
-        untied = _symbolic_passes(replace(structure, stages=None))
+        untied = _bound_graph(replace(structure, stages=None))
         _check_graph(model, plan, untied, bindings)
         schedule = make_schedule(plan.schedule, plan.pp, plan.microbatches, plan.vpp)
         _refuse_over(memory_limit, _memories(untied, plan, stages, schedule, variants, evaluators, shared), "at least ")
@@ -464,6 +467,7 @@ _TRAINING: dict[tuple, tuple[Graph, dict]] = {}  # differentiated graphs, shared
 _RECOMPUTED: dict[tuple, Graph] = {}  # and with their recomputation (the graphs sharding reads)
 _CACHE: dict[tuple, ShardedGraph] = {}
 _UNTIED: dict[tuple, tuple[ShardedGraph, dict]] = {}  # a tied model's, per tie pattern (Structure.passes)
+_BOUNDS: dict[tuple, ShardedGraph] = {}  # a tied model's without copies (build's memory bound)
 _CACHE_SIZE = 8  # sharded graphs of the largest models hold tens of thousands of ops
 
 
@@ -482,6 +486,13 @@ def _cached(cache: dict, key: tuple, make):
 def _symbolic_passes(structure: Structure) -> ShardedGraph:
     """Structure.passes(), once per structure in a process."""
     return _cached(_CACHE, structure.key(), structure.passes)
+
+
+def _bound_graph(untied: Structure) -> ShardedGraph:
+    """An untied structure's passes for build's memory bound: kept apart, so that the cuts'
+    and the folds' structures (stg/explore/probe.py) do not push the few of them out."""
+    key = untied.key()
+    return _CACHE[key] if key in _CACHE else _cached(_BOUNDS, key, untied.passes)
 
 
 @per_graph

@@ -176,6 +176,14 @@ class Op:
     layer: int
     attrs: Mapping[str, Any] = field(default_factory=dict)
 
+    def renamed(self, name: str, inputs: tuple[str, ...], outputs: tuple[str, ...], layer: int,
+                attrs: Mapping[str, Any]) -> "Op":
+        """This op (kind, costs, phase) under other names, without the dataclass's __init__: the
+        copies of a repeated block make thousands."""
+        copy = object.__new__(Op)
+        copy.__dict__.update(self.__dict__, name=name, inputs=inputs, outputs=outputs, layer=layer, attrs=attrs)
+        return copy
+
     def label(self) -> str:
         """The op's printed head, e.g. `einsum[bsh,hf->bsf]`."""
         detail = self.attrs.get("spec") or self.attrs.get("fn") or self.attrs.get("norm") or self.attrs.get("tag")

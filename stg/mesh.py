@@ -72,7 +72,28 @@ class Layout:
         return dict(self.placements)
 
     def axes_sharding(self, dim: int) -> tuple[str, ...]:
-        return tuple(ax for ax, p in self.placements if p == Shard(dim))
+        return self._by_dim.get(dim, ())
+
+    @functools.cached_property
+    def _by_dim(self) -> dict[int, tuple[str, ...]]:
+        """The mesh axes splitting each dimension (FLAT: the flattened tensor), asked of every
+        tensor of every block copy: computed once per layout."""
+        by_dim: dict[int, tuple[str, ...]] = {}
+        for ax, p in self.placements:
+            if type(p) is Shard:
+                by_dim[p.dim] = by_dim.get(p.dim, ()) + (ax,)
+        return by_dim
+
+    def __hash__(self) -> int:
+        # layouts key the sharder's memo; the dataclass hash rehashes every placement each time
+        cached = self.__dict__.get("_hash")
+        if cached is None:
+            cached = self.__dict__["_hash"] = hash(self.placements)
+        return cached
+
+    def __getstate__(self) -> dict:
+        # the caches stay behind: a string's hash differs between processes
+        return {"placements": self.placements}
 
     @property
     def partial_axes(self) -> tuple[str, ...]:

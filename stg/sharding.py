@@ -33,8 +33,19 @@ class LayoutRules:
     flat: tuple[str, ...] = ()
 
     def layout(self, tensor: Tensor, mesh_axes: Sequence[str]) -> Layout:
+        key = (tensor.dims, tuple(mesh_axes))  # the leaves of every block copy ask for the same few
+        found = self._layouts.get(key)
+        if found is None:
+            found = self._layouts[key] = self._layout(tensor.dims, key[1])
+        return found
+
+    @functools.cached_property
+    def _layouts(self) -> dict[tuple, Layout]:
+        return {}
+
+    def _layout(self, dims: tuple[str, ...], mesh_axes: tuple[str, ...]) -> Layout:
         placements: dict[str, Placement] = {}
-        for dim, logical in enumerate(tensor.dims):
+        for dim, logical in enumerate(dims):
             for axis in self.split.get(logical, ()):
                 if axis in mesh_axes and axis not in placements:
                     placements[axis] = Shard(dim)
@@ -178,8 +189,8 @@ class _Sharder:
                 else:
                     self.global_tensors[new] = self.src.tensors[new]
                 self.layouts[new] = self.layouts[out]
-            g.add_costed(Op(rename[op.name], op.kind, tuple(rename[i] for i in op.inputs),
-                            tuple(rename[o] for o in op.outputs), op.flops, op.bytes, op.phase, layer, attrs),
+            g.add_costed(op.renamed(rename[op.name], tuple(rename[i] for i in op.inputs),
+                                    tuple(rename[o] for o in op.outputs), layer, attrs),
                          [g.tensors[out].renamed(rename[out]) for out in op.outputs])
         for change in template.changes:
             if change[0] == "memo":

@@ -207,8 +207,8 @@ def test_a_tied_model_over_a_memory_limit_is_refused_from_its_untied_graph(monke
     peaks = [m.peak for m in build(gpt, plan).memory]
     bound = max(peaks[:-1] + [peaks[-1] - 1000 * 64 * (2 + 12 // 2)])
     assert peaks[-1] > bound
-    monkeypatch.setattr(stg.api, "_CACHE", {})
-    monkeypatch.setattr(stg.api, "_UNTIED", {})
+    for cache in ("_CACHE", "_UNTIED", "_BOUNDS"):
+        monkeypatch.setattr(stg.api, cache, {})
     with pytest.raises(MemoryLimitError, match="peak at least") as refused:
         build(gpt, plan, memory_limit=bound - 1)
     assert refused.value.peak == bound and not stg.api._UNTIED  # the cut's own passes never ran
