@@ -177,12 +177,22 @@ def test_search_drops_by_reason_and_ranks_by_step_time():
 
 
 def test_workers_do_not_change_the_result():
-    """Forked workers take whole structure groups; the ranking and the drops are the same."""
+    """Forked workers take chunks of one structure each, the heaviest replays first, and
+    return them as they finish; the ranking and the drops are the same."""
+    from stg.evaluation import structure_order
+    from stg.explore.search import _chunks, _work
+
     args = (MID, Cluster(gpus=8), Job(global_batch=8, seq=512),
             Space(tp=(1, 2), pp=(1, 2), zero=(0, 1), recompute=("none", "full"), micro_batch=(1, 3),
                   schedule=("1f1b",)))
     alone, forked = explore(*args), explore(*args, workers=2)
     assert forked.to_dict() == alone.to_dict() and len(alone.rows) == 16
+    candidates = [row.plan for row in alone.rows]
+    chunks = _chunks(candidates, 2)
+    assert sorted(map(id, sum(chunks, []))) == sorted(map(id, candidates))
+    assert all(len({structure_order(plan) for plan in chunk}) == 1 for chunk in chunks)
+    work = [sum(map(_work, chunk)) for chunk in chunks]
+    assert work == sorted(work, reverse=True)
     with pytest.raises(PlanError, match="workers: must be a positive integer"):
         explore(*args, workers=0)
 

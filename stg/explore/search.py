@@ -15,6 +15,7 @@ from __future__ import annotations
 import time
 from collections import Counter
 from contextlib import nullcontext
+from itertools import groupby
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -92,20 +93,34 @@ def _evaluate_chunk(chunk: list[Plan]) -> list[Row | str]:
 _FORKED: tuple | None = None  # (model, network, capacity) of the search being run
 
 
+def _work(plan: Plan) -> int:
+    """About what estimating `plan` costs, in replayed stage micro-batches: its replay (the
+    probes' of a long pipeline, stg/explore/probe.py; a fold's four short pipelines, about
+    4,000), and as much again for its build and memory (all a plan over the device costs)."""
+    replayed = 4_000 if may_fold(plan) else plan.pp * plan.vpp * sum(probe_counts(plan) or (plan.microbatches,))
+    return 500 + replayed
+
+
 def _chunks(candidates: list[Plan], workers: int) -> list[list[Plan]]:
-    """The plans grouped by structure, cut into about 4 chunks per worker at group bounds
-    where possible (a worker then pays each structure's symbolic passes once)."""
+    """The plans grouped by structure (a worker then pays each structure's symbolic passes
+    once), a group cut where its work passes an eighth of a worker's share, the chunks
+    heaviest first: workers handed the longest replays first finish together (longest
+    processing time first)."""
     ordered = sorted(candidates, key=structure_order)
     if workers == 1:
         return [[plan] for plan in ordered]
-    size = max(1, -(-len(ordered) // (4 * workers)))
-    chunks, current = [], []
-    for plan in ordered:
-        if len(current) >= size and structure_order(plan) != structure_order(current[-1]):
-            chunks.append(current)
-            current = []
-        current.append(plan)
-    return chunks + [current] * bool(current)
+    limit = sum(map(_work, ordered)) / (8 * workers)
+    chunks: list[list[Plan]] = []
+    for _, group in groupby(ordered, key=structure_order):
+        current, work = [], 0
+        for plan in group:
+            if current and work + _work(plan) > limit:
+                chunks.append(current)
+                current, work = [], 0
+            current.append(plan)
+            work += _work(plan)
+        chunks.append(current)
+    return sorted(chunks, key=lambda chunk: -sum(map(_work, chunk)))
 
 
 def explore(model: Model | str, cluster: Cluster, job: Job, space: Space = Space(), *,
@@ -137,7 +152,7 @@ def explore(model: Model | str, cluster: Cluster, job: Job, space: Space = Space
     try:
         chunks = _chunks(candidates, workers)
         with worker_pool(workers) if workers > 1 else nullcontext() as pool:
-            for results in pool.imap(_evaluate_chunk, chunks) if pool else map(_evaluate_chunk, chunks):
+            for results in pool.imap_unordered(_evaluate_chunk, chunks) if pool else map(_evaluate_chunk, chunks):
                 for row in results:
                     if isinstance(row, Row):
                         rows.append(row)
