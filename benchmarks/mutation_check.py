@@ -15,7 +15,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
 import properties  # noqa: E402
-import stg.api  # noqa: E402
+import stg.passes  # noqa: E402
 import stg.lower as lower  # noqa: E402
 from stg.mesh import axis_symbol  # noqa: E402
 from stg.redistribute import Collective  # noqa: E402
@@ -88,7 +88,7 @@ def run_all() -> dict[str, int]:
                      boundary_sent_at_half_size):
         failures = 0
         with mutation():
-            stg.api._CACHE.clear()
+            stg.passes._CACHE.clear()
             properties._ALONE.clear()  # the single-rank references, made under this mutation
             for seed in SEEDS:
                 try:
@@ -100,7 +100,7 @@ def run_all() -> dict[str, int]:
                     test_zero_ring_traffic(*case)
                 except (AssertionError, Exception):
                     failures += 1
-        stg.api._CACHE.clear()
+        stg.passes._CACHE.clear()
         caught[mutation.__name__] = failures
         print(f"{mutation.__name__:28s} {failures:3d} of {len(SEEDS) + len(CASES)} plans fail", flush=True)
     return caught

@@ -23,26 +23,23 @@ import sympy
 from model_zoo import GraphOptions, Model, load_model
 from model_zoo.dlrm import DLRMConfig
 from model_zoo.transformer import TransformerConfig
-from parallelism import sharding_spec
 from parallelism.embedding import EmbeddingPlan, plan_embeddings
-from stg.autodiff import training_graph
 from stg.device import device_spec
 from stg.emit import Progress, count_trace_set, write_trace_set
 from stg.errors import PlanError
 from stg.groups import GroupIds
-from stg.graph import DType, Graph, OpKind, Phase
+from stg.graph import OpKind, Phase
 from stg.limits import MAX_EMBEDDING_RANKS, MAX_NODES
-from parallelism.pipeline import (cut, layer_crossings, retie, stage_plan, tie_copies, tie_gradients, tie_pattern,
-                                  untie)
+from parallelism.pipeline import cut, layer_crossings, stage_plan
 from stg.chakra.writer import fixed_varint, rank_width
 from stg.lower import Evaluator, Pipeline, check_divisibility, lower
 from stg.program import GroupHole, RankHole, RankProgram
 from stg.schedule import SPLIT_BACKWARD, make_schedule
 from stg.memory import Memory, memory
 from stg.mesh import DeviceMesh, axis_symbol
-from stg.plan import OPTIMIZERS, Plan
-from stg.recompute import recompute
-from stg.sharding import ShardedGraph, per_graph, shard
+from stg.passes import structure_of, symbolic_passes, untied_passes
+from stg.plan import Plan
+from stg.sharding import ShardedGraph, per_graph
 from stg.slice_check import check_slice
 from model_zoo.moe import CF, LOAD, E
 from stg.symbols import ATTN_FRACTION, B, S
@@ -257,7 +254,7 @@ def _build(model, plan, memory_limit: int | None, nodes: bool, timing: bool) -> 
         raise PlanError(f"fp8: applies to transformer models, not {model.name} (family {model.family})")
     options = GraphOptions(plan.flash_attention, embeddings.groups if embeddings else None, plan.fp8,
                            plan.fp8_param_gather)
-    structure = _structure(model, plan, options, stages)
+    structure = structure_of(model, plan, options, stages)
     bindings = {
         **model.config.sizes(vocab_multiple=plan.make_vocab_divisible_by * plan.tp),
         B: plan.micro_batch * plan.data_ranks,
@@ -273,17 +270,15 @@ def _build(model, plan, memory_limit: int | None, nodes: bool, timing: bool) -> 
     shared = Evaluator(bindings)
     variants, variant_axes, variant_map = _variants(plan, bindings, embeddings)
     evaluators = [Evaluator({**bindings, **variant}) if variant else shared for variant in variants]
-    if memory_limit is not None and structure.stages is not None and _hashable(structure) \
-            and structure.key() not in _CACHE:
+    if memory_limit is not None and (untied := untied_passes(structure)) is not None:
         # A tied model's cut adds to its untied graph (one for every cut) only the tied weights'
         # copies, with their gradients and optimizer states: that graph's memory under this cut
         # bounds every stage's from below, and refuses most plans over the limit before the cut's
         # own passes (a search meets many cuts).
-        untied = _bound_graph(replace(structure, stages=None))
         _check_graph(model, plan, untied, bindings)
         schedule = make_schedule(plan.schedule, plan.pp, plan.microbatches, plan.vpp)
         _refuse_over(memory_limit, _memories(untied, plan, stages, schedule, variants, evaluators, shared), "at least ")
-    sharded = _symbolic_passes(structure) if _hashable(structure) else structure.passes()
+    sharded = symbolic_passes(structure)
     _check_graph(model, plan, sharded, bindings)
     pipeline = _pipeline(model, plan, sharded, stages)
     memories = _memories(sharded, plan, pipeline.stages, pipeline.schedule, variants, evaluators, shared)
@@ -396,103 +391,6 @@ def _crossings(sharded: ShardedGraph) -> list:
 @per_graph
 def _cut(sharded: ShardedGraph, stages) -> tuple:
     return tuple(cut(sharded.graph, stages, _crossings(sharded)))
-
-
-@dataclass(frozen=True)
-class Structure:
-    """What the symbolic passes (forward graph, autodiff, recompute, sharding) depend on: the
-    model and the plan's structural choices, not its degrees or sizes, which are bindings.
-    `stages` is None unless the model ties weights across blocks: the stage cut matters to
-    the passes only through the copies of tied weights (plans of an untied model that differ
-    in pp > 1 share one structure)."""
-
-    config: Any
-    options: GraphOptions
-    stages: Any  # StagePlan or None: which blocks share a stage (tied weights get copies)
-    grad_dtype: str | None
-    optimizer: Any
-    recompute: Any
-    spec: Any  # ShardingSpec: which mesh axes split which logical axes
-
-    def training(self) -> tuple[Graph, dict]:
-        """The differentiated graph with its optimizer, and the tied weights' copies."""
-        forward, ties = Model(self.config, "").forward_graph(self.options), {}
-        if self.stages:  # weights read on two stages (tied embeddings) get a copy per stage
-            forward, ties = untie(forward, self.stages)
-        grad_dtype = DType.parse(self.grad_dtype) if self.grad_dtype else None
-        return training_graph(forward, grad_dtype, OPTIMIZERS[self.optimizer]), ties
-
-    def untied(self) -> tuple[ShardedGraph, dict]:
-        """The sharded graph before the tied copies' gradients are summed, and the copies."""
-        # one training graph per model and options, and one re-run of it per recompute mode
-        cached = _hashable(self)
-        train, ties = _cached(_TRAINING, self.key()[:5], self.training) if cached else self.training()
-        rerun = lambda: recompute(train, self.recompute, last_block=self.config.layers)  # noqa: E731
-        return shard(_cached(_RECOMPUTED, self.key()[:6], rerun) if cached else rerun(), self.spec), ties
-
-    def passes(self) -> ShardedGraph:
-        if not self.stages:
-            return self.untied()[0]
-        # a tied model: the passes of another cut with the same tie pattern, its copies renamed
-        forward = Model(self.config, "").forward_graph(self.options)
-        ties = tie_copies(forward, self.stages)
-        pattern_key = (*self.key()[:2], tie_pattern(forward, self.stages), *self.key()[3:])
-        sharded, theirs = _cached(_UNTIED, pattern_key, self.untied) if _hashable(self) else self.untied()
-        return tie_gradients(retie(sharded, theirs, ties), ties, self.stages)
-
-    def key(self) -> tuple:
-        # the spec holds dicts: its printed form is the key (built in a fixed order)
-        return (self.config, self.options, self.stages, self.grad_dtype, self.optimizer, self.recompute,
-                repr(self.spec))
-
-
-def _hashable(structure: Structure) -> bool:
-    try:
-        hash(structure.key())
-    except TypeError:
-        return False
-    return True
-
-
-def _structure(model: Model, plan: Plan, options: GraphOptions, stages) -> Structure:
-    if stages is not None and not tie_copies(model.forward_graph(options), stages):
-        stages = None
-    return Structure(model.config, options, stages, plan.grad_dtype, plan.optimizer, plan.recompute,
-                     sharding_spec(plan))
-
-
-# Per process, the last few results of the symbolic passes: plans that differ only in degrees,
-# batch sizes, sequence length, schedule or device share them.
-_TRAINING: dict[tuple, tuple[Graph, dict]] = {}  # differentiated graphs, shared across shardings
-_RECOMPUTED: dict[tuple, Graph] = {}  # and with their recomputation (the graphs sharding reads)
-_CACHE: dict[tuple, ShardedGraph] = {}
-_UNTIED: dict[tuple, tuple[ShardedGraph, dict]] = {}  # a tied model's, per tie pattern (Structure.passes)
-_BOUNDS: dict[tuple, ShardedGraph] = {}  # a tied model's without copies (build's memory bound)
-_CACHE_SIZE = 8  # sharded graphs of the largest models hold tens of thousands of ops
-
-
-def _cached(cache: dict, key: tuple, make):
-    """The least recently used entry goes first (a search alternates between a plan's
-    structure and those of its folded probes, stg/explore/probe.py)."""
-    if key in cache:
-        cache[key] = cache.pop(key)
-    else:
-        if len(cache) >= _CACHE_SIZE:
-            del cache[next(iter(cache))]
-        cache[key] = make()
-    return cache[key]
-
-
-def _symbolic_passes(structure: Structure) -> ShardedGraph:
-    """Structure.passes(), once per structure in a process."""
-    return _cached(_CACHE, structure.key(), structure.passes)
-
-
-def _bound_graph(untied: Structure) -> ShardedGraph:
-    """An untied structure's passes for build's memory bound: kept apart, so that the cuts'
-    and the folds' structures (stg/explore/probe.py) do not push the few of them out."""
-    key = untied.key()
-    return _CACHE[key] if key in _CACHE else _cached(_BOUNDS, key, untied.passes)
 
 
 @per_graph

@@ -117,7 +117,7 @@ def test_a_tied_model_runs_its_passes_once_per_tie_pattern(monkeypatch):
     last) share one run of the symbolic passes; another cut renames the copies
     (embed.weight@stage3 -> @stage7) in every tensor and op made from them, and equals its own
     passes exactly."""
-    import stg.api
+    import stg.passes
 
     gpt = load_model(dict(name="tiny-gpt", family="gpt", layers=8, hidden=64, ffn=256, heads=4, vocab=1000,
                           max_positions=128))
@@ -126,15 +126,15 @@ def test_a_tied_model_runs_its_passes_once_per_tie_pattern(monkeypatch):
 
     def forget():
         for cache in ("_CACHE", "_UNTIED", "_TRAINING", "_RECOMPUTED"):
-            monkeypatch.setattr(stg.api, cache, {})
+            monkeypatch.setattr(stg.passes, cache, {})
     fresh = []
     for plan in plans:
         forget()
         fresh.append(build(gpt, plan).sharded)
     forget()
     passes = []
-    run = stg.api.Structure.untied
-    monkeypatch.setattr(stg.api.Structure, "untied", lambda self: passes.append(1) or run(self))
+    run = stg.passes.Structure.untied
+    monkeypatch.setattr(stg.passes.Structure, "untied", lambda self: passes.append(1) or run(self))
     shared = [build(gpt, plan).sharded for plan in plans]
     assert len(passes) == 1
     copies = {n for n in shared[1].graph.tensors if "@" in n}
@@ -198,7 +198,7 @@ def test_a_tied_model_over_a_memory_limit_is_refused_from_its_untied_graph(monke
     master weight and two moments): the untied graph under the same cut is a lower bound of every
     stage's memory, so a plan over it is refused without the cut's own passes, and a plan
     between it and the peak by the cut's exact peak."""
-    import stg.api
+    import stg.passes
     from stg.api import MemoryLimitError
 
     gpt = load_model(dict(name="tiny-gpt", family="gpt", layers=8, hidden=64, ffn=256, heads=4, vocab=1000,
@@ -208,11 +208,11 @@ def test_a_tied_model_over_a_memory_limit_is_refused_from_its_untied_graph(monke
     bound = max(peaks[:-1] + [peaks[-1] - 1000 * 64 * (2 + 12 // 2)])
     assert peaks[-1] > bound
     for cache in ("_CACHE", "_UNTIED", "_BOUNDS"):
-        monkeypatch.setattr(stg.api, cache, {})
+        monkeypatch.setattr(stg.passes, cache, {})
     with pytest.raises(MemoryLimitError, match="peak at least") as refused:
         build(gpt, plan, memory_limit=bound - 1)
-    assert refused.value.peak == bound and not stg.api._UNTIED  # the cut's own passes never ran
+    assert refused.value.peak == bound and not stg.passes._UNTIED  # the cut's own passes never ran
     with pytest.raises(MemoryLimitError, match=r"peak \d") as refused:
         build(gpt, plan, memory_limit=peaks[-1] - 1)
-    assert refused.value.peak == peaks[-1] and stg.api._UNTIED
+    assert refused.value.peak == peaks[-1] and stg.passes._UNTIED
     build(gpt, plan, memory_limit=peaks[-1])  # exactly at the limit fits

@@ -81,6 +81,7 @@ def test_a_replayed_block_is_the_block_made_afresh(name, monkeypatch, tmp_path):
     so that blocks repeat, each pass's graph is the one that running every op gives: the
     same ops in the same order, names, local and global shapes, layouts."""
     import stg.api
+    import stg.passes
     from stg.autodiff import _Backward
     from stg.sharding import _Sharder
     from test_digests import PLANS, model_of
@@ -115,11 +116,11 @@ def test_a_replayed_block_is_the_block_made_afresh(name, monkeypatch, tmp_path):
 
     counting(_Sharder)
     counting(_Backward)
-    monkeypatch.setattr(stg.api, "training_graph", both_trained)
-    monkeypatch.setattr(stg.api, "shard", both_sharded)
-    monkeypatch.setattr(stg.api, "_CACHE", {})
-    monkeypatch.setattr(stg.api, "_TRAINING", {})
-    monkeypatch.setattr(stg.api, "_UNTIED", {})
+    monkeypatch.setattr(stg.passes, "training_graph", both_trained)
+    monkeypatch.setattr(stg.passes, "shard", both_sharded)
+    monkeypatch.setattr(stg.passes, "_CACHE", {})
+    monkeypatch.setattr(stg.passes, "_TRAINING", {})
+    monkeypatch.setattr(stg.passes, "_UNTIED", {})
     stg.api.build(model, {"seq": 32, **PLANS[name][1]}, nodes=False)
     assert set(compared) == {"autodiff", "shard"}
     if resized:  # blocks 2..7 repeat (the first and last differ: embedding, head)

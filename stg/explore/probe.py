@@ -48,7 +48,7 @@ under 1F1B, ZB-H1 with ZeRO-3 and GPipe; llama3-70b at pp 16 with its balanced c
 interleaved schedule is not folded: its step's slope in pp varied by 3 % between 4, 6, 8 and
 12 stages. Folding pays where the four folds replay under half the plan's stage
 micro-batches (2 (m1 + m2)(p1 + p2) <= pp m); the folded models are new structures (their
-symbolic passes are paid once per search, stg/api.py keeps the recent ones).
+symbolic passes are paid once per search, stg/passes.py keeps the recent ones).
 tests/test_explore.py holds both shortcuts to the replay of the whole plan.
 """
 

@@ -1,0 +1,118 @@
+"""The symbolic passes of a plan's structure -- forward graph, autodiff, recompute, sharding --
+and, per process, the last few of their results: plans that differ only in degrees, batch
+sizes, sequence length, schedule or device share them (issue 12, "build once, bind many")."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Any
+
+from model_zoo import GraphOptions, Model
+from parallelism import sharding_spec
+from parallelism.pipeline import retie, tie_copies, tie_gradients, tie_pattern, untie
+from stg.autodiff import training_graph
+from stg.graph import DType, Graph
+from stg.plan import OPTIMIZERS, Plan
+from stg.recompute import recompute
+from stg.sharding import ShardedGraph, shard
+
+
+@dataclass(frozen=True)
+class Structure:
+    """What the symbolic passes (forward graph, autodiff, recompute, sharding) depend on: the
+    model and the plan's structural choices, not its degrees or sizes, which are bindings.
+    `stages` is None unless the model ties weights across blocks: the stage cut matters to
+    the passes only through the copies of tied weights (plans of an untied model that differ
+    in pp > 1 share one structure)."""
+
+    config: Any
+    options: GraphOptions
+    stages: Any  # StagePlan or None: which blocks share a stage (tied weights get copies)
+    grad_dtype: str | None
+    optimizer: Any
+    recompute: Any
+    spec: Any  # ShardingSpec: which mesh axes split which logical axes
+
+    def training(self) -> tuple[Graph, dict]:
+        """The differentiated graph with its optimizer, and the tied weights' copies."""
+        forward, ties = Model(self.config, "").forward_graph(self.options), {}
+        if self.stages:  # weights read on two stages (tied embeddings) get a copy per stage
+            forward, ties = untie(forward, self.stages)
+        grad_dtype = DType.parse(self.grad_dtype) if self.grad_dtype else None
+        return training_graph(forward, grad_dtype, OPTIMIZERS[self.optimizer]), ties
+
+    def untied(self) -> tuple[ShardedGraph, dict]:
+        """The sharded graph before the tied copies' gradients are summed, and the copies."""
+        # one training graph per model and options, and one re-run of it per recompute mode
+        cached = _hashable(self)
+        train, ties = _cached(_TRAINING, self.key()[:5], self.training) if cached else self.training()
+        rerun = lambda: recompute(train, self.recompute, last_block=self.config.layers)  # noqa: E731
+        return shard(_cached(_RECOMPUTED, self.key()[:6], rerun) if cached else rerun(), self.spec), ties
+
+    def passes(self) -> ShardedGraph:
+        if not self.stages:
+            return self.untied()[0]
+        # a tied model: the passes of another cut with the same tie pattern, its copies renamed
+        forward = Model(self.config, "").forward_graph(self.options)
+        ties = tie_copies(forward, self.stages)
+        pattern_key = (*self.key()[:2], tie_pattern(forward, self.stages), *self.key()[3:])
+        sharded, theirs = _cached(_UNTIED, pattern_key, self.untied) if _hashable(self) else self.untied()
+        return tie_gradients(retie(sharded, theirs, ties), ties, self.stages)
+
+    def key(self) -> tuple:
+        # the spec holds dicts: its printed form is the key (built in a fixed order)
+        return (self.config, self.options, self.stages, self.grad_dtype, self.optimizer, self.recompute,
+                repr(self.spec))
+
+
+def _hashable(structure: Structure) -> bool:
+    try:
+        hash(structure.key())
+    except TypeError:
+        return False
+    return True
+
+
+def structure_of(model: Model, plan: Plan, options: GraphOptions, stages) -> Structure:
+    """The structure of `plan` on `model`; `stages` (its cut) only when the cut unties weights."""
+    if stages is not None and not tie_copies(model.forward_graph(options), stages):
+        stages = None
+    return Structure(model.config, options, stages, plan.grad_dtype, plan.optimizer, plan.recompute,
+                     sharding_spec(plan))
+
+
+_TRAINING: dict[tuple, tuple[Graph, dict]] = {}  # differentiated graphs, shared across shardings
+_RECOMPUTED: dict[tuple, Graph] = {}  # and with their recomputation (the graphs sharding reads)
+_CACHE: dict[tuple, ShardedGraph] = {}
+_UNTIED: dict[tuple, tuple[ShardedGraph, dict]] = {}  # a tied model's, per tie pattern (Structure.passes)
+_BOUNDS: dict[tuple, ShardedGraph] = {}  # a tied model's without copies (build's memory bound)
+_CACHE_SIZE = 8  # sharded graphs of the largest models hold tens of thousands of ops
+
+
+def _cached(cache: dict, key: tuple, make):
+    """The least recently used entry goes first (a search alternates between a plan's
+    structure and those of its folded probes, stg/explore/probe.py)."""
+    if key in cache:
+        cache[key] = cache.pop(key)
+    else:
+        if len(cache) >= _CACHE_SIZE:
+            del cache[next(iter(cache))]
+        cache[key] = make()
+    return cache[key]
+
+
+def symbolic_passes(structure: Structure) -> ShardedGraph:
+    """Structure.passes(), once per structure in a process."""
+    return _cached(_CACHE, structure.key(), structure.passes) if _hashable(structure) else structure.passes()
+
+
+def untied_passes(structure: Structure) -> ShardedGraph | None:
+    """A tied structure's passes without its cut's copies (the same structure with stages
+    None: one for every cut), for a bound on its memory; None where there is nothing to gain
+    (untied, or its own passes are cached). Kept apart, so that the cuts' and the folds'
+    structures (stg/explore/probe.py) do not push the few of them out."""
+    if structure.stages is None or not _hashable(structure) or structure.key() in _CACHE:
+        return None
+    untied = replace(structure, stages=None)
+    key = untied.key()
+    return _CACHE[key] if key in _CACHE else _cached(_BOUNDS, key, untied.passes)
