@@ -96,7 +96,7 @@ _FORKED: tuple | None = None  # (model, network, capacity) of the search being r
 def _work(plan: Plan) -> int:
     """About what estimating `plan` costs, in replayed stage micro-batches: its replay (the
     probes' of a long pipeline, stg/explore/probe.py; a fold's four short pipelines, about
-    4,000), and as much again for its build and memory (all a plan over the device costs)."""
+    4,000), plus about 500 for its build and memory (all that a plan over the device costs)."""
     replayed = 4_000 if may_fold(plan) else plan.pp * plan.vpp * sum(probe_counts(plan) or (plan.microbatches,))
     return 500 + replayed
 
