@@ -17,6 +17,7 @@ from typing import Sequence
 
 from stg.errors import PlanError
 from stg.plan import Plan
+from stg.sharding import per_graph
 
 
 @dataclass(frozen=True)
@@ -180,13 +181,27 @@ def untie(forward, stages: StagePlan) -> tuple[object, dict[str, tuple[tuple[str
 def _tied_readers(forward, stages: StagePlan) -> dict[str, dict[int, list[int]]]:
     """Per weight read on several virtual stages: the blocks reading it on each, by stage."""
     readers: dict[str, dict[int, list[int]]] = {}
+    for name, layers in _shared_weights(forward).items():
+        by_stage: dict[int, list[int]] = {}
+        for layer in layers:
+            by_stage.setdefault(stages.virtual_stage(layer), []).append(layer)
+        if len(by_stage) > 1:
+            readers[name] = dict(sorted(by_stage.items()))
+    return readers
+
+
+@per_graph
+def _shared_weights(forward) -> dict[str, list[int]]:
+    """Per weight that ops of more than one block read, those blocks in op order: gathered once
+    per forward graph (every plan asks whether its cut ties weights)."""
+    readers: dict[str, list[int]] = {}
     for op in forward.ops:
         for name in op.inputs:
             if forward.tensors[name].role.value == "weight":
-                layers = readers.setdefault(name, {}).setdefault(stages.virtual_stage(op.layer), [])
+                layers = readers.setdefault(name, [])
                 if op.layer not in layers:
                     layers.append(op.layer)
-    return {w: dict(sorted(by_stage.items())) for w, by_stage in readers.items() if len(by_stage) > 1}
+    return {w: layers for w, layers in readers.items() if len(layers) > 1}
 
 
 def tie_copies(forward, stages: StagePlan) -> dict[str, tuple[tuple[str, int], ...]]:

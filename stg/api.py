@@ -295,7 +295,7 @@ def _build(model, plan, memory_limit: int | None, nodes: bool, timing: bool) -> 
 def _check_graph(model: Model, plan: Plan, sharded: ShardedGraph, bindings: Mapping) -> None:
     """What the plan asks of the sharded graph: sp for routed experts, sizes that divide, a
     program that fits in memory, no ignored fields."""
-    if plan.tp > 1 and not plan.sp and any(op.kind is OpKind.DISPATCH for op in sharded.graph.ops):
+    if plan.tp > 1 and not plan.sp and _routes_tokens(sharded):
         # without sp every tp rank holds every token and would route and compute them all;
         # Megatron-Core refuses MoE with tp but without sp for the same reason
         raise PlanError(f"sp: model {model.name} routes tokens to experts; with tp={plan.tp} it needs sequence "
@@ -344,10 +344,16 @@ def _check_sensible(model: Model, plan: Plan, sharded: ShardedGraph) -> None:
         if logical not in named:
             raise PlanError(f"rules: {logical}: model {model.name} has no logical axis {logical!r}; it has "
                             f"{', '.join(sorted(named))}")
-    if model.family not in ("mixtral", "deepseek") and not any(op.kind is OpKind.DISPATCH for op in sharded.graph.ops):
+    if model.family not in ("mixtral", "deepseek") and not _routes_tokens(sharded):
         for name, default in (("capacity_factor", 1.0), ("expert_skew", 0.0)):
             if getattr(plan, name) != default:
                 raise PlanError(f"{name}: applies to mixture-of-experts models, not {model.name} (no experts)")
+
+
+@per_graph
+def _routes_tokens(sharded: ShardedGraph) -> bool:
+    """Whether the graph routes tokens to experts."""
+    return any(op.kind is OpKind.DISPATCH for op in sharded.graph.ops)
 
 
 @per_graph

@@ -551,14 +551,15 @@ class _ProgramBuilder:
         # A reduction over pipeline stages (a tied embedding's) waits for the flush, as Megatron's
         # embedding all-reduce does: on the one comm chain it would otherwise go ahead of sends
         # that its peer stage needs before it can join (a deadlock).
-        ready = [op for op in step if op.kind is OpKind.COLLECTIVE and "pp" not in op.attrs["axes"]
-                 and (made := self._made_by(op.inputs[0])) is not None and made.phase is not Phase.STEP]
+        made = {op.name: self._made_by(op.inputs[0]) for op in step
+                if op.kind is OpKind.COLLECTIVE and "pp" not in op.attrs["axes"]}
+        ready = [op for op in step if (by := made.get(op.name)) is not None and by.phase is not Phase.STEP]
         by_run: dict[tuple, list[Op]] = {}
-        for op in sorted(ready, key=lambda op: position[self._made_by(op.inputs[0]).name]):
-            by_run.setdefault(run_of[self._made_by(op.inputs[0]).name], []).append(op)
+        for op in sorted(ready, key=lambda op: position[made[op.name].name]):
+            by_run.setdefault(run_of[made[op.name].name], []).append(op)
         for run, ops in by_run.items():
             for bucket in self.buckets(ops):
-                last = max((self._made_by(op.inputs[0]) for op in bucket), key=lambda op: position[op.name])
+                last = max((made[op.name] for op in bucket), key=lambda op: position[op.name])
                 self.flush_after.setdefault(last.name, []).append(bucket)
                 self.bucketed.update(op.name for op in bucket)
 
