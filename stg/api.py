@@ -37,7 +37,7 @@ from stg.program import GroupHole, RankHole, RankProgram
 from stg.schedule import SPLIT_BACKWARD, make_schedule
 from stg.memory import Memory, memory
 from stg.mesh import DeviceMesh, axis_symbol
-from stg.passes import structure_of, symbolic_passes, untied_passes
+from stg.passes import structure_of, symbolic_passes, uncut_passes
 from stg.plan import Plan
 from stg.sharding import ShardedGraph, per_graph
 from stg.slice_check import check_slice
@@ -208,7 +208,7 @@ def _in_dtype(model: Model, plan: Plan) -> Model:
 class MemoryLimitError(PlanError):
     """A plan whose peak memory per rank exceeds the limit `build` was given. `peak` is the
     summary's peak, or a lower bound of it when the message says "at least" (a tied model's
-    plan refused from its untied graph)."""
+    plan refused from its graph without a cut)."""
 
     def __init__(self, message: str, peak: int) -> None:
         super().__init__(message)
@@ -270,14 +270,14 @@ def _build(model, plan, memory_limit: int | None, nodes: bool, timing: bool) -> 
     shared = Evaluator(bindings)
     variants, variant_axes, variant_map = _variants(plan, bindings, embeddings)
     evaluators = [Evaluator({**bindings, **variant}) if variant else shared for variant in variants]
-    if memory_limit is not None and (untied := untied_passes(structure)) is not None:
-        # A tied model's cut adds to its untied graph (one for every cut) only the tied weights'
-        # copies, with their gradients and optimizer states: that graph's memory under this cut
-        # bounds every stage's from below, and refuses most plans over the limit before the cut's
-        # own passes (a search meets many cuts).
-        _check_graph(model, plan, untied, bindings)
+    if memory_limit is not None and (uncut := uncut_passes(structure)) is not None:
+        # A tied model's cut adds to its graph without a cut (one for every cut) only the tied
+        # weights' copies, with their gradients and optimizer states: that graph's memory under
+        # this cut bounds every stage's from below, and refuses most plans over the limit before
+        # the cut's own passes (a search meets many cuts).
+        _check_graph(model, plan, uncut, bindings)
         schedule = make_schedule(plan.schedule, plan.pp, plan.microbatches, plan.vpp)
-        _refuse_over(memory_limit, _memories(untied, plan, stages, schedule, variants, evaluators, shared), "at least ")
+        _refuse_over(memory_limit, _memories(uncut, plan, stages, schedule, variants, evaluators, shared), "at least ")
     sharded = symbolic_passes(structure)
     _check_graph(model, plan, sharded, bindings)
     pipeline = _pipeline(model, plan, sharded, stages)

@@ -85,7 +85,7 @@ _TRAINING: dict[tuple, tuple[Graph, dict]] = {}  # differentiated graphs, shared
 _RECOMPUTED: dict[tuple, Graph] = {}  # and with their recomputation (the graphs sharding reads)
 _CACHE: dict[tuple, ShardedGraph] = {}
 _UNTIED: dict[tuple, tuple[ShardedGraph, dict]] = {}  # a tied model's, per tie pattern (Structure.passes)
-_BOUNDS: dict[tuple, ShardedGraph] = {}  # a tied model's without copies (build's memory bound)
+_BOUNDS: dict[tuple, ShardedGraph] = {}  # a tied model's without a cut (build's memory bound)
 _CACHE_SIZE = 8  # sharded graphs of the largest models hold tens of thousands of ops
 
 
@@ -106,13 +106,13 @@ def symbolic_passes(structure: Structure) -> ShardedGraph:
     return _cached(_CACHE, structure.key(), structure.passes) if _hashable(structure) else structure.passes()
 
 
-def untied_passes(structure: Structure) -> ShardedGraph | None:
-    """A tied structure's passes without its cut's copies (the same structure with stages
-    None: one for every cut), for a bound on its memory; None where there is nothing to gain
-    (untied, or its own passes are cached). Kept apart, so that the cuts' and the folds'
-    structures (stg/explore/probe.py) do not push the few of them out."""
+def uncut_passes(structure: Structure) -> ShardedGraph | None:
+    """A tied structure's passes without its stage cut, so without the copies of its tied
+    weights (one graph for every cut), for a bound on its memory; None where there is nothing
+    to gain (no cut, or its own passes are cached). Kept apart, so that the cuts' and the
+    folds' structures (stg/explore/probe.py) do not push the few of them out."""
     if structure.stages is None or not _hashable(structure) or structure.key() in _CACHE:
         return None
-    untied = replace(structure, stages=None)
-    key = untied.key()
-    return _CACHE[key] if key in _CACHE else _cached(_BOUNDS, key, untied.passes)
+    uncut = replace(structure, stages=None)
+    key = uncut.key()
+    return _CACHE[key] if key in _CACHE else _cached(_BOUNDS, key, uncut.passes)

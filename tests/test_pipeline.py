@@ -191,13 +191,13 @@ def test_llama3_405b_on_16_stages_drops_a_block_from_the_first_and_last():
     assert balanced_split(costs, 16) == (7,) + (8,) * 14 + (7,)
 
 
-def test_a_tied_model_over_a_memory_limit_is_refused_from_its_untied_graph(monkeypatch):
+def test_a_tied_model_over_a_memory_limit_is_refused_from_its_graph_without_a_cut(monkeypatch):
     """The cut's copy of the embedding (the last stage's, for the tied output layer) adds to the
     last stage only its gradient and its Adam state (hand count: vocab 1,000 x hidden 64
     parameters, 2 bytes each of bf16 gradient and, ZeRO-1 over dp=2, half of 12 bytes of fp32
-    master weight and two moments): the untied graph under the same cut is a lower bound of every
-    stage's memory, so a plan over it is refused without the cut's own passes, and a plan
-    between it and the peak by the cut's exact peak."""
+    master weight and two moments): the graph without a cut (no copies), under the same cut,
+    is a lower bound of every stage's memory, so a plan over it is refused without the cut's
+    own passes, and a plan between it and the peak by the cut's exact peak."""
     import stg.passes
     from stg.api import MemoryLimitError
 
