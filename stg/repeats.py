@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass, replace
-from functools import cached_property
+from functools import cache, cached_property
 from itertools import islice
 from typing import TYPE_CHECKING
 
@@ -230,12 +230,7 @@ class ActionNodes:
         c, head_of, out = self.compact, builder.head_of, builder.replay
         start, shift = len(builder.nodes), (microbatch - self.microbatch) * self.edges
         builder.nodes.extend([None] * len(self.nodes))
-        sums, carry = [0] * len(c.kept), builder.carry
-        for exact, k in zip(c.exacts, c.runs):  # lowering's rounding (_ProgramBuilder._rounded)
-            exact += carry
-            duration = round(exact) if exact > 0 else 0
-            carry = exact - duration
-            sums[k] += duration
+        sums, builder.carry = _rounding()(c.exacts, c.runs, len(c.kept), builder.carry)
         outside = {roles: head_of.get(node, node) for roles, node in resolved.items()}
         outside[_CHAIN] = head_of.get(builder.last_compute, builder.last_compute)
         deps = c.deps + start
@@ -244,7 +239,6 @@ class ActionNodes:
         out.comm.update(zip((c.collectives + position).tolist(), c.collective_keys))
         out.comm.update((position + k, (src, dst, tag + shift, size)) for k, (src, dst, tag, size) in c.p2p)
         out.add(c.kept + start, c.types, c.n_deps, deps, sums)
-        builder.carry = carry
         builder.comm_ids.update((c.comm_offsets + start).tolist())
         head_of.update((start + tail, start + first) for tail, first in c.tails)
         if c.last_compute is not None:
@@ -255,6 +249,15 @@ class ActionNodes:
 
 
 _CHAIN = frozenset({("chain", "compute")})  # a COMP node's first dependency: what ran last
+
+
+@cache
+def _rounding():
+    """The compiled rounding of a repeated action (timing only: loading numba is left to the
+    builds that time a plan)."""
+    from stg.chakra.replay_kernel import rounded_run_sums
+
+    return rounded_run_sums
 
 
 @dataclass(frozen=True)
@@ -275,8 +278,8 @@ class _Compact:
     collectives: np.ndarray  # kept indices of collectives
     collective_keys: tuple  # their (group, type, bytes)
     p2p: tuple  # (kept index, (src, dst, tag, bytes)) of sends and receives
-    exacts: tuple[float, ...]  # per COMP node in order: its unrounded duration
-    runs: tuple[int, ...]  # per COMP node: the index in `kept` of its run
+    exacts: np.ndarray  # per COMP node in order: its unrounded duration
+    runs: np.ndarray  # per COMP node: the index in `kept` of its run
     tails: tuple[tuple[int, int], ...]  # (last node, first node) of each run of several
     comm_offsets: np.ndarray
     last_compute: int | None
@@ -325,7 +328,8 @@ class _Compact:
                    ints([d if type(d) is int else 0 for d in flat]), ints(outside_at),
                    tuple(flat[i] for i in outside_at), ints([k for k, key in enumerate(comm) if key and len(key) == 3]),
                    tuple(key for key in comm if key and len(key) == 3),
-                   tuple((k, key) for k, key in enumerate(comm) if key and len(key) == 4), tuple(exacts), tuple(runs),
+                   tuple((k, key) for k, key in enumerate(comm) if key and len(key) == 4),
+                   np.array(exacts, dtype=np.float64), ints(runs),
                    tuple((tail, first) for first, tail in tails.items()),
                    ints([n for n, e in enumerate(entries) if e[1] is not _COMP]), last_compute, last_comm,
                    frozenset(holes))
