@@ -222,7 +222,7 @@ def retie(sharded, ties: dict, other: dict):
     tied model's passes are run once per pattern, not once per stage cut."""
     import re
 
-    from stg.graph import Graph, Op
+    from stg.graph import Graph
     from stg.sharding import ShardedGraph
 
     mapping = {old: new for w in ties for (old, _), (new, _) in zip(ties[w], other[w]) if old != new}
@@ -235,8 +235,8 @@ def retie(sharded, ties: dict, other: dict):
     def value(v):
         return name(v) if isinstance(v, str) else type(v)(map(value, v)) if isinstance(v, (tuple, list)) else v
     tensor = lambda t: t.renamed(name(t.name)) if "@stage" in t.name else t
-    ops = tuple(Op(name(op.name), op.kind, tuple(map(name, op.inputs)), tuple(map(name, op.outputs)), op.flops,
-                   op.bytes, op.phase, op.layer, {k: value(v) for k, v in op.attrs.items()})
+    ops = tuple(op.renamed(name(op.name), tuple(map(name, op.inputs)), tuple(map(name, op.outputs)), op.layer,
+                           {k: value(v) for k, v in op.attrs.items()})
                 if any("@stage" in n for n in (op.name, *op.inputs, *op.outputs)) else op for op in sharded.graph.ops)
     graph = Graph({name(n): tensor(t) for n, t in sharded.graph.tensors.items()}, ops)
     return ShardedGraph(graph, {name(n): layout for n, layout in sharded.layouts.items()},

@@ -324,8 +324,10 @@ def _memories(sharded: ShardedGraph, plan: Plan, stages, schedule, variants: lis
 def _refuse_over(limit: int | None, memories: list[Memory], bound: str = "") -> None:
     """MemoryLimitError when a rank class's peak (`bound`: "at least ", a lower bound of it)
     exceeds `limit` bytes."""
+    if limit is None:
+        return
     peak = max(m.peak for m in memories)
-    if limit is not None and peak > limit:
+    if peak > limit:
         raise MemoryLimitError(f"memory: peak {bound}{peak / 2**30:.1f} GiB per rank over the {limit / 2**30:.1f} "
                                "GiB usable", peak)
 

@@ -109,18 +109,19 @@ def _chunks(candidates: list[Plan], workers: int) -> list[list[Plan]]:
     ordered = sorted(candidates, key=structure_order)
     if workers == 1:
         return [[plan] for plan in ordered]
-    limit = sum(map(_work, ordered)) / (8 * workers)
-    chunks: list[list[Plan]] = []
-    for _, group in groupby(ordered, key=structure_order):
-        current, work = [], 0
-        for plan in group:
-            if current and work + _work(plan) > limit:
-                chunks.append(current)
-                current, work = [], 0
+    weighed = [(plan, _work(plan)) for plan in ordered]
+    limit = sum(work for _, work in weighed) / (8 * workers)
+    chunks: list[tuple[int, list[Plan]]] = []  # (work, plans)
+    for _, group in groupby(weighed, key=lambda pair: structure_order(pair[0])):
+        current, total = [], 0
+        for plan, work in group:
+            if current and total + work > limit:
+                chunks.append((total, current))
+                current, total = [], 0
             current.append(plan)
-            work += _work(plan)
-        chunks.append(current)
-    return sorted(chunks, key=lambda chunk: -sum(map(_work, chunk)))
+            total += work
+        chunks.append((total, current))
+    return [plans for _, plans in sorted(chunks, key=lambda chunk: -chunk[0])]
 
 
 def explore(model: Model | str, cluster: Cluster, job: Job, space: Space = Space(), *,
