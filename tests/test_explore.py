@@ -352,20 +352,25 @@ def test_a_long_pipeline_is_timed_from_two_probes_as_its_whole_replay(schedule, 
     assert (probed.peak_memory, probed.model_flops) == (whole.peak_memory, whole.model_flops)
 
 
-@pytest.mark.parametrize("schedule, zero, layers, layers_per_stage", [("1f1b", 1, 12, None), ("zb-h1", 3, 12, None),
-                                                                       ("gpipe", 0, 12, None), ("1f1b", 1, 22, "auto")])
-def test_a_long_pipeline_is_timed_from_four_folded_ones_as_its_whole_replay(schedule, zero, layers, layers_per_stage):
+@pytest.mark.parametrize("schedule, zero, layers, layers_per_stage, seq", [
+    ("1f1b", 1, 12, None, 512), ("zb-h1", 3, 12, None, 512), ("gpipe", 0, 12, None, 512), ("1f1b", 1, 22, "auto", 512),
+    ("interleaved", 1, 24, None, 2048), ("interleaved", 3, 48, None, 512)])
+def test_a_long_pipeline_is_timed_from_four_folded_ones_as_its_whole_replay(schedule, zero, layers, layers_per_stage,
+                                                                            seq):
     """A pipeline whose middle stages hold the same blocks, with m >= 2 pp micro-batches, is
     timed from four shorter ones of fewer blocks (stg/explore/probe.py, fold_counts); the
     step stays within 0.5 % of replaying the whole plan (0.35 % at most here: this small
     model's COMP nodes last a few µs, rounded to whole ones), each stage's busy time too. The
-    balanced cut of 22 blocks is 1, 2 x 10, 1."""
+    balanced cut of 22 blocks is 1, 2 x 10, 1. The interleaved schedule (two virtual stages
+    a stage) folds too, its micro-batches whole groups of both folds' stages (36, 72): 0.15 %
+    and 0.2 % off here (at seq 512 with one block a virtual stage, 0.56 %: its step's slope
+    in pp settles only past 8 stages when p2p latency weighs this much)."""
     from stg.explore.probe import fold_counts, folded_timings
 
     model = dict(MID, layers=layers)
     # tp 2 x dp 2: four ranks a stage, so the stages alternate NVLink and InfiniBand links (period 2)
-    plan = Plan(dp=2, tp=2, pp=12, schedule=schedule, zero=zero, global_batch=2 * 180, seq=512,
-                layers_per_stage=layers_per_stage)
+    plan = Plan(dp=2, tp=2, pp=12, schedule=schedule, vpp=2 if schedule == "interleaved" else 1, zero=zero,
+                global_batch=2 * 180, seq=seq, layers_per_stage=layers_per_stage)
     network = load_network("dgx-h100-superpod")
     counted = build(model, plan, nodes=False)
     assert fold_counts(counted, network) == ((4, 6), (36, 72))
@@ -374,11 +379,3 @@ def test_a_long_pipeline_is_timed_from_four_folded_ones_as_its_whole_replay(sche
     for f, w in zip(folded, whole):  # free and costed communication
         assert f.makespan_us == pytest.approx(w.makespan_us, rel=0.005)
         assert f.busy_us == pytest.approx(w.busy_us, rel=0.005)
-
-
-def test_an_interleaved_pipeline_is_not_folded():
-    """Its step is not bilinear in pp (stg/explore/probe.py): it is replayed (or probed in m)."""
-    from stg.explore.probe import fold_counts
-
-    plan = Plan(dp=2, tp=2, pp=12, schedule="interleaved", vpp=2, global_batch=2 * 180, seq=512)
-    assert fold_counts(build(dict(MID, layers=24), plan, nodes=False), load_network("dgx-h100-superpod")) is None
