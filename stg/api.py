@@ -34,7 +34,7 @@ from parallelism.pipeline import cut, layer_crossings, stage_plan
 from stg.chakra.writer import fixed_varint, rank_width
 from stg.lower import Evaluator, Pipeline, check_divisibility, lower
 from stg.program import GroupHole, RankHole, RankProgram
-from stg.schedule import SPLIT_BACKWARD, make_schedule
+from stg.schedule import SPLIT_BACKWARD, Order, order
 from stg.memory import Memory, memory
 from stg.mesh import DeviceMesh, axis_symbol
 from stg.passes import structure_of, symbolic_passes, uncut_passes
@@ -276,12 +276,12 @@ def _build(model, plan, memory_limit: int | None, nodes: bool, timing: bool) -> 
         # this cut bounds every stage's from below, and refuses most plans over the limit before
         # the cut's own passes (a search meets many cuts).
         _check_graph(model, plan, uncut, bindings)
-        schedule = make_schedule(plan.schedule, plan.pp, plan.microbatches, plan.vpp)
+        schedule = order(plan.schedule, plan.pp, plan.microbatches, plan.vpp)
         _refuse_over(memory_limit, _memories(uncut, plan, stages, schedule, variants, evaluators, shared), "at least ")
     sharded = symbolic_passes(structure)
     _check_graph(model, plan, sharded, bindings)
     pipeline = _pipeline(model, plan, sharded, stages)
-    memories = _memories(sharded, plan, pipeline.stages, pipeline.schedule, variants, evaluators, shared)
+    memories = _memories(sharded, plan, pipeline.stages, pipeline.order, variants, evaluators, shared)
     _refuse_over(memory_limit, memories)  # before the costly lowering
     across_stages = {id(evaluate): {} for evaluate in evaluators}  # timing: a stage repeats another's actions
     programs = [lower(sharded, evaluate, device_spec(plan.device), pipeline=pipeline,
@@ -304,7 +304,7 @@ def _check_graph(model: Model, plan: Plan, sharded: ShardedGraph, bindings: Mapp
     _check_sensible(model, plan, sharded)
 
 
-def _memories(sharded: ShardedGraph, plan: Plan, stages, schedule, variants: list[dict], evaluators: list,
+def _memories(sharded: ShardedGraph, plan: Plan, stages, schedule: Order, variants: list[dict], evaluators: list,
               shared: Evaluator) -> list[Memory]:
     """Per rank class (pipeline stage, then variant), its memory."""
     # a variant whose symbols size no tensor (an expert slot's load) shares its stage's memory
@@ -314,9 +314,9 @@ def _memories(sharded: ShardedGraph, plan: Plan, stages, schedule, variants: lis
         stage_memory = None
         for variant, evaluate in zip(variants, evaluators):
             if in_shapes & set(variant):
-                memories.append(memory(sharded, evaluate, stages, schedule[rank], rank))
+                memories.append(memory(sharded, evaluate, stages, schedule.digest(rank).in_flight, rank))
             else:
-                stage_memory = stage_memory or memory(sharded, shared, stages, schedule[rank], rank)
+                stage_memory = stage_memory or memory(sharded, shared, stages, schedule.digest(rank).in_flight, rank)
                 memories.append(stage_memory)
     return memories
 
@@ -465,7 +465,7 @@ def _pipeline(model: Model, plan: Plan, sharded: ShardedGraph, stages) -> Pipeli
     if shared:  # e.g. an output layer tied to the embedding
         raise PlanError(f"pp={plan.pp}: weight {shared[0]} of model {model.name} is used on pipeline stages "
                         f"{shared[1]}; a weight shared across stages (tied embeddings) is not supported yet")
-    schedule = make_schedule(plan.schedule, plan.pp, plan.microbatches, plan.vpp)
+    schedule = order(plan.schedule, plan.pp, plan.microbatches, plan.vpp)
     edges = _cut(sharded, stages)
     if plan.microbatches * len(edges) >= TAG_LIMIT:
         raise PlanError(f"microbatches={plan.microbatches}: too many for unique send/recv tags below {TAG_LIMIT:,}")

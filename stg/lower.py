@@ -25,7 +25,6 @@ from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass
-from operator import attrgetter
 from typing import Mapping
 
 import sympy
@@ -39,7 +38,7 @@ from stg.blocks import blocks
 from stg.program import (ClassStats, GroupHole, NodeType, RankHole, RankProgram, ReplayChunks, TraceNode,
                          merged_runs, replay_nodes)
 from stg.repeats import ActionNodes, ActionTally, add_to, tallies
-from stg.schedule import Action, Kind, Schedule, one_f_one_b, virtual_stage
+from stg.schedule import Action, Kind, Order, order, virtual_stage
 from stg.shapes import moved_here, shape_of
 from stg.sharding import ShardedGraph, per_graph
 
@@ -122,13 +121,17 @@ class Pipeline:
     """What a rank class needs of the pipeline: its schedule and the stage cut."""
 
     stages: StagePlan
-    schedule: Schedule
+    order: Order  # the schedule, its actions made on first use
     split_backward: bool
     edges: tuple[Edge, ...]
 
+    @property
+    def schedule(self) -> tuple[tuple[Action, ...], ...]:
+        return self.order.stages
+
     @classmethod
     def single_stage(cls, microbatches: int) -> "Pipeline":
-        return cls(StagePlan(1, 1, (0,)), one_f_one_b(1, microbatches), False, ())
+        return cls(StagePlan(1, 1, (0,)), order("1f1b", 1, microbatches), False, ())
 
 
 @per_graph
@@ -162,7 +165,6 @@ def _finals(actions: list[Action]) -> set[Action]:
 
 
 _TYPE_NAMES = {kind: kind.name for kind in NodeType}
-_CHUNK_KIND = attrgetter("chunk", "kind")
 
 
 class _ProgramBuilder:
@@ -206,7 +208,7 @@ class _ProgramBuilder:
         self.replay = ReplayChunks()
         self.head_of: dict[int, int] = {}  # the last node of a merged run -> its first
         self.read_later: dict[tuple, frozenset[str]] = {}  # per (virtual stage, kind), last: _read_later
-        self.microbatches = max(1, len(pipeline.schedule[rank]) // (3 * pipeline.stages.vpp))  # 3 kinds each
+        self.microbatches = pipeline.order.m
         # timing: templates of every stage of this plan by (shape, chains present): see _action_shape
         self.stage_templates: dict[tuple, tuple] = stage_templates if stage_templates is not None else {}
 
@@ -599,34 +601,24 @@ class _ProgramBuilder:
             self.action_nodes(action, ops, units, where.setdefault(action.microbatch, {}), key)
         return where
 
-    def _count_actions(self, actions: list[Action], runs: dict, units: dict) -> None:
+    def _count_actions(self, runs: dict, units: dict) -> None:
         """Without nodes: the stats of every action, by key. A long pipeline runs a million
         actions of a few keys, and a micro-batch's keys follow from the chunks and kinds of its
-        actions in order (and which of them is the last of its chunk and kind): per action only
-        its micro-batch's sequence is taken, then each distinct sequence is walked once."""
-        pp, finals = self.pipeline.stages.pp, _finals(actions)
-        sequences: list[list[Action]] = [[] for _ in range(self.microbatches)]
-        for action in actions:
-            sequences[action.microbatch].append(action)
-        final_microbatches = {action.microbatch for action in finals}
-        walks: dict[tuple, list] = {}  # distinct sequence -> [a micro-batch's actions, how many]
-        for microbatch, sequence in enumerate(sequences):
-            steps = tuple(map(_CHUNK_KIND, sequence))
-            lasts = tuple(a in finals for a in sequence) if microbatch in final_microbatches else (False,) * len(steps)
-            walk = walks.setdefault((steps, lasts), [sequence, 0])
-            walk[1] += 1
+        actions in order (and which of them is the last of its chunk and kind): each distinct
+        sequence (the stage's walks, stg.schedule.StageDigest) is walked once."""
+        pp = self.pipeline.stages.pp
         times: Counter = Counter()
-        for (steps, lasts), (sequence, count) in walks.items():
+        for sequence, lasts, count in self.pipeline.order.digest(self.rank).walks:
             history, earlier = (), []
-            for action, (chunk, kind), is_last in zip(sequence, steps, lasts):
-                stage = virtual_stage(self.rank, chunk, pp)
-                ops = runs.get((stage, kind), [])
-                key = self._key(stage, kind, is_last, ops, history)
+            for action, is_last in zip(sequence, lasts):
+                stage = virtual_stage(self.rank, action.chunk, pp)
+                ops = runs.get((stage, action.kind), [])
+                key = self._key(stage, action.kind, is_last, ops, history)
                 if key not in self.repeats:  # it finds what its micro-batch's earlier actions made
                     here = dict.fromkeys(name for k in earlier for name in self.repeats[k][1])
                     self.repeats[key] = self._action_stats(action, ops, units, here, key)
                 earlier.append(key)
-                history += ((stage, kind),)
+                history += ((stage, action.kind),)
                 times[key] += count
         for key, count in times.items():  # one add per key
             self.stats.add(self.repeats[key][0], count)
@@ -635,13 +627,12 @@ class _ProgramBuilder:
         stages = self.pipeline.stages
         runs, units, step = _stage_work(self.sharded, stages, self.pipeline.split_backward)[self.rank]
         self.plan_gradient_buckets(step, runs)
-        actions = self.pipeline.schedule[self.rank]
         if self.keep_nodes:
-            where = self._run_actions(actions, runs, units)
+            where = self._run_actions(self.pipeline.schedule[self.rank], runs, units)
             for stats, times in self.repeat_stats.values():
                 self.stats.add(stats, times)
         else:
-            self._count_actions(actions, runs, units)
+            self._count_actions(runs, units)
             where = {}  # without nodes the step reads no producers
         final: dict[str, int] = {}
         for microbatch in sorted(where):

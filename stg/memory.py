@@ -114,9 +114,10 @@ def _index(sharded: ShardedGraph) -> _Index:
                   {layer: tuple((nbytes, n, w) for nbytes, (n, w) in kept.items()) for layer, kept in saved.items()})
 
 
-def memory(sharded: ShardedGraph, evaluate: Evaluator, stages=None, actions=None, rank: int = 0) -> Memory:
-    """Memory of pipeline stage `rank` (its virtual stages under `stages`) running `actions`
-    (its schedule); without them, the whole graph and one micro-batch at a time."""
+def memory(sharded: ShardedGraph, evaluate: Evaluator, stages=None, in_flight=None, rank: int = 0) -> Memory:
+    """Memory of pipeline stage `rank` (its virtual stages under `stages`) running its
+    schedule, of which `in_flight` (stg.schedule.StageDigest) tells the micro-batches held;
+    without it, the whole graph and one micro-batch at a time."""
     index = _index(sharded)
     layers = {layer for _, used, _, _, _ in index.leaves for layer in used} | set(index.saved) | {
         item[0] for items in (index.casts, index.grads) for item in items}
@@ -146,18 +147,18 @@ def memory(sharded: ShardedGraph, evaluate: Evaluator, stages=None, actions=None
                 by_layer[layer] += n * size
                 if read_by_w:
                     until_w[layer] += read_by_w * size
-    if actions is None:
+    if in_flight is None:
         activations = sum(by_layer.values())
     else:
-        activations = _peak(actions, by_layer, until_w, stages)
+        activations = _peak(in_flight, by_layer, until_w, stages)
     return Memory(weights, gradients, states, activations, dict(sorted(by_layer.items())), *embedding)
 
 
-def _peak(actions, by_layer: Counter, until_w: Counter, stages) -> int:
+def _peak(in_flight, by_layer: Counter, until_w: Counter, stages) -> int:
     """Most bytes held while running the schedule: a forward adds its chunk's saved tensors,
-    its B pass frees those only B reads, its W pass the rest."""
-    from stg.schedule import Kind
-
+    its B pass frees those only B reads, its W pass the rest; at each point of `in_flight`
+    (stg.schedule.StageDigest) a chunk holds all its saved bytes for each micro-batch between
+    F and B, and those W reads for each between B and W."""
     def per_chunk(counter: Counter) -> Counter:
         chunks: Counter = Counter()
         for layer, size in counter.items():
@@ -165,13 +166,5 @@ def _peak(actions, by_layer: Counter, until_w: Counter, stages) -> int:
         return chunks
 
     totals, lates = per_chunk(by_layer), per_chunk(until_w)
-    change = {}  # what each kind of action on each chunk adds to the bytes held
-    for chunk in {action.chunk for action in actions}:
-        total, late = totals[chunk], lates[chunk]
-        change.update({(Kind.F, chunk): total, (Kind.B, chunk): -(total - late), (Kind.W, chunk): -late})
-    held = peak = 0
-    for action in actions:
-        held += change[action.kind, action.chunk]
-        if held > peak:
-            peak = held
-    return peak
+    weights = [size for c in range(len(in_flight[0]) // 2) for size in (totals[c], lates[c])]
+    return max(sum(w * n for w, n in zip(weights, point) if n) for point in in_flight)

@@ -25,6 +25,8 @@ import re
 from dataclasses import dataclass
 from typing import Callable
 
+import numpy as np
+
 from stg.errors import PlanError
 from stg.graph import FastEnum
 from stg.limits import MAX_LAYERS, MAX_MICROBATCHES, MAX_WORLD, check_int
@@ -57,78 +59,65 @@ class Action:
 
 Schedule = list[list[Action]]  # per stage
 
-
-def _actions(m: int, v: int = 1) -> dict[Kind, list[list[Action]]]:
-    """Every action of m micro-batches and v chunks, made once, by kind, chunk and micro-batch:
-    a schedule's stages share them (pp x 3mv objects are millions for a long pipeline)."""
-    return {kind: [[Action(i, kind, c) for i in range(m)] for c in range(v)] for kind in Kind}
-
-
-def gpipe(p: int, m: int, v: int = 1) -> Schedule:
-    a = _actions(m)
-    f, b, w = a[Kind.F][0], a[Kind.B][0], a[Kind.W][0]
-    return [[*f, *(x for i in range(m) for x in (b[i], w[i]))] for _ in range(p)]
+# A schedule is made as arrays: per stage, the slot of each action in order, slot
+# 3 (i v + c) + k for micro-batch i, chunk c and kind k (F 0, B 1, W 2). A long pipeline's
+# holds a million actions; its Action objects are looked up only where they are used.
+_KINDS = (Kind.F, Kind.B, Kind.W)
+Slots = list[np.ndarray]  # per stage
 
 
-def one_f_one_b(p: int, m: int, v: int = 1) -> Schedule:
-    a = _actions(m)
-    f, b, w = a[Kind.F][0], a[Kind.B][0], a[Kind.W][0]
+def _one_forward_one_backward(forwards: np.ndarray, backwards: np.ndarray, warmup: int) -> np.ndarray:
+    """Slots of `warmup` forwards, then one forward and one backward at a time, then the
+    remaining backwards: the forward and the B slots in the order they run, each W right
+    after its B."""
+    n = len(forwards)
+    steady = np.stack([forwards[warmup:], backwards[:n - warmup], backwards[:n - warmup] + 1], axis=1)
+    drain = np.stack([backwards[n - warmup:], backwards[n - warmup:] + 1], axis=1)
+    return np.concatenate([forwards[:warmup], steady.ravel(), drain.ravel()])
+
+
+def gpipe(p: int, m: int, v: int = 1) -> Slots:
+    forwards = 3 * np.arange(m)
+    return [_one_forward_one_backward(forwards, forwards + 1, m)] * p
+
+
+def one_f_one_b(p: int, m: int, v: int = 1) -> Slots:
+    forwards = 3 * np.arange(m)
+    return [_one_forward_one_backward(forwards, forwards + 1, min(p - rank - 1, m)) for rank in range(p)]
+
+
+def zb_h1(p: int, m: int, v: int = 1) -> Slots:
     stages = []
     for rank in range(p):
         warmup = min(p - rank - 1, m)
-        actions = f[:warmup]
-        for i in range(m - warmup):
-            actions += (f[warmup + i], b[i], w[i])
-        for i in range(m - warmup, m):
-            actions += (b[i], w[i])
-        stages.append(actions)
-    return stages
-
-
-def zb_h1(p: int, m: int, v: int = 1) -> Schedule:
-    a = _actions(m)
-    f, b, w = a[Kind.F][0], a[Kind.B][0], a[Kind.W][0]
-    stages = []
-    for rank in range(p):
-        warmup = min(p - rank - 1, m)
-        actions = f[:warmup]
+        slots = [3 * i for i in range(warmup)]
         deferred = 0  # weight passes run so far
         for i in range(m):
             if warmup + i < m:
-                actions.append(f[warmup + i])
-            actions.append(b[i])
+                slots.append(3 * (warmup + i))
+            slots.append(3 * i + 1)
             if i - deferred >= rank:  # keep `rank` weight passes pending
-                actions.append(w[deferred])
+                slots.append(3 * deferred + 2)
                 deferred += 1
-        actions += w[deferred:]
-        stages.append(actions)
+        slots += [3 * i + 2 for i in range(deferred, m)]
+        stages.append(np.array(slots, dtype=np.int64))
     return stages
 
 
-def interleaved(p: int, m: int, v: int) -> Schedule:
+def interleaved(p: int, m: int, v: int) -> Slots:
     """Megatron's order: virtual micro-batch k runs chunk (k mod pv) div p (counted from the
     last chunk for backwards) of micro-batch (k div pv) p + k mod p."""
     if m % p:
         raise PlanError(f"microbatches={m} must be a multiple of pp={p} for the interleaved schedule")
-    total, table = m * v, _actions(m, v)
-
-    def action(k: int, kind: Kind) -> Action:
-        chunk = (k % (p * v)) // p
-        return table[kind][chunk if kind is Kind.F else v - 1 - chunk][(k // (p * v)) * p + k % p]
-
-    stages = []
-    for rank in range(p):
-        warmup = total if m == p else min((p - rank - 1) * 2 + (v - 1) * p, total)
-        actions = [action(k, Kind.F) for k in range(warmup)]
-        for k in range(total - warmup):
-            actions += (action(warmup + k, Kind.F), action(k, Kind.B), action(k, Kind.W))
-        for k in range(total - warmup, total):
-            actions += (action(k, Kind.B), action(k, Kind.W))
-        stages.append(actions)
-    return stages
+    k = np.arange(m * v)  # virtual micro-batches
+    chunk, microbatch = (k % (p * v)) // p, (k // (p * v)) * p + k % p
+    forwards, backwards = 3 * (microbatch * v + chunk), 3 * (microbatch * v + v - 1 - chunk) + 1
+    return [_one_forward_one_backward(forwards, backwards, len(k) if m == p else min((p - rank - 1) * 2 + (v - 1) * p,
+                                                                                     len(k)))
+            for rank in range(p)]
 
 
-SCHEDULES: dict[str, Callable[[int, int, int], Schedule]] = {
+SCHEDULES: dict[str, Callable[[int, int, int], Slots]] = {
     "gpipe": gpipe,
     "1f1b": one_f_one_b,
     "interleaved": interleaved,
@@ -138,6 +127,12 @@ SPLIT_BACKWARD = {"zb-h1"}  # schedules whose B sends the input gradient before 
 
 
 def make_schedule(name: str, p: int, m: int, v: int = 1) -> Schedule:
+    return [list(actions) for actions in order(name, p, m, v).stages]  # the caller's to change
+
+
+def order(name: str, p: int, m: int, v: int = 1) -> "Order":
+    """The schedule `name` of p stages, m micro-batches and v chunks a stage, checked, its
+    actions not yet made."""
     if name not in SCHEDULES:
         raise PlanError(f"schedule: unknown schedule {name!r}; known: {', '.join(SCHEDULES)}")
     if v > 1 and name != "interleaved":
@@ -148,33 +143,109 @@ def make_schedule(name: str, p: int, m: int, v: int = 1) -> Schedule:
         check_int(field, value, PlanError, maximum=most)
     if p * m * v > MAX_ACTIONS:
         raise PlanError(f"pp*microbatches*vpp = {p * m * v:,} pipeline slots is too many (at most {MAX_ACTIONS:,})")
-    return [list(actions) for actions in _made(name, p, m, v)]  # the caller's to change
+    return Order(name, p, m, v)
+
+
+@dataclass(frozen=True)
+class Order:
+    """A schedule by its name and sizes (made by `order`, which checks them). Its actions and
+    its stages' digests are made on first use, once for the plans of a search that share
+    them: a long pipeline's schedule holds a million actions, and a plan counted without
+    nodes needs only the digests."""
+
+    name: str
+    p: int
+    m: int
+    v: int = 1
+
+    @property
+    def stages(self) -> tuple[tuple[Action, ...], ...]:
+        return _made(self)
+
+    def digest(self, rank: int) -> "StageDigest":
+        return _digests(self)[rank]
 
 
 @functools.lru_cache(maxsize=4)
-def _made(name: str, p: int, m: int, v: int) -> tuple[tuple[Action, ...], ...]:
-    """A checked schedule, made once for the plans of a search that share it (a long
-    pipeline's holds a million actions)."""
-    schedule = SCHEDULES[name](p, m, v)
-    check(schedule, p, m, v)
-    return tuple(map(tuple, schedule))
+def _slots(order: Order) -> tuple[np.ndarray, ...]:
+    """A schedule's slots, checked."""
+    stages = SCHEDULES[order.name](order.p, order.m, order.v)
+    check(stages, order.p, order.m, order.v)
+    return tuple(stages)
 
 
-def check(schedule: Schedule, p: int, m: int, v: int) -> None:
+@functools.lru_cache(maxsize=4)
+def _made(order: Order) -> tuple[tuple[Action, ...], ...]:
+    """A schedule's actions, its stages sharing one Action object per slot."""
+    table = [Action(i, kind, c) for i in range(order.m) for c in range(order.v) for kind in _KINDS]
+    return tuple(tuple(map(table.__getitem__, slots.tolist())) for slots in _slots(order))
+
+
+@dataclass(frozen=True)
+class StageDigest:
+    """What counting a stage's work and its activation peak need of its list of actions.
+
+    `walks`: its micro-batches grouped by what they run -- the (chunk, kind) of each of their
+    actions in order, and which of those is the last of its chunk and kind in the list --,
+    each as (the first such micro-batch's actions, those lasts, how many micro-batches).
+    `in_flight`: per chunk c, the forwards run less the input-gradient passes run (entry 2c)
+    and those less the weight-gradient passes run (2c + 1), at the points of the list where
+    the bytes held can peak. Those bytes are the sum over chunks of the chunk's saved bytes
+    times entry 2c and the bytes its W passes read times entry 2c + 1 (stg/memory.py): a sum
+    with weights >= 0, so its peak is at a point that no other exceeds in every entry."""
+
+    walks: tuple[tuple[tuple[Action, ...], tuple[bool, ...], int], ...]
+    in_flight: tuple[tuple[int, ...], ...]
+
+    @classmethod
+    def of(cls, slots: np.ndarray, v: int) -> "StageDigest":
+        """From a stage's slots (a long pipeline's stage runs 10^4-10^5 actions)."""
+        kinds, chunks, microbatches = slots % 3, slots // 3 % v, slots // (3 * v)
+        code = slots % (3 * v)  # chunk and kind
+        last = np.zeros(len(slots), dtype=bool)  # the last action of each chunk and kind
+        _, from_end = np.unique(code[::-1], return_index=True)
+        last[len(slots) - 1 - from_end] = True
+        # every micro-batch runs each (chunk, kind) once (check): a row of 3v actions each
+        order = np.argsort(microbatches, kind="stable")
+        rows = (2 * code + last)[order].reshape(-1, 3 * v)
+        found: dict[bytes, list] = {}  # a distinct row -> [its first micro-batch, how many]
+        starts = np.flatnonzero(np.r_[True, (rows[1:] != rows[:-1]).any(axis=1)])  # runs of equal rows
+        for start, end in zip(starts.tolist(), [*starts[1:].tolist(), len(rows)]):
+            found.setdefault(rows[start].tobytes(), [start, 0])[1] += end - start
+        walks = []
+        for row, n in found.values():
+            taken = order[row * 3 * v:(row + 1) * 3 * v]
+            actions = tuple(Action(row, _KINDS[k], c) for k, c in zip(kinds[taken].tolist(), chunks[taken].tolist()))
+            walks.append((actions, tuple(last[taken].tolist()), n))
+        # entries 2c and 2c + 1 change by F: (+1, 0), B: (-1, +1), W: (0, -1) on chunk c
+        steps = np.zeros((len(slots), 2 * v), dtype=np.int64)
+        at = np.arange(len(slots))
+        steps[at, 2 * chunks] = (kinds == 0).astype(np.int64) - (kinds == 1)
+        steps[at, 2 * chunks + 1] = (kinds == 1).astype(np.int64) - (kinds == 2)
+        # a forward is the only action that adds bytes (a B frees at least what it keeps for W)
+        points = np.vstack([np.zeros((1, 2 * v), np.int64), steps.cumsum(axis=0)[kinds == 0]])
+        maximal: list[tuple[int, ...]] = []
+        while len(points):  # a point of greatest sum is maximal; drop it and what it exceeds
+            best = points[points.sum(axis=1).argmax()]
+            maximal.append(tuple(best.tolist()))
+            points = points[~(points <= best).all(axis=1)]
+        return cls(tuple(walks), tuple(maximal))
+
+
+@functools.lru_cache(maxsize=64)
+def _digests(order: Order) -> tuple[StageDigest, ...]:
+    return tuple(StageDigest.of(slots, order.v) for slots in _slots(order))
+
+
+def check(schedule: Slots, p: int, m: int, v: int) -> None:
     """Every stage runs every (micro-batch, kind, chunk) once, F before B before W."""
-    order = {Kind.F: 0, Kind.B: 1, Kind.W: 2}
-    for rank, actions in enumerate(schedule):
-        assert len(actions) == 3 * m * v, rank
-        # each action's place in the list, at slot (micro-batch, chunk, kind): no object hashing,
-        # this runs over every action of every stage (a million for a long pipeline)
-        position = [-1] * (3 * m * v)
-        for n, a in enumerate(actions):
-            assert 0 <= a.microbatch < m and 0 <= a.chunk < v, (rank, a)
-            slot = 3 * (a.microbatch * v + a.chunk) + order[a.kind]
-            assert position[slot] < 0, (rank, a)  # runs twice
-            position[slot] = n
-        # all 3mv slots are filled (as many actions, none twice); F before B before W
-        assert all(f < b < w for f, b, w in zip(position[::3], position[1::3], position[2::3])), rank
+    for rank, slots in enumerate(schedule):
+        assert len(slots) == 3 * m * v and ((0 <= slots) & (slots < 3 * m * v)).all(), rank
+        assert (np.bincount(slots, minlength=3 * m * v) == 1).all(), rank  # each slot once
+        position = np.empty(3 * m * v, dtype=np.int64)
+        position[slots] = np.arange(len(slots))
+        f, b, w = position.reshape(-1, 3).T
+        assert ((f < b) & (b < w)).all(), rank
 
 
 def virtual_stage(rank: int, chunk: int, p: int) -> int:

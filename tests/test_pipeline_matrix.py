@@ -97,16 +97,18 @@ def test_a_broken_schedule_is_refused_before_writing(tmp_path, monkeypatch):
 
     import stg.api
     from stg.cli import app
+    from stg.schedule import Order
 
-    real = stg.api.make_schedule
+    class Broken(Order):
+        @property
+        def stages(self):
+            schedule = [list(actions) for actions in super().stages]
+            first_b = next(n for n, a in enumerate(schedule[0]) if a.kind.value == "B")
+            schedule[0][0], schedule[0][first_b] = schedule[0][first_b], schedule[0][0]
+            return schedule
 
-    def broken(*args):
-        schedule = real(*args)
-        first_b = next(n for n, a in enumerate(schedule[0]) if a.kind.value == "B")
-        schedule[0][0], schedule[0][first_b] = schedule[0][first_b], schedule[0][0]
-        return schedule
-
-    monkeypatch.setattr(stg.api, "make_schedule", broken)
+    real = stg.api.order
+    monkeypatch.setattr(stg.api, "order", lambda *args: Broken(*vars(real(*args)).values()))
     model = tmp_path / "model.yaml"
     model.write_text(yaml.safe_dump(FAMILIES["llama"]))
     out = tmp_path / "out"

@@ -3,7 +3,7 @@
 import pytest
 
 from stg.errors import PlanError
-from stg.schedule import SPLIT_BACKWARD, Action, Kind, grid, make_schedule, one_f_one_b, peak_in_flight, simulate
+from stg.schedule import SPLIT_BACKWARD, Action, Kind, grid, make_schedule, peak_in_flight, simulate
 
 F, B, W = Kind.F, Kind.B, Kind.W
 CASES = [(p, m) for p in (2, 4, 8) for m in (p, 2 * p, 4 * p)]
@@ -127,6 +127,46 @@ def test_grid_prints_one_row_per_stage():
 def test_a_schedule_changed_by_its_caller_is_not_the_next_callers():
     """Schedules are kept for the plans of a search that share them: each caller gets its own lists."""
     first = make_schedule("1f1b", 4, 8)
+    kept = [list(actions) for actions in first]
     first[0][0], first[0][5] = first[0][5], first[0][0]
     first[1].clear()
-    assert make_schedule("1f1b", 4, 8) == one_f_one_b(4, 8)
+    assert make_schedule("1f1b", 4, 8) == kept
+
+
+@pytest.mark.parametrize("name, p, m, v", [("gpipe", 4, 8, 1), ("1f1b", 4, 12, 1), ("1f1b", 6, 3, 1),
+                                           ("zb-h1", 4, 10, 1), ("interleaved", 4, 8, 2), ("interleaved", 3, 9, 3),
+                                           ("interleaved", 4, 4, 2)])
+def test_a_stage_digest_holds_what_its_list_says(name, p, m, v):
+    """What counting and memory read instead of a stage's list (StageDigest), against the list:
+    each micro-batch's actions are its walk's, renumbered; the peak of bytes held, walked
+    action by action (F adds a chunk's saved bytes, B frees those W does not read, W the
+    rest), is the digest's for any sizes."""
+    import random
+
+    from stg.schedule import order
+
+    random.seed(p * m * v)
+    schedule = order(name, p, m, v)
+    for rank, actions in enumerate(schedule.stages):
+        digest = schedule.digest(rank)
+        last = {(a.chunk, a.kind): a for a in actions}  # the last of each chunk and kind
+        walked = []
+        for sequence, lasts, count in digest.walks:
+            walked += [(sequence[0].microbatch, count)]
+            mine = [a for a in actions if a.microbatch == sequence[0].microbatch]
+            assert list(sequence) == mine and list(lasts) == [last[a.chunk, a.kind] == a for a in mine]
+        assert sum(count for _, count in walked) == m
+        for i in range(m):  # a micro-batch runs its walk's chunks and kinds, and its lasts
+            mine = [a for a in actions if a.microbatch == i]
+            assert any([(a.chunk, a.kind, last[a.chunk, a.kind] == a) for a in mine]
+                       == [(a.chunk, a.kind, x) for a, x in zip(seq, lasts)] for seq, lasts, _ in digest.walks)
+        for _ in range(5):
+            saved = [random.randint(0, 100) for _ in range(v)]
+            read_by_w = [random.randint(0, s) for s in saved]
+            change = {F: saved, B: [r - s for s, r in zip(saved, read_by_w)], W: [-r for r in read_by_w]}
+            held = peak = 0
+            for a in actions:
+                held += change[a.kind][a.chunk]
+                peak = max(peak, held)
+            weights = [x for c in range(v) for x in (saved[c], read_by_w[c])]
+            assert peak == max(sum(w * n for w, n in zip(weights, point)) for point in digest.in_flight)

@@ -33,7 +33,7 @@ from stg.lower import Evaluator, Pipeline, check_divisibility, lower
 from stg.mesh import axis_symbol
 from stg.plan import AttentionFlops, Plan
 from stg.program import ClassStats, NodeType, RankHole, RankProgram, TraceNode
-from stg.schedule import make_schedule
+from stg.schedule import order
 from stg.serve.scheduler import Policy
 from stg.serve.step import StepShape
 from stg.sharding import shard
@@ -221,7 +221,7 @@ class Engine:
         if stages is None:
             self.pipeline = Pipeline.single_stage(1)
         else:
-            self.pipeline = Pipeline(stages, make_schedule("gpipe", plan.pp, 1, 1), False,
+            self.pipeline = Pipeline(stages, order("gpipe", plan.pp, 1, 1), False,
                                      tuple(cut(self.sharded.graph, stages)))
         self.device = device_spec(plan.device)
         self.compiled: dict = {}
