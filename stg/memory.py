@@ -24,6 +24,7 @@ from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass, field
+from functools import cached_property
 
 import sympy
 
@@ -83,6 +84,25 @@ class _Index:
     # forward-made, backward-read, per layer: bytes, how many such tensors, how many a W pass reads
     saved: dict[int, tuple[tuple[sympy.Expr, int, int], ...]]
 
+    @cached_property
+    def layers(self) -> frozenset[int]:
+        return frozenset(layer for _, used, _, _, _ in self.leaves for layer in used) | set(self.saved) | {
+            item[0] for items in (self.casts, self.grads) for item in items}
+
+    @cached_property
+    def by_layer(self) -> dict[int, tuple[tuple, tuple, tuple]]:
+        """Per layer, the leaf groups its ops read (indices into `leaves`), its casts' bytes and
+        its (stored gradient, bytes): a stage gathers its own layers'."""
+        found: dict[int, tuple[list, list, list]] = {layer: ([], [], []) for layer in self.layers}
+        for n, (_, used, _, _, _) in enumerate(self.leaves):
+            for layer in used:
+                found[layer][0].append(n)
+        for layer, nbytes in self.casts:
+            found[layer][1].append(nbytes)
+        for layer, grad, nbytes in self.grads:
+            found[layer][2].append((grad, nbytes))
+        return {layer: tuple(map(tuple, lists)) for layer, lists in found.items()}
+
 
 @per_graph
 def _index(sharded: ShardedGraph) -> _Index:
@@ -119,30 +139,27 @@ def memory(sharded: ShardedGraph, evaluate: Evaluator, stages=None, in_flight=No
     schedule, of which `in_flight` (stg.schedule.StageDigest) tells the micro-batches held;
     without it, the whole graph and one micro-batch at a time."""
     index = _index(sharded)
-    layers = {layer for _, used, _, _, _ in index.leaves for layer in used} | set(index.saved) | {
-        item[0] for items in (index.casts, index.grads) for item in items}
-    mine = layers if stages is None else {
-        layer for layer in layers if stages.rank_and_chunk(stages.virtual_stage(layer))[0] == rank}
-    own = mine.__contains__
+    mine = index.layers if stages is None else frozenset(
+        layer for layer in index.layers if stages.rank_and_chunk(stages.virtual_stage(layer))[0] == rank)
     held: Counter = Counter()  # bytes of the leaves this stage's ops read, by role
     embedding = [0, 0]  # of them, the embedding tables' and their optimizer states'
-    for role, used, table, table_state, sizes in index.leaves:
-        if not mine.isdisjoint(used):
-            size = sum(n * evaluate(nbytes) for nbytes, n in sizes)
-            held[role] += size
-            embedding[0] += size if table else 0
-            embedding[1] += size if table_state else 0
+    for group in sorted({n for layer in mine for n in index.by_layer[layer][0]}):
+        role, _, table, table_state, sizes = index.leaves[group]
+        size = sum(n * evaluate(nbytes) for nbytes, n in sizes)
+        held[role] += size
+        embedding[0] += size if table else 0
+        embedding[1] += size if table_state else 0
     # fp8 training: the weights' fp8 copies, cast once per step and kept until the next
-    weights = held[Role.WEIGHT] + sum(evaluate(nbytes) for layer, nbytes in index.casts if own(layer))
+    weights = held[Role.WEIGHT] + sum(evaluate(nbytes) for layer in mine for nbytes in index.by_layer[layer][1])
     states = held[Role.OPTIMIZER_STATE]
-    grads = {g: nbytes for layer, g, nbytes in index.grads if own(layer)}
+    grads = {g: nbytes for layer in mine for g, nbytes in index.by_layer[layer][2]}  # a gradient counted once
     gradients = sum(evaluate(nbytes) for nbytes in grads.values())
     # saved tensors per block: freed after the backward's B pass, or kept until its W pass
     by_layer: Counter = Counter()
     until_w: Counter = Counter()
-    for layer, kept in index.saved.items():
-        if own(layer):
-            for nbytes, n, read_by_w in kept:
+    for layer in mine:
+        if layer in index.saved:
+            for nbytes, n, read_by_w in index.saved[layer]:
                 size = evaluate(nbytes)
                 by_layer[layer] += n * size
                 if read_by_w:
