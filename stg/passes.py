@@ -86,7 +86,7 @@ _RECOMPUTED: dict[tuple, Graph] = {}  # and with their recomputation (the graphs
 _CACHE: dict[tuple, ShardedGraph] = {}
 _UNTIED: dict[tuple, tuple[ShardedGraph, dict]] = {}  # a tied model's, per tie pattern (Structure.passes)
 _BOUNDS: dict[tuple, ShardedGraph] = {}  # a tied model's without a cut (build's memory bound)
-_CACHE_SIZE = 8  # sharded graphs of the largest models hold tens of thousands of ops
+_CACHE_SIZE = 16  # sharded graphs of the largest models hold tens of thousands of ops
 
 
 def _cached(cache: dict, key: tuple, make):
