@@ -223,12 +223,12 @@ def build(model: Model | str | Path | Mapping, plan: Plan | Mapping, *, memory_l
     without what only writing needs (stg.evaluate); `timing=True` lowers, instead of their
     nodes (whatever `nodes` says), the compact form the timed replay reads (what stg explore
     times)."""
-    with _collector_paused():
+    with collector_paused():
         return _build(model, plan, memory_limit, nodes, timing)
 
 
 @contextmanager
-def _collector_paused() -> Iterator[None]:
+def collector_paused() -> Iterator[None]:
     """Python's cyclic garbage collector paused: the passes make millions of objects and hardly
     a cycle, and each of its full collections scans every graph the process holds (a third of
     a new structure's time for llama3-405b). Cycles made meanwhile wait for the next collection."""

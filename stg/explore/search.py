@@ -24,7 +24,7 @@ import yaml
 
 from model_zoo import Model, load_model
 from model_zoo.dlrm import DLRMConfig
-from stg.api import MemoryLimitError, build, generate
+from stg.api import MemoryLimitError, build, collector_paused, generate
 from stg.device import register_device
 from stg.emit import worker_pool
 from stg.errors import OutputError, PlanError, StgError
@@ -71,10 +71,12 @@ def evaluate(model: Model, plan: Plan, network: Network, capacity: int) -> Estim
     """A plan's estimate; StgError when it does not build, MemoryLimitError (before lowering)
     when it does not fit `capacity` bytes per rank. Its memory and FLOPs are its own; a long
     pipeline's replay is fitted from folded or shorter ones (stg/explore/probe.py)."""
-    if probe_counts(plan) is None and not may_fold(plan):  # replayed whole: one build, for timing
-        return estimate(build(model, plan, memory_limit=capacity, timing=True), network)
-    workload = build(model, plan, memory_limit=capacity, nodes=False)
-    return estimate(workload, network, folded_timings(model, workload, network) or plan_timings(model, plan, network))
+    with collector_paused():  # as build's: the replays' arrays and dicts make no cycles either
+        if probe_counts(plan) is None and not may_fold(plan):  # replayed whole: one build, for timing
+            return estimate(build(model, plan, memory_limit=capacity, timing=True), network)
+        workload = build(model, plan, memory_limit=capacity, nodes=False)
+        return estimate(workload, network,
+                        folded_timings(model, workload, network) or plan_timings(model, plan, network))
 
 
 def _evaluate_chunk(chunk: list[Plan]) -> list[Row | str]:
