@@ -112,9 +112,8 @@ def interleaved(p: int, m: int, v: int) -> Slots:
     k = np.arange(m * v)  # virtual micro-batches
     chunk, microbatch = (k % (p * v)) // p, (k // (p * v)) * p + k % p
     forwards, backwards = 3 * (microbatch * v + chunk), 3 * (microbatch * v + v - 1 - chunk) + 1
-    return [_one_forward_one_backward(forwards, backwards, len(k) if m == p else min((p - rank - 1) * 2 + (v - 1) * p,
-                                                                                     len(k)))
-            for rank in range(p)]
+    warmup = lambda rank: len(k) if m == p else min((p - rank - 1) * 2 + (v - 1) * p, len(k))  # noqa: E731
+    return [_one_forward_one_backward(forwards, backwards, warmup(rank)) for rank in range(p)]
 
 
 SCHEDULES: dict[str, Callable[[int, int, int], Slots]] = {
@@ -206,15 +205,15 @@ class StageDigest:
         _, from_end = np.unique(code[::-1], return_index=True)
         last[len(slots) - 1 - from_end] = True
         # every micro-batch runs each (chunk, kind) once (check): a row of 3v actions each
-        order = np.argsort(microbatches, kind="stable")
-        rows = (2 * code + last)[order].reshape(-1, 3 * v)
+        by_microbatch = np.argsort(microbatches, kind="stable")
+        rows = (2 * code + last)[by_microbatch].reshape(-1, 3 * v)
         found: dict[bytes, list] = {}  # a distinct row -> [its first micro-batch, how many]
         starts = np.flatnonzero(np.r_[True, (rows[1:] != rows[:-1]).any(axis=1)])  # runs of equal rows
         for start, end in zip(starts.tolist(), [*starts[1:].tolist(), len(rows)]):
             found.setdefault(rows[start].tobytes(), [start, 0])[1] += end - start
         walks = []
         for row, n in found.values():
-            taken = order[row * 3 * v:(row + 1) * 3 * v]
+            taken = by_microbatch[row * 3 * v:(row + 1) * 3 * v]
             actions = tuple(Action(row, _KINDS[k], c) for k, c in zip(kinds[taken].tolist(), chunks[taken].tolist()))
             walks.append((actions, tuple(last[taken].tolist()), n))
         # entries 2c and 2c + 1 change by F: (+1, 0), B: (-1, +1), W: (0, -1) on chunk c
