@@ -60,7 +60,11 @@ def _graph(index: int, rank: int, program: RankProgram, index_of: dict[int, int]
     value = {hole: workload.group_ids.id(rank, hole) if isinstance(hole, GroupHole)
              else index_of.get(workload.peer(rank, hole)) for hole in program.holes}
     chains = _chains(program)
-    comm = {p: (value[k[0]], k[1], k[2]) if len(k) == 3 else (value[k[0]], value[k[1]], k[2], k[3])
+    # holes looked up by identity: a program's keys share a few hole objects, and a hole's
+    # dataclass hash and equality are Python calls (a slice has 10^5-10^6 comm nodes)
+    holes = {id(hole): hole for key in chains.comm.values() for hole in key[:1 if len(key) == 3 else 2]}
+    at = {ident: value[hole] for ident, hole in holes.items()}
+    comm = {p: (at[id(k[0])], k[1], k[2]) if len(k) == 3 else (at[id(k[0])], at[id(k[1])], k[2], k[3])
             for p, k in chains.comm.items()}
     problems: list[Problem] = []
     graph, _ = build_graph(index, chains.ids, chains.types, chains.n_deps, chains.deps, comm, problems)
