@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from array import array
+from itertools import compress
 
 import numpy as np
 
@@ -307,19 +308,18 @@ class CompiledReplay:
         for r, g in enumerate(graphs):  # a slice holds 10^5-10^6 comm nodes: one pass each, then arrays
             at = np.fromiter(g.comm, dtype=np.int64, count=len(g.comm))
             kinds = np.frombuffer(g.types, dtype=np.uint8)[at]
-            comm = list(g.comm.values())
-            coll = (kinds == COLL).tolist()
-            colls = [key for key, c in zip(comm, coll) if c]
-            p2ps = [key for key, c in zip(comm, coll) if not c]
-            at_coll, at_p2p = at[kinds == COLL] + self.rank_start[r], at[kinds != COLL] + self.rank_start[r]
+            is_coll = kinds == COLL
+            colls = list(compress(g.comm.values(), is_coll.tolist()))
+            p2ps = list(compress(g.comm.values(), (~is_coll).tolist()))
+            at_coll, at_p2p = at[is_coll] + self.rank_start[r], at[~is_coll] + self.rank_start[r]
             self.slot_key[at_coll] = [slots.setdefault((COLL, key), len(slots)) for key in colls]
             group = np.array([group_index[key[0]] for key in colls], dtype=np.int64)
             self.group_of[at_coll] = group
             per_group[r] = np.bincount(group, minlength=per_group.shape[1])
             self.p2p_key[at_p2p] = [keys.setdefault(key, len(keys)) for key in p2ps]
-            sends = kinds[kinds != COLL] == _SEND
+            sends = kinds[~is_coll] == _SEND
             self.slot_key[at_p2p[sends]] = [slots.setdefault((_SEND, (key[0], key[1], key[3])), len(slots))
-                                            for key, send in zip(p2ps, sends.tolist()) if send]
+                                            for key in compress(p2ps, sends.tolist())]
         self.n_keys = max(1, len(keys))
         self.max_instances = max(1, int(per_group.max()))
 
