@@ -155,15 +155,6 @@ def _stage_work(sharded: ShardedGraph, stages: StagePlan, split_backward: bool) 
     return work
 
 
-def _finals(actions: list[Action]) -> set[Action]:
-    """The last action of each chunk and kind in a stage's list (it sends the gradient buckets
-    its ops finish)."""
-    last = {}
-    for action in reversed(actions):
-        last.setdefault((action.chunk, action.kind), action)
-    return set(last.values())
-
-
 _TYPE_NAMES = {kind: kind.name for kind in NodeType}
 
 
@@ -590,7 +581,7 @@ class _ProgramBuilder:
 
     def _run_actions(self, actions: list[Action], runs: dict, units: dict) -> dict[int, dict[str, int]]:
         """Run (or repeat) every action's nodes; per micro-batch, the producer of each tensor."""
-        pp, finals = self.pipeline.stages.pp, _finals(actions)
+        pp, finals = self.pipeline.stages.pp, self.pipeline.order.digest(self.rank).finals
         where: dict[int, dict[str, int]] = {}
         history: dict[int, tuple] = {}  # micro-batch -> (virtual stage, kind) of its actions so far
         for action in actions:

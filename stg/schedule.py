@@ -184,15 +184,17 @@ def _made(order: Order) -> tuple[tuple[Action, ...], ...]:
 class StageDigest:
     """What counting a stage's work and its activation peak need of its list of actions.
 
-    `walks`: its micro-batches grouped by what they run -- the (chunk, kind) of each of their
-    actions in order, and which of those is the last of its chunk and kind in the list --,
-    each as (the first such micro-batch's actions, those lasts, how many micro-batches).
+    `finals`: the last action of each chunk and kind (it sends the gradient buckets its ops
+    finish). `walks`: its micro-batches grouped by what they run -- the (chunk, kind) of each
+    of their actions in order, and which of those are finals --, each as (the first such
+    micro-batch's actions, those lasts, how many micro-batches).
     `in_flight`: per chunk c, the forwards run less the input-gradient passes run (entry 2c)
     and those less the weight-gradient passes run (2c + 1), at the points of the list where
     the bytes held can peak. Those bytes are the sum over chunks of the chunk's saved bytes
     times entry 2c and the bytes its W passes read times entry 2c + 1 (stg/memory.py): a sum
     with weights >= 0, so its peak is at a point that no other exceeds in every entry."""
 
+    finals: frozenset[Action]
     walks: tuple[tuple[tuple[Action, ...], tuple[bool, ...], int], ...]
     in_flight: tuple[tuple[int, ...], ...]
 
@@ -228,7 +230,9 @@ class StageDigest:
             best = points[points.sum(axis=1).argmax()]
             maximal.append(tuple(best.tolist()))
             points = points[~(points <= best).all(axis=1)]
-        return cls(tuple(walks), tuple(maximal))
+        finals = frozenset(Action(i, _KINDS[k], c) for i, k, c in
+                           zip(microbatches[last].tolist(), kinds[last].tolist(), chunks[last].tolist()))
+        return cls(finals, tuple(walks), tuple(maximal))
 
 
 @functools.lru_cache(maxsize=64)

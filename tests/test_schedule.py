@@ -150,6 +150,7 @@ def test_a_stage_digest_holds_what_its_list_says(name, p, m, v):
     for rank, actions in enumerate(schedule.stages):
         digest = schedule.digest(rank)
         last = {(a.chunk, a.kind): a for a in actions}  # the last of each chunk and kind
+        assert digest.finals == set(last.values())
         walked = []
         for sequence, lasts, count in digest.walks:
             walked += [(sequence[0].microbatch, count)]
