@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import bisect
 import functools
+import itertools
+import math
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -75,38 +77,60 @@ def balanced_split(costs: Sequence[int], stages: int) -> tuple[int, ...]:
     loss): Megatron's accounting of the embedding and loss in the pipeline split, by compute.
     Of the splits with that bottleneck, the one with the fewest blocks on the earliest stages
     (lexicographically least): early stages hold the most micro-batches' activations under
-    1F1B. Exact (dynamic programming over suffixes), deterministic, integer arithmetic."""
+    1F1B. Exact (a binary search on the bottleneck, each suffix's fewest stages counted
+    greedily), deterministic, integer arithmetic."""
     return _balanced_split(tuple(costs), stages)
 
 
-@functools.lru_cache(maxsize=64)  # plans of one model and sequence share it (an O(stages * blocks^2) search)
+@functools.lru_cache(maxsize=64)  # plans of one model and sequence share it
 def _balanced_split(costs: tuple[int, ...], stages: int) -> tuple[int, ...]:
-    blocks = list(costs[1:-1])
-    n = len(blocks)
+    blocks = costs[1:-1]
+    n, embedding, head = len(blocks), costs[0], costs[-1]
     if stages == 1:
         return (n,)
     if n < stages:
         raise PlanError(f"layers_per_stage: auto needs a block per stage, but the model has {n} blocks for "
                         f"{stages} stages")
-    prefix = [0]
-    for c in blocks:
-        prefix.append(prefix[-1] + c)
+    prefix = list(itertools.accumulate(blocks, initial=0))
     span = lambda i, j: prefix[j] - prefix[i]  # blocks i..j-1
-    # rest[s][i]: the least bottleneck of blocks i.. over s stages, the last paying the head
-    rest = [[None] * (n + 1) for _ in range(stages)]
-    for i in range(n):
-        rest[1][i] = span(i, n) + costs[-1]
-    for s in range(2, stages):
-        for i in range(n - s + 1):
-            rest[s][i] = min(max(span(i, j), rest[s - 1][j]) for j in range(i + 1, n - s + 2))
-    first = lambda j: span(0, j) + costs[0]
-    bottleneck = min(max(first(j), rest[stages - 1][j]) for j in range(1, n - stages + 2))
+
+    def fewest(bound: int) -> list[float]:
+        """Per block i, the fewest stages that hold blocks i.. under `bound` (the last also
+        paying the head), inf where none do. Greedy is exact: costs are >= 0, so a suffix
+        never needs more stages than a longer one, and the first stage takes all it can."""
+        need = [math.inf] * (n + 1)
+        for i in range(n - 1, -1, -1):
+            if span(i, n) + head <= bound:
+                need[i] = 1
+            else:  # the first stage: blocks i..end-1, as many as fit, leaving one
+                end = min(bisect.bisect_right(prefix, prefix[i] + bound) - 1, n - 1)
+                need[i] = 1 + need[end] if end > i else math.inf
+        return need
+
+    def holds(need: list[float], i: int, count: int) -> bool:
+        """Blocks i.. on exactly `count` stages under the bound `need` was counted for: no
+        fewer than the fewest, and a block each (a stage split in two costs no more)."""
+        return need[i] <= count <= n - i
+
+    def feasible(bound: int) -> bool:
+        fits = bisect.bisect_right(prefix, bound - embedding) - 1  # the first stage: blocks 0..fits-1
+        first = min(fits, n - stages + 1)
+        return first >= 1 and holds(fewest(bound), first, stages - 1)
+
+    # the least bottleneck: the least integer bound under which a split exists (binary search)
+    low, high = max(blocks), span(0, n) + embedding + head
+    while low < high:
+        middle = (low + high) // 2
+        low, high = (low, middle) if feasible(middle) else (middle + 1, high)
+    bottleneck, need = low, fewest(low)
+    # of the splits under it, the lexicographically least: each stage the fewest blocks that
+    # leave a split of the rest
     split, start = [], 0
     for stage in range(stages - 1):
         left = stages - 1 - stage  # stages after this one
-        extra = costs[0] if stage == 0 else 0
+        extra = embedding if stage == 0 else 0
         end = next(j for j in range(start + 1, n - left + 1)
-                   if span(start, j) + extra <= bottleneck and rest[left][j] <= bottleneck)
+                   if span(start, j) + extra <= bottleneck and holds(need, j, left))
         split.append(end - start)
         start = end
     split.append(n - start)

@@ -162,6 +162,32 @@ def test_balanced_split_by_hand(costs, stages, split):
     assert balanced_split(costs, stages) == split
 
 
+def test_balanced_split_is_the_least_bottleneck_then_the_fewest_blocks_first():
+    """Against its definition, by enumerating every split of up to 9 blocks: the least
+    costliest stage (the first paying the embedding, the last the head), and of the splits
+    that reach it the lexicographically least. Costs include zeros and ties."""
+    import random
+    from itertools import combinations
+
+    from parallelism.pipeline import balanced_split
+
+    draw = random.Random(0)
+    for _ in range(300):
+        n = draw.randint(1, 9)
+        stages = draw.randint(1, n)
+        blocks = [draw.choice((0, 1, 2, 5, 5, 9)) for _ in range(n)]
+        costs = [draw.randint(0, 12), *blocks, draw.randint(0, 12)]
+        splits = []
+        for cuts in combinations(range(1, n), stages - 1):
+            edges = (0, *cuts, n)
+            split = tuple(b - a for a, b in zip(edges, edges[1:]))
+            loads = [sum(blocks[a:b]) for a, b in zip(edges, edges[1:])]
+            loads[0] += costs[0]
+            loads[-1] += costs[-1]
+            splits.append((max(loads), split))
+        assert balanced_split(costs, stages) == min(splits)[1], (costs, stages)
+
+
 def test_auto_split_counts_the_output_layer_on_the_last_stage(tmp_path):
     """Per token the output layer costs 2HV = 128,000 FLOPs, between one block's (about
     2(2H^2 + 2H.Hkv + 3HF) = 92,160 plus attention) and two: on pp=2 the last stage takes one
