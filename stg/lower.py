@@ -23,6 +23,7 @@ Collectives that move parameters or gradients are coalesced, as frameworks do:
 
 from __future__ import annotations
 
+import math
 from collections import Counter
 from dataclasses import dataclass
 from typing import Mapping
@@ -33,6 +34,7 @@ from stg.device import DeviceSpec
 from stg.errors import LayoutError
 from stg.graph import DType, Op, OpKind, Phase, Role
 from stg.mesh import axis_symbol
+from stg import numeric
 from parallelism.pipeline import Edge, StagePlan
 from stg.blocks import blocks
 from stg.program import (ClassStats, GroupHole, NodeType, RankHole, RankProgram, ReplayChunks, TraceNode,
@@ -44,21 +46,28 @@ from stg.sharding import ShardedGraph, per_graph
 
 
 class Evaluator:
-    """Binds symbols to integers, once per distinct expression (never per node per rank)."""
+    """Binds symbols to integers, once per distinct expression (never per node per rank): by
+    the expression's compiled form (stg/numeric.py) where its symbols are bound to exact
+    numbers, else by sympy."""
 
     def __init__(self, bindings: Mapping[sympy.Symbol, object]):
         self.bindings = {k: sympy.sympify(v) for k, v in bindings.items()}
+        self.numbers = {k: n for k, v in self.bindings.items() if (n := numeric.exact(v)) is not None}
         self.cache: dict[sympy.Expr, int] = {}
 
     def __call__(self, expr: sympy.Expr) -> int:
-        value = self.cache.get(expr)
-        if value is None:
-            bound = sympy.sympify(expr).xreplace(self.bindings)
-            if not bound.is_number:
-                raise AssertionError(f"unbound symbols {bound.free_symbols} in {expr}")
-            value = int(sympy.ceiling(bound))
-            self.cache[expr] = value
-        return value
+        found = self.cache.get(expr)
+        if found is None:
+            exact_value = numeric.value(expr, self.numbers)
+            if exact_value is not None:
+                found = math.ceil(exact_value)
+            else:
+                bound = sympy.sympify(expr).xreplace(self.bindings)
+                if not bound.is_number:
+                    raise AssertionError(f"unbound symbols {bound.free_symbols} in {expr}")
+                found = int(sympy.ceiling(bound))
+            self.cache[expr] = found
+        return found
 
 
 @per_graph
@@ -153,6 +162,50 @@ def _stage_work(sharded: ShardedGraph, stages: StagePlan, split_backward: bool) 
         if (unit := _unit(op, sharded.graph)) is not None:
             units.setdefault(unit, []).append(op)
     return work
+
+
+def _made_by(graph, tensor: str) -> Op | None:
+    """The op that computes `tensor`, looking through views."""
+    op = graph.producer.get(tensor)
+    while op is not None and op.kind in (OpKind.SLICE, OpKind.CONSTRAIN):
+        op = graph.producer.get(op.inputs[0])
+    return op
+
+
+@per_graph
+def _step_reductions(sharded: ShardedGraph, stages: StagePlan, split_backward: bool) -> dict[int, tuple]:
+    """Per pipeline stage, the step's reductions of gradients that its micro-batches make, per
+    run of one virtual stage and kind in the order its ops finish them (what the gradient
+    buckets cut, _ProgramBuilder.plan_gradient_buckets), and each one's finishing op."""
+    graph, position, found = sharded.graph, _positions(sharded), {}
+    for rank, (runs, _, step) in _stage_work(sharded, stages, split_backward).items():
+        run_of = {op.name: key for key, ops in runs.items() for op in ops}
+        # A reduction over pipeline stages (a tied embedding's) waits for the flush, as Megatron's
+        # embedding all-reduce does: on the one comm chain it would otherwise go ahead of sends
+        # that its peer stage needs before it can join (a deadlock).
+        made = {op.name: _made_by(graph, op.inputs[0]) for op in step
+                if op.kind is OpKind.COLLECTIVE and "pp" not in op.attrs["axes"]}
+        ready = [op for op in step if (by := made.get(op.name)) is not None and by.phase is not Phase.STEP]
+        by_run: dict[tuple, list[Op]] = {}
+        for op in sorted(ready, key=lambda op: position[made[op.name].name]):
+            by_run.setdefault(run_of[made[op.name].name], []).append(op)
+        found[rank] = (tuple(by_run.values()), {op.name: made[op.name] for op in ready})
+    return found
+
+
+@per_graph
+def _deferred(sharded: ShardedGraph, stages: StagePlan, split_backward: bool) -> dict[int, list[Op]]:
+    """Per pipeline stage, the step's collectives that go out after the optimizer, bucketed
+    (the new parameters' gathers): those no backward sent and no step compute reads."""
+    views = (OpKind.SLICE, OpKind.CONSTRAIN)
+    consumers = sharded.graph.consumers
+    feeds_compute = lambda op: any(user.kind not in views for user in consumers.get(op.outputs[0], ()))
+    found = {}
+    for rank, (_, _, step) in _stage_work(sharded, stages, split_backward).items():
+        bucketed = {op.name for ops in _step_reductions(sharded, stages, split_backward)[rank][0] for op in ops}
+        found[rank] = [op for op in step if op.kind is OpKind.COLLECTIVE and op.name not in bucketed
+                       and not feeds_compute(op)]
+    return found
 
 
 _TYPE_NAMES = {kind: kind.name for kind in NodeType}
@@ -428,21 +481,15 @@ class _ProgramBuilder:
     def buckets(self, ops: list[Op]) -> list[list[Op]]:
         """PyTorch DDP's bucketing: consecutive collectives of one kind, up to bucket_bytes."""
         buckets: list[list[Op]] = []
-        size = 0
+        size, kind = 0, None
         for op in ops:
-            if not buckets or size >= self.bucket_bytes or _unit(op, self.graph)[3:] != _unit(buckets[-1][0], self.graph)[3:]:
+            this = (op.attrs["collective"], op.attrs["axes"])  # its coalescing unit's kind (_unit)
+            if not buckets or size >= self.bucket_bytes or this != kind:
                 buckets.append([])
-                size = 0
+                size, kind = 0, this
             buckets[-1].append(op)
             size += self.comm_ev(op.bytes)
         return buckets
-
-    def _made_by(self, tensor: str) -> Op | None:
-        """The op that computes `tensor`, looking through views."""
-        op = self.graph.producer.get(tensor)
-        while op is not None and op.kind in (OpKind.SLICE, OpKind.CONSTRAIN):
-            op = self.graph.producer.get(op.inputs[0])
-        return op
 
     def _action_stats(self, action: Action, ops: list[Op], units: dict, here: dict, key: tuple):
         """An action's stats (without nodes) and the tensors it makes. Its tally -- how many
@@ -535,42 +582,48 @@ class _ProgramBuilder:
         self.replay.add(rows.ids, rows.types, rows.n_deps, rows.deps, rows.durations, rows.comm)
         self.holes.update(hole for node in made if node.type is not NodeType.COMP_NODE for hole in node.holes)
 
-    def plan_gradient_buckets(self, step: list[Op], runs: dict) -> None:
+    def plan_gradient_buckets(self) -> None:
         """The step's reductions of gradients the micro-batches make go out in buckets as the
         last backward makes them (PyTorch DDP's overlap): each bucket right after the op that
         finishes its last gradient, in the last action that runs that op."""
         position = _positions(self.sharded)
-        run_of = {op.name: key for key, ops in runs.items() for op in ops}
-        # A reduction over pipeline stages (a tied embedding's) waits for the flush, as Megatron's
-        # embedding all-reduce does: on the one comm chain it would otherwise go ahead of sends
-        # that its peer stage needs before it can join (a deadlock).
-        made = {op.name: self._made_by(op.inputs[0]) for op in step
-                if op.kind is OpKind.COLLECTIVE and "pp" not in op.attrs["axes"]}
-        ready = [op for op in step if (by := made.get(op.name)) is not None and by.phase is not Phase.STEP]
-        by_run: dict[tuple, list[Op]] = {}
-        for op in sorted(ready, key=lambda op: position[made[op.name].name]):
-            by_run.setdefault(run_of[made[op.name].name], []).append(op)
-        for run, ops in by_run.items():
+        reductions, made = _step_reductions(self.sharded, self.pipeline.stages, self.pipeline.split_backward)[self.rank]
+        for ops in reductions:
             for bucket in self.buckets(ops):
                 last = max((made[op.name] for op in bucket), key=lambda op: position[op.name])
                 self.flush_after.setdefault(last.name, []).append(bucket)
-                self.bucketed.update(op.name for op in bucket)
+        self.bucketed = {op.name for ops in reductions for op in ops}
 
     def step(self, ops: list[Op], where: dict[str, int]) -> None:
         """The optimizer (after any reduction it reads that the last backward did not send),
         then the gathers of the new parameters, bucketed."""
-        views = (OpKind.SLICE, OpKind.CONSTRAIN)
-        feeds_compute = lambda op: any(user.kind not in views for user in self.graph.consumers.get(op.outputs[0], ()))
-        later = []
+        self._optimizer(ops, where)
+        self._gathers(where)
+
+    def _optimizer(self, ops: list[Op], where: dict[str, int]) -> None:
+        deferred = {op.name for op in self._deferred()}
         for op in ops:
-            if op.kind is not OpKind.COLLECTIVE:
+            if op.name not in self.bucketed and op.name not in deferred:
                 self.op(op, "S", where)
-            elif op.name not in self.bucketed and feeds_compute(op):
-                self.op(op, "S", where)
-            elif op.name not in self.bucketed:
-                later.append(op)
-        for bucket in self.buckets(later):
+
+    def _gathers(self, where: dict[str, int]) -> None:
+        for bucket in self.buckets(self._deferred()):
             self.collective(self._bucket_name("S", bucket), bucket, where)
+
+    def _deferred(self) -> list[Op]:
+        return _deferred(self.sharded, self.pipeline.stages, self.pipeline.split_backward)[self.rank]
+
+    def _count_step(self, ops: list[Op]) -> None:
+        """Without nodes: the step's stats. The optimizer's are tallied once per structure and
+        stage cut, then bound; the gathers after it, whose buckets the plan's sizes cut, are
+        counted as they go."""
+        key = ("step", self.pipeline.stages, self.pipeline.split_backward, self.rank)
+        known = tallies(self.sharded)
+        if key not in known:
+            known[key] = self._tallied(lambda: self._optimizer(ops, {}), {})
+        self.holes |= known[key].holes
+        self.stats.add(known[key].bind(self.ev, self.comm_ev))
+        self._gathers({})
 
     def _key(self, stage: int, kind: Kind, last: bool, ops: list[Op], history: tuple) -> tuple:
         """What an action adds depends only on this key: the tensors it finds made (or
@@ -617,7 +670,7 @@ class _ProgramBuilder:
     def build(self) -> list[TraceNode]:
         stages = self.pipeline.stages
         runs, units, step = _stage_work(self.sharded, stages, self.pipeline.split_backward)[self.rank]
-        self.plan_gradient_buckets(step, runs)
+        self.plan_gradient_buckets()
         if self.keep_nodes:
             where = self._run_actions(self.pipeline.schedule[self.rank], runs, units)
             for stats, times in self.repeat_stats.values():
@@ -629,7 +682,10 @@ class _ProgramBuilder:
         for microbatch in sorted(where):
             final.update(where[microbatch])
         start = len(self.nodes)
-        self.step(step, final)
+        if self.keep_nodes:
+            self.step(step, final)
+        else:
+            self._count_step(step)
         if self.timing:  # nothing runs after the step: its runs end where its nodes say
             made = self.nodes[start:]
             deps = [tuple(d - start if d >= start else -1 for d in node.deps) for node in made]
