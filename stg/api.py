@@ -10,9 +10,11 @@ its sharded graph, its rank-class programs, its summary.
 from __future__ import annotations
 
 import gc
+import math
 from collections import Counter
 from contextlib import contextmanager
 from dataclasses import dataclass, fields, replace
+from fractions import Fraction
 from functools import cached_property
 from pathlib import Path
 from typing import Any, Iterator, Mapping
@@ -24,6 +26,7 @@ from model_zoo import GraphOptions, Model, load_model
 from model_zoo.dlrm import DLRMConfig
 from model_zoo.transformer import TransformerConfig
 from parallelism.embedding import EmbeddingPlan, plan_embeddings
+from stg import numeric
 from stg.device import device_spec
 from stg.emit import Progress, count_trace_set, write_trace_set
 from stg.errors import PlanError
@@ -187,12 +190,31 @@ def _block_costs(model: Model, plan: Plan) -> list[int] | None:
     values = {**model.config.sizes(vocab_multiple=plan.make_vocab_divisible_by * plan.tp), B: plan.micro_batch,
               S: plan.seq, ATTN_FRACTION: plan.attention_flops.fraction, CF: sympy.Rational(str(plan.capacity_factor)),
               LOAD: 1}
-    per_block, value = Counter(), {}
-    for op in graph.ops:  # the blocks' ops share their cost expressions: each is bound once
-        if op.flops not in value:
-            value[op.flops] = sympy.sympify(op.flops).xreplace(values)
-        per_block[op.layer] += value[op.flops]
-    return [int(sympy.ceiling(per_block[layer])) for layer in range(model.layers + 2)]
+    numbers = {symbol: n for symbol, v in values.items() if (n := numeric.exact(sympy.sympify(v))) is not None}
+
+    def bound(expr):
+        found = numeric.value(expr, numbers)
+        if found is None:  # not compiled: sympy's, as an exact number where it is one
+            found = sympy.sympify(expr).xreplace(values)
+            found = numeric.exact(found) if numeric.exact(found) is not None else found
+        return found
+
+    ceil = lambda x: math.ceil(x) if isinstance(x, (int, Fraction)) else int(sympy.ceiling(x))  # noqa: E731
+    kinds, kind_of = _block_flops(graph, model.layers)
+    costs = [ceil(sum(count * bound(expr) for expr, count in terms)) for terms in kinds]
+    return [costs[kind] for kind in kind_of]
+
+
+@per_graph
+def _block_flops(graph, layers: int) -> tuple[list[tuple], list[int]]:
+    """The distinct blocks of a forward graph by their ops' FLOP expressions (with how many
+    ops have each; the copies of a block share theirs), and which one each block 0..L+1 is."""
+    per_block: dict[int, Counter] = {}
+    for op in graph.ops:
+        per_block.setdefault(op.layer, Counter())[op.flops] += 1
+    kinds: dict[tuple, int] = {}
+    kind_of = [kinds.setdefault(tuple(per_block.get(layer, {}).items()), len(kinds)) for layer in range(layers + 2)]
+    return list(kinds), kind_of
 
 
 def _in_dtype(model: Model, plan: Plan) -> Model:
