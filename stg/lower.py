@@ -208,6 +208,12 @@ def _deferred(sharded: ShardedGraph, stages: StagePlan, split_backward: bool) ->
     return found
 
 
+@per_graph
+def _reads_later(sharded: ShardedGraph) -> dict:
+    """_ProgramBuilder._read_later's answers, by stage cut, backward split, run and last."""
+    return {}
+
+
 _TYPE_NAMES = {kind: kind.name for kind in NodeType}
 
 
@@ -251,7 +257,6 @@ class _ProgramBuilder:
         self.timing = timing
         self.replay = ReplayChunks()
         self.head_of: dict[int, int] = {}  # the last node of a merged run -> its first
-        self.read_later: dict[tuple, frozenset[str]] = {}  # per (virtual stage, kind), last: _read_later
         self.microbatches = pipeline.order.m
         # timing: templates of every stage of this plan by (shape, chains present): see _action_shape
         self.stage_templates: dict[tuple, tuple] = stage_templates if stage_templates is not None else {}
@@ -562,7 +567,9 @@ class _ProgramBuilder:
         step reads the last micro-batch's): the only later nodes that depend on their producers
         (a COMP node follows the compute chain and its comm inputs; a send goes out in the
         action that made its tensor)."""
-        if (run, last) not in self.read_later:
+        memo = _reads_later(self.sharded)  # a run's ops are its structure's and cut's: kept across plans
+        key = (self.pipeline.stages, self.pipeline.split_backward, run, last)
+        if key not in memo:
             names, consumers = {op.name for op in ops}, self.graph.consumers
 
             def read(tensor: str) -> bool:
@@ -570,8 +577,8 @@ class _ProgramBuilder:
                            and (last or user.phase is not Phase.STEP)
                            or user.kind in (OpKind.SLICE, OpKind.CONSTRAIN) and read(user.outputs[0])
                            for user in consumers.get(tensor, ()))
-            self.read_later[(run, last)] = frozenset(t for op in ops for t in op.outputs if read(t))
-        return self.read_later[(run, last)]
+            memo[key] = frozenset(t for op in ops for t in op.outputs if read(t))
+        return memo[key]
 
     def _add_to_replay(self, start: int, head) -> None:
         """The nodes made from `start` on, as the timed replay reads them: `head[n]` is the
