@@ -177,10 +177,13 @@ class DeviceMesh:
 
     def group(self, rank: int, axes: Sequence[str]) -> list[int]:
         """Ranks that share `rank`'s coordinates off `axes`, ordered by their coordinates on `axes`."""
-        base = rank - sum(self.coords(rank)[ax] * self.stride(ax) for ax in axes)
+        coords = self.coords(rank)
+        base = rank - sum(coords[ax] * self.stride(ax) for ax in axes)
         members = [base]
+        sizes = self.sizes
         for ax in sorted(axes, key=self.names.index):
-            members = [m + k * self.stride(ax) for m in members for k in range(self.sizes[ax])]
+            stride = self.stride(ax)
+            members = [m + k * stride for m in members for k in range(sizes[ax])]
         return sorted(members)
 
     def group_index(self, rank: int, axes: Sequence[str]) -> int:

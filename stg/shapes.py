@@ -58,7 +58,10 @@ def _shapes(sharded: ShardedGraph) -> dict:
 
 def _named(table: NameTable, op: Op) -> tuple:
     """The places of the names an op's attributes hold."""
-    return tuple(table.attrs({k: op.attrs[k] for k in _NAMED if k in op.attrs}))
+    attrs = op.attrs
+    if "grad_of" not in attrs and "weight" not in attrs:
+        return ()
+    return tuple(table.attrs({k: attrs[k] for k in _NAMED if k in attrs}))
 
 
 def shape_of(builder: _ProgramBuilder, action: Action, ops: list[Op], units: dict, here: dict,
@@ -86,7 +89,7 @@ def _action_shape(builder: _ProgramBuilder, action: Action, ops: list[Op], units
     and role the first time) and coalescing unit; the buckets a final action sends; the
     tensors it receives and sends (with the peer stage of each edge)."""
     table, parts, edges = NameTable(), [], []
-    tensors, seen, same = builder.graph.tensors, set(), _alike(builder.sharded)
+    tensors, seen, same, index = builder.graph.tensors, set(), _alike(builder.sharded), table.index
 
     def tensor(name: str) -> int:
         place = table.at(name)
@@ -94,6 +97,13 @@ def _action_shape(builder: _ProgramBuilder, action: Action, ops: list[Op], units
             seen.add(place)
             parts.append(same.of_tensor(tensors.get(name)))
         return place
+
+    def op_tensors(names) -> tuple:
+        places = []
+        for name in names:
+            place = index.get(name)
+            places.append(tensor(name) if place is None or place not in seen else place)
+        return tuple(places)
 
     def collective(op: Op) -> tuple:
         return tensor(op.inputs[0]), tensor(op.outputs[0]), same.of_op(op), _named(table, op)
@@ -107,8 +117,7 @@ def _action_shape(builder: _ProgramBuilder, action: Action, ops: list[Op], units
     for op in ops:
         unit = builder.unit(op)
         members = units.get(unit, ())
-        parts.append((same.of_op(op), _named(table, op), tuple(map(tensor, op.inputs)),
-                      tuple(map(tensor, op.outputs)),
+        parts.append((same.of_op(op), _named(table, op), op_tensors(op.inputs), op_tensors(op.outputs),
                       unit and (unit[0], unit[1], unit[3], unit[4], op is members[0], op is members[-1],
                                 tuple(map(collective, members)))))
         for bucket in builder.flush_after.get(op.name, []) if key[2] else ():
