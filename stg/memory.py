@@ -134,36 +134,58 @@ def _index(sharded: ShardedGraph) -> _Index:
                   {layer: tuple((nbytes, n, w) for nbytes, (n, w) in kept.items()) for layer, kept in saved.items()})
 
 
+@per_graph
+def _stage_shares(sharded: ShardedGraph, stages) -> dict[int, tuple]:
+    """_stage_share's answers per pipeline stage, kept per structure and cut."""
+    return {}
+
+
+def _stage_share(sharded: ShardedGraph, stages, rank: int) -> tuple:
+    """What memory() sums for pipeline stage `rank` under `stages` (None: the whole graph):
+    the leaf groups its ops read, its casts' and its stored gradients' bytes (a gradient
+    counted once) and, per layer, its saved tensors."""
+    shares = _stage_shares(sharded, stages)
+    if rank not in shares:
+        shares[rank] = _share(sharded, stages, rank)
+    return shares[rank]
+
+
+def _share(sharded: ShardedGraph, stages, rank: int) -> tuple:
+    index = _index(sharded)
+    mine = index.layers if stages is None else frozenset(
+        layer for layer in index.layers if stages.rank_and_chunk(stages.virtual_stage(layer))[0] == rank)
+    groups = [index.leaves[n] for n in sorted({n for layer in mine for n in index.by_layer[layer][0]})]
+    casts = [nbytes for layer in mine for nbytes in index.by_layer[layer][1]]
+    grads = {g: nbytes for layer in mine for g, nbytes in index.by_layer[layer][2]}
+    saved = [(layer, index.saved[layer]) for layer in mine if layer in index.saved]
+    return groups, casts, tuple(grads.values()), saved
+
+
 def memory(sharded: ShardedGraph, evaluate: Evaluator, stages=None, in_flight=None, rank: int = 0) -> Memory:
     """Memory of pipeline stage `rank` (its virtual stages under `stages`) running its
     schedule, of which `in_flight` (stg.schedule.StageDigest) tells the micro-batches held;
     without it, the whole graph and one micro-batch at a time."""
-    index = _index(sharded)
-    mine = index.layers if stages is None else frozenset(
-        layer for layer in index.layers if stages.rank_and_chunk(stages.virtual_stage(layer))[0] == rank)
+    groups, casts, grads, saved = _stage_share(sharded, stages, rank)
     held: Counter = Counter()  # bytes of the leaves this stage's ops read, by role
     embedding = [0, 0]  # of them, the embedding tables' and their optimizer states'
-    for group in sorted({n for layer in mine for n in index.by_layer[layer][0]}):
-        role, _, table, table_state, sizes = index.leaves[group]
+    for role, _, table, table_state, sizes in groups:
         size = sum(n * evaluate(nbytes) for nbytes, n in sizes)
         held[role] += size
         embedding[0] += size if table else 0
         embedding[1] += size if table_state else 0
     # fp8 training: the weights' fp8 copies, cast once per step and kept until the next
-    weights = held[Role.WEIGHT] + sum(evaluate(nbytes) for layer in mine for nbytes in index.by_layer[layer][1])
+    weights = held[Role.WEIGHT] + sum(evaluate(nbytes) for nbytes in casts)
     states = held[Role.OPTIMIZER_STATE]
-    grads = {g: nbytes for layer in mine for g, nbytes in index.by_layer[layer][2]}  # a gradient counted once
-    gradients = sum(evaluate(nbytes) for nbytes in grads.values())
+    gradients = sum(evaluate(nbytes) for nbytes in grads)
     # saved tensors per block: freed after the backward's B pass, or kept until its W pass
     by_layer: Counter = Counter()
     until_w: Counter = Counter()
-    for layer in mine:
-        if layer in index.saved:
-            for nbytes, n, read_by_w in index.saved[layer]:
-                size = evaluate(nbytes)
-                by_layer[layer] += n * size
-                if read_by_w:
-                    until_w[layer] += read_by_w * size
+    for layer, kept in saved:
+        for nbytes, n, read_by_w in kept:
+            size = evaluate(nbytes)
+            by_layer[layer] += n * size
+            if read_by_w:
+                until_w[layer] += read_by_w * size
     if in_flight is None:
         activations = sum(by_layer.values())
     else:
