@@ -54,7 +54,13 @@ compute (a 1,024-wide layer at seq 512, a block a virtual stage), the slope in p
 only past 8 stages and the fold is 0.56 % off at pp 12 (0.15 % at seq 2048). Folding pays
 where the four folds replay under half the plan's stage micro-batches
 (2 (m1 + m2)(p1 + p2) <= pp m); the folded models are new structures (their symbolic passes
-are paid once per search, stg/passes.py keeps the recent ones).
+are paid once per search, stg/passes.py keeps the recent ones). Under 1F1B and GPipe a
+pipeline is folded from m >= pp micro-batches on, at m1 = 2 p2 where 6 p2 would not pay (a
+plan of 32-64 stages and as many micro-batches): llama3-70b and llama3-405b layers (tp 4-8,
+cp 2, ZeRO 1 and 3, full recomputation) at m = pp and 1.5 pp, 16 and 32 stages, were within
+0.03 % of the whole replay, and the small 1,024-wide layer at pp 24 within 0.35 %; ZB-H1 with
+ZeRO-3 was 1 % off there, and an interleaved pipeline of m = pp (a single round of its
+micro-batch groups) 0.8-6.8 % off, so those keep m >= 2 pp and m1 >= 6 p2.
 tests/test_explore.py holds both shortcuts to the replay of the whole plan.
 """
 
@@ -120,10 +126,28 @@ def _ends(split: tuple[int, ...]) -> tuple[int, int, int]:
     return -start, split[-start], len(split) + start - length
 
 
+SHORT_FOLDS = ("1f1b", "gpipe")  # folded from m >= pp, at m1 = 2 p2 where 6 p2 would not pay (see above)
+
+
+def _per_stage(plan: Plan) -> tuple[int, ...]:
+    """The folds' m1 per stage of the longer fold that `plan`'s schedule may use, first choice first."""
+    return (6, 2) if plan.schedule in SHORT_FOLDS else (6,)
+
+
+def _pays(plan: Plan, p1: int, p2: int, m1: int) -> bool:
+    """Four folds of p1 and p2 stages at m1 and 2 m1 micro-batches replay at most half the
+    stage micro-batches of `plan`."""
+    return 2 * 3 * m1 * (p1 + p2) <= plan.pp * plan.microbatches
+
+
 def may_fold(plan: Plan) -> bool:
     """Whether `plan` can be folded at all (fold_counts then needs its cut and the network):
-    long enough for two folds of at least 4 and 6 stages, past the fill."""
-    return plan.pp >= 2 * (FOLD_FEWEST + 2) and plan.microbatches >= 2 * plan.pp
+    long enough for two folds of at least 4 and 6 stages, past the fill (m >= 2 pp; m >= pp
+    under 1F1B and GPipe), and the least such folds pay."""
+    p1, p2 = FOLD_FEWEST, FOLD_FEWEST + 2
+    fill = 1 if plan.schedule in SHORT_FOLDS else 2
+    return (plan.pp >= 2 * p2 and plan.microbatches >= fill * plan.pp
+            and _pays(plan, p1, p2, min(_per_stage(plan)) * p2))
 
 
 def fold_counts(workload, network: Network) -> tuple[tuple[int, int], tuple[int, int]] | None:
@@ -147,14 +171,15 @@ def fold_counts(workload, network: Network) -> tuple[tuple[int, int], tuple[int,
     p2 = p1 + period * -(-2 // period)
     if plan.pp < 2 * p2:
         return None
-    # past the fill's transient (at 3 and 6 p2 the slope in m was 0.2 % short); the interleaved
-    # schedule runs whole groups of pp micro-batches, so a multiple of both folds' stages
+    # past the fill's transient (at 3 and 6 p2 the slope in m was 0.2 % short; 2 p2 for a
+    # 1F1B or GPipe plan that 6 p2 would not pay); the interleaved schedule runs whole groups
+    # of pp micro-batches, so a multiple of both folds' stages
     group = lcm(p1, p2) if plan.vpp > 1 else 1
-    m1 = group * -(-6 * p2 // group)
-    m2 = 2 * m1
-    if 2 * (m1 + m2) * (p1 + p2) > plan.pp * plan.microbatches:
-        return None  # the folds cost half as much as the plan or more
-    return (p1, p2), (m1, m2)
+    for per_stage in _per_stage(plan):
+        m1 = group * -(-per_stage * p2 // group)
+        if _pays(plan, p1, p2, m1):
+            return (p1, p2), (m1, 2 * m1)
+    return None  # the folds cost half as much as the plan or more
 
 
 def folded_timings(model: Model, workload, network: Network) -> list[tuple[Timing, Timing]] | None:
