@@ -2,7 +2,6 @@
 estimate against the timed replay of the written set, the search's pruning and outputs."""
 
 import json
-import math
 
 import pytest
 import yaml
@@ -352,6 +351,21 @@ def test_a_long_pipeline_is_timed_from_two_probes_as_its_whole_replay(schedule, 
     assert (probed.peak_memory, probed.model_flops) == (whole.peak_memory, whole.model_flops)
 
 
+def _folded_as_whole(model: dict, plan: Plan, counts: tuple) -> None:
+    """`plan` is folded at `counts` (fold_counts), and its folded timings are within 0.5 % of
+    its whole replay: the step and each stage's busy time, with free and costed communication."""
+    from stg.explore.probe import fold_counts, folded_timings
+
+    network = load_network("dgx-h100-superpod")
+    counted = build(model, plan, nodes=False)
+    assert fold_counts(counted, network) == counts
+    whole = slice_timings(build(model, plan, timing=True), network)
+    folded = folded_timings(load_model(model), counted, network)[0]
+    for f, w in zip(folded, whole):
+        assert f.makespan_us == pytest.approx(w.makespan_us, rel=0.005)
+        assert f.busy_us == pytest.approx(w.busy_us, rel=0.005)
+
+
 @pytest.mark.parametrize("schedule, zero, layers, layers_per_stage, seq", [
     ("1f1b", 1, 12, None, 512), ("zb-h1", 3, 12, None, 512), ("gpipe", 0, 12, None, 512), ("1f1b", 1, 22, "auto", 512),
     ("interleaved", 1, 24, None, 2048), ("interleaved", 3, 48, None, 512)])
@@ -365,20 +379,11 @@ def test_a_long_pipeline_is_timed_from_four_folded_ones_as_its_whole_replay(sche
     a stage) folds too, its micro-batches whole groups of both folds' stages (36, 72): 0.15 %
     and 0.2 % off here (at seq 512 with one block a virtual stage, 0.56 %: its step's slope
     in pp settles only past 8 stages when p2p latency weighs this much)."""
-    from stg.explore.probe import fold_counts, folded_timings
-
     model = dict(MID, layers=layers)
     # tp 2 x dp 2: four ranks a stage, so the stages alternate NVLink and InfiniBand links (period 2)
     plan = Plan(dp=2, tp=2, pp=12, schedule=schedule, vpp=2 if schedule == "interleaved" else 1, zero=zero,
                 global_batch=2 * 180, seq=seq, layers_per_stage=layers_per_stage)
-    network = load_network("dgx-h100-superpod")
-    counted = build(model, plan, nodes=False)
-    assert fold_counts(counted, network) == ((4, 6), (36, 72))
-    whole = slice_timings(build(model, plan, timing=True), network)
-    folded = folded_timings(load_model(model), counted, network)[0]
-    for f, w in zip(folded, whole):  # free and costed communication
-        assert f.makespan_us == pytest.approx(w.makespan_us, rel=0.005)
-        assert f.busy_us == pytest.approx(w.busy_us, rel=0.005)
+    _folded_as_whole(model, plan, ((4, 6), (36, 72)))
 
 
 @pytest.mark.parametrize("schedule", ["1f1b", "gpipe"])
@@ -388,18 +393,11 @@ def test_a_pipeline_of_as_many_micro_batches_as_stages_is_folded_at_two_per_stag
     replay more than half of the plan's 32 x 32 stage micro-batches); the step and each
     stage's busy time stay within 0.5 % of the whole replay (0.05 % here). An interleaved
     or ZB-H1 plan needs m >= 2 pp (stg/explore/probe.py: 0.8-6.8 % and 1 % off at m = pp)."""
-    from stg.explore.probe import fold_counts, folded_timings, may_fold
+    from stg.explore.probe import may_fold
 
     model = dict(MID, layers=32)
     plan = Plan(dp=2, tp=2, pp=32, schedule=schedule, zero=1, global_batch=2 * 32, seq=512)
-    network = load_network("dgx-h100-superpod")
-    counted = build(model, plan, nodes=False)
-    assert fold_counts(counted, network) == ((4, 6), (12, 24))
-    whole = slice_timings(build(model, plan, timing=True), network)
-    folded = folded_timings(load_model(model), counted, network)[0]
-    for f, w in zip(folded, whole):  # free and costed communication
-        assert f.makespan_us == pytest.approx(w.makespan_us, rel=0.005)
-        assert f.busy_us == pytest.approx(w.busy_us, rel=0.005)
+    _folded_as_whole(model, plan, ((4, 6), (12, 24)))
     for other in ("zb-h1", "interleaved"):
         assert not may_fold(Plan(dp=2, tp=2, pp=32, schedule=other, vpp=2 if other == "interleaved" else 1,
                                  global_batch=2 * 32, seq=512))
