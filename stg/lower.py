@@ -26,7 +26,7 @@ from __future__ import annotations
 import math
 from collections import Counter
 from dataclasses import dataclass
-from typing import Mapping
+from typing import Callable, Mapping
 
 import sympy
 
@@ -352,7 +352,11 @@ class _ProgramBuilder:
     def collective(self, name: str, members: list[Op], where: dict[str, int], extra_deps=()) -> int:
         first = members[0]
         axes, collective = first.attrs["axes"], first.attrs["collective"]
-        nbytes = sum(self._count("comm_bytes", collective.name, op.bytes, comm=True) for op in members)
+        if self.terms is None:  # not tallied: one add for the bucket
+            nbytes = sum(self.comm_ev(op.bytes) for op in members)
+            add_to(self.stats, "comm_bytes", collective.name, nbytes)
+        else:
+            nbytes = sum(self._count("comm_bytes", collective.name, op.bytes, comm=True) for op in members)
         self.stats.comm_count[collective.name] += 1
         group = GroupHole(axes, first.attrs.get("members"))
         if not self.keep_nodes:
@@ -496,7 +500,7 @@ class _ProgramBuilder:
             size += self.comm_ev(op.bytes)
         return buckets
 
-    def _action_stats(self, action: Action, ops: list[Op], units: dict, here: dict, key: tuple):
+    def _action_stats(self, action: Action, ops: list[Op], units: dict, found: Callable[[], dict], key: tuple):
         """An action's stats (without nodes) and the tensors it makes. Its tally -- how many
         times each expression is added to each field, and its node counts -- holds for every
         plan of this structure and stage cut (a final action's buckets are part of the key), so
@@ -505,7 +509,8 @@ class _ProgramBuilder:
                         for op in ops if op.name in self.flush_after) if key[2] else ()
         known = tallies(self.sharded)
         shared = (self.pipeline.stages, self.pipeline.split_backward, self.rank, key, flushes)
-        if shared not in known:
+        if shared not in known:  # `found()`: the tensors its micro-batch's earlier actions made
+            here = found()
             known[shared] = self._tallied(lambda: self._tally_action(action, ops, units, here, key[2]), here)
         tally = known[shared]
         self.holes |= tally.holes
@@ -666,8 +671,8 @@ class _ProgramBuilder:
                 ops = runs.get((stage, action.kind), [])
                 key = self._key(stage, action.kind, is_last, ops, history)
                 if key not in self.repeats:  # it finds what its micro-batch's earlier actions made
-                    here = dict.fromkeys(name for k in earlier for name in self.repeats[k][1])
-                    self.repeats[key] = self._action_stats(action, ops, units, here, key)
+                    found = lambda earlier=earlier: dict.fromkeys(n for k in earlier for n in self.repeats[k][1])  # noqa: E731
+                    self.repeats[key] = self._action_stats(action, ops, units, found, key)
                 earlier.append(key)
                 history += ((stage, action.kind),)
                 times[key] += count
