@@ -54,13 +54,16 @@ compute (a 1,024-wide layer at seq 512, a block a virtual stage), the slope in p
 only past 8 stages and the fold is 0.56 % off at pp 12 (0.15 % at seq 2048). Folding pays
 where the four folds replay under half the plan's stage micro-batches
 (2 (m1 + m2)(p1 + p2) <= pp m); the folded models are new structures (their symbolic passes
-are paid once per search, stg/passes.py keeps the recent ones). Under 1F1B and GPipe a
-pipeline is folded from m >= pp micro-batches on, at m1 = 2 p2 where 6 p2 would not pay (a
-plan of 32-64 stages and as many micro-batches): llama3-70b and llama3-405b layers (tp 4-8,
-cp 2, ZeRO 1 and 3, full recomputation) at m = pp and 1.5 pp, 16 and 32 stages, were within
-0.03 % of the whole replay, and the small 1,024-wide layer at pp 24 within 0.35 %; ZB-H1 with
-ZeRO-3 was 1 % off there, and an interleaved pipeline of m = pp (a single round of its
-micro-batch groups) 0.8-6.8 % off, so those keep m >= 2 pp and m1 >= 6 p2.
+are paid once per search, stg/passes.py keeps the recent ones). Under 1F1B and GPipe, whose
+step is (m + pp - 1) micro-batch times with or without a steady state, a pipeline is folded
+from m = 4 on: for m >= pp at m1 = 2 p2 where 6 p2 would not pay, for m < pp at m1 = m / 2
+and m2 = m (fitted in pp alone). Measured against the whole replay: llama3-70b and
+llama3-405b layers (tp 4-8, cp 2, ZeRO 1 and 3, full recomputation) at m = pp and 1.5 pp, 16
+and 32 stages, within 0.03 %; llama3-405b at m = 8 and 16 on 16-64 stages within 0.025 %;
+the small 1,024-wide layer at pp 24 and m = 1.5 pp within 0.35 %, at m = pp / 2 within 0.12 %.
+ZB-H1 with ZeRO-3 was 1 % off at m = 1.5 pp on that layer, and an interleaved pipeline of
+m = pp (a single round of its micro-batch groups) 0.8-6.8 % off, so those keep m >= 2 pp and
+m1 >= 6 p2.
 tests/test_explore.py holds both shortcuts to the replay of the whole plan.
 """
 
@@ -126,28 +129,37 @@ def _ends(split: tuple[int, ...]) -> tuple[int, int, int]:
     return -start, split[-start], len(split) + start - length
 
 
-SHORT_FOLDS = ("1f1b", "gpipe")  # folded from m >= pp, at m1 = 2 p2 where 6 p2 would not pay (see above)
+SHORT_FOLDS = ("1f1b", "gpipe")  # folded from m >= 4 micro-batches on (see above)
+FEWEST_MICROBATCHES = 4
 
 
-def _per_stage(plan: Plan) -> tuple[int, ...]:
-    """The folds' m1 per stage of the longer fold that `plan`'s schedule may use, first choice first."""
-    return (6, 2) if plan.schedule in SHORT_FOLDS else (6,)
+def _microbatch_counts(plan: Plan, p1: int, p2: int) -> list[tuple[int, int]]:
+    """The (m1, m2) micro-batches the folds may replay, first choice first: 6 p2 and 12 p2
+    (for the interleaved schedule whole groups of both folds' stages); under 1F1B and GPipe
+    also 2 p2 and 4 p2 or, for a plan of fewer micro-batches than stages, half its own and its
+    own."""
+    m = plan.microbatches
+    if plan.schedule in SHORT_FOLDS:
+        return [(m // 2, m)] if m < plan.pp else [(6 * p2, 12 * p2), (2 * p2, 4 * p2)]
+    group = lcm(p1, p2) if plan.vpp > 1 else 1
+    m1 = group * -(-6 * p2 // group)
+    return [(m1, 2 * m1)]
 
 
-def _pays(plan: Plan, p1: int, p2: int, m1: int) -> bool:
-    """Four folds of p1 and p2 stages at m1 and 2 m1 micro-batches replay at most half the
+def _pays(plan: Plan, p1: int, p2: int, counts: tuple[int, int]) -> bool:
+    """Four folds of p1 and p2 stages at m1 and m2 micro-batches replay at most half the
     stage micro-batches of `plan`."""
-    return 2 * 3 * m1 * (p1 + p2) <= plan.pp * plan.microbatches
+    return 2 * sum(counts) * (p1 + p2) <= plan.pp * plan.microbatches
 
 
 def may_fold(plan: Plan) -> bool:
     """Whether `plan` can be folded at all (fold_counts then needs its cut and the network):
-    long enough for two folds of at least 4 and 6 stages, past the fill (m >= 2 pp; m >= pp
+    long enough for two folds of at least 4 and 6 stages, past the fill (m >= 2 pp; m >= 4
     under 1F1B and GPipe), and the least such folds pay."""
     p1, p2 = FOLD_FEWEST, FOLD_FEWEST + 2
-    fill = 1 if plan.schedule in SHORT_FOLDS else 2
-    return (plan.pp >= 2 * p2 and plan.microbatches >= fill * plan.pp
-            and _pays(plan, p1, p2, min(_per_stage(plan)) * p2))
+    least = FEWEST_MICROBATCHES if plan.schedule in SHORT_FOLDS else 2 * plan.pp
+    return (plan.pp >= 2 * p2 and plan.microbatches >= least
+            and any(_pays(plan, p1, p2, counts) for counts in _microbatch_counts(plan, p1, p2)))
 
 
 def fold_counts(workload, network: Network) -> tuple[tuple[int, int], tuple[int, int]] | None:
@@ -171,14 +183,11 @@ def fold_counts(workload, network: Network) -> tuple[tuple[int, int], tuple[int,
     p2 = p1 + period * -(-2 // period)
     if plan.pp < 2 * p2:
         return None
-    # past the fill's transient (at 3 and 6 p2 the slope in m was 0.2 % short; 2 p2 for a
-    # 1F1B or GPipe plan that 6 p2 would not pay); the interleaved schedule runs whole groups
-    # of pp micro-batches, so a multiple of both folds' stages
-    group = lcm(p1, p2) if plan.vpp > 1 else 1
-    for per_stage in _per_stage(plan):
-        m1 = group * -(-per_stage * p2 // group)
-        if _pays(plan, p1, p2, m1):
-            return (p1, p2), (m1, 2 * m1)
+    # past the fill's transient (at 3 and 6 p2 the slope in m was 0.2 % short), or as the
+    # schedule allows (_microbatch_counts)
+    for counts in _microbatch_counts(plan, p1, p2):
+        if _pays(plan, p1, p2, counts):
+            return (p1, p2), counts
     return None  # the folds cost half as much as the plan or more
 
 
