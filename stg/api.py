@@ -40,7 +40,7 @@ from stg.program import GroupHole, RankHole, RankProgram
 from stg.schedule import SPLIT_BACKWARD, Order, order
 from stg.memory import Memory, memory
 from stg.mesh import DeviceMesh, axis_symbol
-from stg.passes import structure_of, symbolic_passes, uncut_passes
+from stg.passes import held_leaves, passes_cached, structure_of, symbolic_passes, uncut_passes
 from stg.plan import Plan
 from stg.sharding import ShardedGraph, per_graph
 from stg.slice_check import check_slice
@@ -300,6 +300,13 @@ def _build(model, plan, memory_limit: int | None, nodes: bool, timing: bool) -> 
         _check_graph(model, plan, uncut, bindings)
         schedule = order(plan.schedule, plan.pp, plan.microbatches, plan.vpp)
         _refuse_over(memory_limit, _memories(uncut, plan, stages, schedule, variants, evaluators, shared), "at least ")
+    if memory_limit is not None and variants == [{}] and not passes_cached(structure) \
+            and (held := held_leaves(structure)) is not None:
+        # one stage of pp holds at least an even share of the weights and optimizer states:
+        # a plan over the limit by that alone is refused before the structure's passes (a
+        # schedule it cannot run is still said first)
+        order(plan.schedule, plan.pp, plan.microbatches, plan.vpp)
+        _refuse_peak(memory_limit, -(-sum(n * shared(nbytes) for nbytes, n in held.items()) // plan.pp), "at least ")
     sharded = symbolic_passes(structure)
     _check_graph(model, plan, sharded, bindings)
     pipeline = _pipeline(model, plan, sharded, stages)
@@ -346,9 +353,11 @@ def _memories(sharded: ShardedGraph, plan: Plan, stages, schedule: Order, varian
 def _refuse_over(limit: int | None, memories: list[Memory], bound: str = "") -> None:
     """MemoryLimitError when a rank class's peak (`bound`: "at least ", a lower bound of it)
     exceeds `limit` bytes."""
-    if limit is None:
-        return
-    peak = max(m.peak for m in memories)
+    if limit is not None:
+        _refuse_peak(limit, max(m.peak for m in memories), bound)
+
+
+def _refuse_peak(limit: int, peak: int, bound: str = "") -> None:
     if peak > limit:
         raise MemoryLimitError(f"memory: peak {bound}{peak / 2**30:.1f} GiB per rank over the {limit / 2**30:.1f} "
                                "GiB usable", peak)

@@ -4,6 +4,7 @@ sizes, sequence length, schedule or device share them (issue 12, "build once, bi
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -11,10 +12,10 @@ from model_zoo import GraphOptions, Model
 from parallelism import sharding_spec
 from parallelism.pipeline import retie, tie_copies, tie_gradients, tie_pattern, untie
 from stg.autodiff import training_graph
-from stg.graph import DType, Graph
+from stg.graph import DType, Graph, Role
 from stg.plan import OPTIMIZERS, Plan
 from stg.recompute import recompute
-from stg.sharding import ShardedGraph, shard
+from stg.sharding import ShardedGraph, local_leaf, shard
 
 
 @dataclass(frozen=True)
@@ -86,6 +87,8 @@ _RECOMPUTED: dict[tuple, Graph] = {}  # and with their recomputation (the graphs
 _CACHE: dict[tuple, ShardedGraph] = {}
 _UNTIED: dict[tuple, tuple[ShardedGraph, dict]] = {}  # a tied model's, per tie pattern (Structure.passes)
 _BOUNDS: dict[tuple, ShardedGraph] = {}  # a tied model's without a cut (build's memory bound)
+_HELD: dict[tuple, Counter] = {}  # held_leaves, per structure
+_HELD_ROLES = (Role.WEIGHT, Role.OPTIMIZER_STATE)
 _CACHE_SIZE = 16  # sharded graphs of the largest models hold tens of thousands of ops
 
 
@@ -99,6 +102,29 @@ def _cached(cache: dict, key: tuple, make):
             del cache[next(iter(cache))]
         cache[key] = make()
     return cache[key]
+
+
+def held_leaves(structure: Structure) -> Counter | None:
+    """The local bytes of the structure's weights and optimizer states that its ops read,
+    each distinct expression with how many leaves have it, from its training graph and
+    sharding spec without the passes (shard() lays a leaf out by the spec alone); None for a
+    tied model, whose cut copies its tied weights. Each stage holds the leaves its ops read,
+    so one of pp stages holds at least their sum / pp (build refuses a plan from it)."""
+    if structure.stages is not None or not _hashable(structure):
+        return None
+
+    def count() -> Counter:
+        train, _ = _cached(_TRAINING, structure.key()[:5], structure.training)
+        held: Counter = Counter()
+        for name, tensor in train.tensors.items():
+            if tensor.role in _HELD_ROLES and name not in train.producer and name in train.consumers:
+                held[local_leaf(structure.spec, tensor).nbytes] += 1
+        return held
+    return _cached(_HELD, structure.key(), count)
+
+
+def passes_cached(structure: Structure) -> bool:
+    return _hashable(structure) and structure.key() in _CACHE
 
 
 def symbolic_passes(structure: Structure) -> ShardedGraph:

@@ -106,9 +106,7 @@ def zb_h1(p: int, m: int, v: int = 1) -> Slots:
 
 def interleaved(p: int, m: int, v: int) -> Slots:
     """Megatron's order: virtual micro-batch k runs chunk (k mod pv) div p (counted from the
-    last chunk for backwards) of micro-batch (k div pv) p + k mod p."""
-    if m % p:
-        raise PlanError(f"microbatches={m} must be a multiple of pp={p} for the interleaved schedule")
+    last chunk for backwards) of micro-batch (k div pv) p + k mod p (m a multiple of p: order)."""
     k = np.arange(m * v)  # virtual micro-batches
     chunk, microbatch = (k % (p * v)) // p, (k // (p * v)) * p + k % p
     forwards, backwards = 3 * (microbatch * v + chunk), 3 * (microbatch * v + v - 1 - chunk) + 1
@@ -138,6 +136,8 @@ def order(name: str, p: int, m: int, v: int = 1) -> "Order":
         raise PlanError(f"vpp={v}: virtual stages need the interleaved schedule, not {name!r}")
     if v == 1 and name == "interleaved":
         raise PlanError("schedule: interleaved runs virtual stages; it needs vpp > 1")
+    if name == "interleaved" and m % p:
+        raise PlanError(f"microbatches={m} must be a multiple of pp={p} for the interleaved schedule")
     for field, value, most in (("pp", p, MAX_WORLD), ("microbatches", m, MAX_MICROBATCHES), ("vpp", v, MAX_LAYERS)):
         check_int(field, value, PlanError, maximum=most)
     if p * m * v > MAX_ACTIONS:

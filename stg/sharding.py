@@ -68,6 +68,10 @@ class ShardingSpec:
     def leaf_rules(self, tensor: Tensor) -> LayoutRules:
         return {Role.WEIGHT: self.params, Role.OPTIMIZER_STATE: self.states}.get(tensor.role, self.data)
 
+    def leaf_layout(self, tensor: Tensor) -> Layout:
+        """A leaf's layout (a weight, an optimizer state, an input): the spec alone decides it."""
+        return self.leaf_rules(tensor).layout(tensor, self.mesh_axes)
+
 
 @dataclass(frozen=True)
 class ShardedGraph:
@@ -106,7 +110,7 @@ class _Sharder:
     def run(self, templates: bool = True) -> ShardedGraph:
         for tensor in self.src.tensors.values():
             if tensor.name not in self.src.producer:
-                self.define(tensor, self.spec.leaf_rules(tensor).layout(tensor, self.mesh_axes))
+                self.define(tensor, self.spec.leaf_layout(tensor))
         for block in _block_bodies(self.src):
             if templates:
                 self.shard_block(*block)
@@ -285,6 +289,13 @@ class _Template:
     names: list[str]
     ops: list[Op]
     changes: list[tuple]
+
+
+def local_leaf(spec: ShardingSpec, tensor: Tensor) -> Tensor:
+    """A leaf as one rank holds it in the graph that shard() makes."""
+    if not spec.mesh_axes:
+        return tensor
+    return _shaped(tensor, tensor.name, spec.leaf_layout(tensor).local_shape(tensor.shape))
 
 
 def _shaped(tensor: Tensor, name: str, shape: tuple) -> Tensor:
