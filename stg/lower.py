@@ -176,7 +176,8 @@ def _made_by(graph, tensor: str) -> Op | None:
 def _step_reductions(sharded: ShardedGraph, stages: StagePlan, split_backward: bool) -> dict[int, tuple]:
     """Per pipeline stage, the step's reductions of gradients that its micro-batches make, per
     run of one virtual stage and kind in the order its ops finish them (what the gradient
-    buckets cut, _ProgramBuilder.plan_gradient_buckets), and each one's finishing op."""
+    buckets cut, _ProgramBuilder.plan_gradient_buckets: a bucket's last reduction is its
+    last finished), and each one's finishing op."""
     graph, position, found = sharded.graph, _positions(sharded), {}
     for rank, (runs, _, step) in _stage_work(sharded, stages, split_backward).items():
         run_of = {op.name: key for key, ops in runs.items() for op in ops}
@@ -598,12 +599,10 @@ class _ProgramBuilder:
         """The step's reductions of gradients the micro-batches make go out in buckets as the
         last backward makes them (PyTorch DDP's overlap): each bucket right after the op that
         finishes its last gradient, in the last action that runs that op."""
-        position = _positions(self.sharded)
         reductions, made = _step_reductions(self.sharded, self.pipeline.stages, self.pipeline.split_backward)[self.rank]
-        for ops in reductions:
+        for ops in reductions:  # each in the order their gradients are finished
             for bucket in self.buckets(ops):
-                last = max((made[op.name] for op in bucket), key=lambda op: position[op.name])
-                self.flush_after.setdefault(last.name, []).append(bucket)
+                self.flush_after.setdefault(made[bucket[-1].name].name, []).append(bucket)
         self.bucketed = {op.name for ops in reductions for op in ops}
 
     def step(self, ops: list[Op], where: dict[str, int]) -> None:
