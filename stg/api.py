@@ -10,11 +10,9 @@ its sharded graph, its rank-class programs, its summary.
 from __future__ import annotations
 
 import gc
-import math
 from collections import Counter
 from contextlib import contextmanager
 from dataclasses import dataclass, fields, replace
-from fractions import Fraction
 from functools import cached_property
 from pathlib import Path
 from typing import Any, Iterator, Mapping
@@ -191,17 +189,9 @@ def _block_costs(model: Model, plan: Plan) -> list[int] | None:
               S: plan.seq, ATTN_FRACTION: plan.attention_flops.fraction, CF: sympy.Rational(str(plan.capacity_factor)),
               LOAD: 1}
     numbers = {symbol: n for symbol, v in values.items() if (n := numeric.exact(sympy.sympify(v))) is not None}
-
-    def bound(expr):
-        found = numeric.value(expr, numbers)
-        if found is None:  # not compiled: sympy's, as an exact number where it is one
-            found = sympy.sympify(expr).xreplace(values)
-            found = numeric.exact(found) if numeric.exact(found) is not None else found
-        return found
-
-    ceil = lambda x: math.ceil(x) if isinstance(x, (int, Fraction)) else int(sympy.ceiling(x))  # noqa: E731
     kinds, kind_of = _block_flops(graph, model.layers)
-    costs = [ceil(sum(count * bound(expr) for expr, count in terms)) for terms in kinds]
+    costs = [numeric.ceiling(sum(count * numeric.bound(expr, numbers, values) for expr, count in terms))
+             for terms in kinds]
     return [costs[kind] for kind in kind_of]
 
 

@@ -23,7 +23,6 @@ Collectives that move parameters or gradients are coalesced, as frameworks do:
 
 from __future__ import annotations
 
-import math
 from collections import Counter
 from dataclasses import dataclass
 from typing import Callable, Mapping
@@ -58,15 +57,7 @@ class Evaluator:
     def __call__(self, expr: sympy.Expr) -> int:
         found = self.cache.get(expr)
         if found is None:
-            exact_value = numeric.value(expr, self.numbers)
-            if exact_value is not None:
-                found = math.ceil(exact_value)
-            else:
-                bound = sympy.sympify(expr).xreplace(self.bindings)
-                if not bound.is_number:
-                    raise AssertionError(f"unbound symbols {bound.free_symbols} in {expr}")
-                found = int(sympy.ceiling(bound))
-            self.cache[expr] = found
+            found = self.cache[expr] = numeric.ceiling(numeric.bound(expr, self.numbers, self.bindings))
         return found
 
 
@@ -172,13 +163,26 @@ def _made_by(graph, tensor: str) -> Op | None:
     return op
 
 
+@dataclass(frozen=True)
+class _StepPlan:
+    """What a pipeline stage's step sends besides running its optimizer: the reductions of
+    gradients its micro-batches make, per run of one virtual stage and kind in the order its
+    ops finish them (the gradient buckets cut these, each flushed after its last reduction's
+    finishing op, `made`), and the collectives that go out after the optimizer, bucketed
+    (the new parameters' gathers: those no backward sent and no step compute reads)."""
+
+    reductions: tuple[list[Op], ...]
+    made: Mapping[str, Op]  # a reduction -> the op that finishes its gradient
+    deferred: list[Op]
+    skipped: frozenset[str]  # the reductions and the deferred: what the optimizer does not run
+
+
 @per_graph
-def _step_reductions(sharded: ShardedGraph, stages: StagePlan, split_backward: bool) -> dict[int, tuple]:
-    """Per pipeline stage, the step's reductions of gradients that its micro-batches make, per
-    run of one virtual stage and kind in the order its ops finish them (what the gradient
-    buckets cut, _ProgramBuilder.plan_gradient_buckets: a bucket's last reduction is its
-    last finished), and each one's finishing op."""
+def _step_plans(sharded: ShardedGraph, stages: StagePlan, split_backward: bool) -> dict[int, _StepPlan]:
+    """Per pipeline stage, its _StepPlan."""
     graph, position, found = sharded.graph, _positions(sharded), {}
+    views = (OpKind.SLICE, OpKind.CONSTRAIN)
+    feeds_compute = lambda op: any(user.kind not in views for user in graph.consumers.get(op.outputs[0], ()))
     for rank, (runs, _, step) in _stage_work(sharded, stages, split_backward).items():
         run_of = {op.name: key for key, ops in runs.items() for op in ops}
         # A reduction over pipeline stages (a tied embedding's) waits for the flush, as Megatron's
@@ -190,22 +194,11 @@ def _step_reductions(sharded: ShardedGraph, stages: StagePlan, split_backward: b
         by_run: dict[tuple, list[Op]] = {}
         for op in sorted(ready, key=lambda op: position[made[op.name].name]):
             by_run.setdefault(run_of[made[op.name].name], []).append(op)
-        found[rank] = (tuple(by_run.values()), {op.name: made[op.name] for op in ready})
-    return found
-
-
-@per_graph
-def _deferred(sharded: ShardedGraph, stages: StagePlan, split_backward: bool) -> dict[int, list[Op]]:
-    """Per pipeline stage, the step's collectives that go out after the optimizer, bucketed
-    (the new parameters' gathers): those no backward sent and no step compute reads."""
-    views = (OpKind.SLICE, OpKind.CONSTRAIN)
-    consumers = sharded.graph.consumers
-    feeds_compute = lambda op: any(user.kind not in views for user in consumers.get(op.outputs[0], ()))
-    found = {}
-    for rank, (_, _, step) in _stage_work(sharded, stages, split_backward).items():
-        bucketed = {op.name for ops in _step_reductions(sharded, stages, split_backward)[rank][0] for op in ops}
-        found[rank] = [op for op in step if op.kind is OpKind.COLLECTIVE and op.name not in bucketed
-                       and not feeds_compute(op)]
+        bucketed = {op.name for op in ready}
+        deferred = [op for op in step if op.kind is OpKind.COLLECTIVE and op.name not in bucketed
+                    and not feeds_compute(op)]
+        found[rank] = _StepPlan(tuple(by_run.values()), {op.name: made[op.name] for op in ready}, deferred,
+                                frozenset(bucketed | {op.name for op in deferred}))
     return found
 
 
@@ -242,7 +235,6 @@ class _ProgramBuilder:
         self.alias: dict[str, str] = {}  # a view (slice, anchor) -> the tensor it views
         self.prefetch: dict[Phase, int | None] = {}  # compute running when the last unit gather went out
         self.flush_after: dict[str, list[list[Op]]] = {}  # op -> gradient buckets that go out after it
-        self.bucketed: set[str] = set()  # step collectives already sent in those buckets
         self.stats = ClassStats()
         self.keep_nodes = keep_nodes
         self.holes: set = set()  # without nodes, the holes they would have had
@@ -599,11 +591,10 @@ class _ProgramBuilder:
         """The step's reductions of gradients the micro-batches make go out in buckets as the
         last backward makes them (PyTorch DDP's overlap): each bucket right after the op that
         finishes its last gradient, in the last action that runs that op."""
-        reductions, made = _step_reductions(self.sharded, self.pipeline.stages, self.pipeline.split_backward)[self.rank]
-        for ops in reductions:  # each in the order their gradients are finished
+        plan = self._step_plan()
+        for ops in plan.reductions:  # each in the order their gradients are finished
             for bucket in self.buckets(ops):
-                self.flush_after.setdefault(made[bucket[-1].name].name, []).append(bucket)
-        self.bucketed = {op.name for ops in reductions for op in ops}
+                self.flush_after.setdefault(plan.made[bucket[-1].name].name, []).append(bucket)
 
     def step(self, ops: list[Op], where: dict[str, int]) -> None:
         """The optimizer (after any reduction it reads that the last backward did not send),
@@ -612,17 +603,17 @@ class _ProgramBuilder:
         self._gathers(where)
 
     def _optimizer(self, ops: list[Op], where: dict[str, int]) -> None:
-        deferred = {op.name for op in self._deferred()}
+        skipped = self._step_plan().skipped
         for op in ops:
-            if op.name not in self.bucketed and op.name not in deferred:
+            if op.name not in skipped:
                 self.op(op, "S", where)
 
     def _gathers(self, where: dict[str, int]) -> None:
-        for bucket in self.buckets(self._deferred()):
+        for bucket in self.buckets(self._step_plan().deferred):
             self.collective(self._bucket_name("S", bucket), bucket, where)
 
-    def _deferred(self) -> list[Op]:
-        return _deferred(self.sharded, self.pipeline.stages, self.pipeline.split_backward)[self.rank]
+    def _step_plan(self) -> _StepPlan:
+        return _step_plans(self.sharded, self.pipeline.stages, self.pipeline.split_backward)[self.rank]
 
     def _count_step(self, ops: list[Op]) -> None:
         """Without nodes: the step's stats. The optimizer's are tallied once per structure and
@@ -670,8 +661,8 @@ class _ProgramBuilder:
                 ops = runs.get((stage, action.kind), [])
                 key = self._key(stage, action.kind, is_last, ops, history)
                 if key not in self.repeats:  # it finds what its micro-batch's earlier actions made
-                    found = lambda earlier=earlier: dict.fromkeys(n for k in earlier for n in self.repeats[k][1])  # noqa: E731
-                    self.repeats[key] = self._action_stats(action, ops, units, found, key)
+                    self.repeats[key] = self._action_stats(
+                        action, ops, units, lambda: dict.fromkeys(n for k in earlier for n in self.repeats[k][1]), key)
                 earlier.append(key)
                 history += ((stage, action.kind),)
                 times[key] += count

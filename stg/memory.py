@@ -146,19 +146,15 @@ def _stage_share(sharded: ShardedGraph, stages, rank: int) -> tuple:
     counted once) and, per layer, its saved tensors."""
     shares = _stage_shares(sharded, stages)
     if rank not in shares:
-        shares[rank] = _share(sharded, stages, rank)
+        index = _index(sharded)
+        mine = index.layers if stages is None else frozenset(
+            layer for layer in index.layers if stages.rank_and_chunk(stages.virtual_stage(layer))[0] == rank)
+        groups = [index.leaves[n] for n in sorted({n for layer in mine for n in index.by_layer[layer][0]})]
+        casts = [nbytes for layer in mine for nbytes in index.by_layer[layer][1]]
+        grads = {g: nbytes for layer in mine for g, nbytes in index.by_layer[layer][2]}
+        saved = [(layer, index.saved[layer]) for layer in mine if layer in index.saved]
+        shares[rank] = groups, casts, tuple(grads.values()), saved
     return shares[rank]
-
-
-def _share(sharded: ShardedGraph, stages, rank: int) -> tuple:
-    index = _index(sharded)
-    mine = index.layers if stages is None else frozenset(
-        layer for layer in index.layers if stages.rank_and_chunk(stages.virtual_stage(layer))[0] == rank)
-    groups = [index.leaves[n] for n in sorted({n for layer in mine for n in index.by_layer[layer][0]})]
-    casts = [nbytes for layer in mine for nbytes in index.by_layer[layer][1]]
-    grads = {g: nbytes for layer in mine for g, nbytes in index.by_layer[layer][2]}
-    saved = [(layer, index.saved[layer]) for layer in mine if layer in index.saved]
-    return groups, casts, tuple(grads.values()), saved
 
 
 def memory(sharded: ShardedGraph, evaluate: Evaluator, stages=None, in_flight=None, rank: int = 0) -> Memory:

@@ -11,6 +11,7 @@ rational numbers are compiled (all the graph's FLOP, byte and size expressions);
 from __future__ import annotations
 
 import functools
+import math
 from fractions import Fraction
 from typing import Callable, Mapping
 
@@ -76,3 +77,19 @@ def exact(value: sympy.Basic) -> int | Fraction | None:
     if value.is_Rational:
         return Fraction(int(value.p), int(value.q))
     return None
+
+
+def bound(expr: sympy.Expr, numbers: Mapping, bindings: Mapping) -> int | Fraction | sympy.Expr:
+    """`expr`'s value: compiled under `numbers` (exact bindings) where it can be, else sympy's
+    under `bindings`, as an exact number where it is one."""
+    found = value(expr, numbers)
+    if found is None:
+        found = sympy.sympify(expr).xreplace(bindings)
+        if not found.is_number:
+            raise AssertionError(f"unbound symbols {found.free_symbols} in {expr}")
+        found = exact(found) if exact(found) is not None else found
+    return found
+
+
+def ceiling(number: int | Fraction | sympy.Expr) -> int:
+    return math.ceil(number) if isinstance(number, (int, Fraction)) else int(sympy.ceiling(number))
