@@ -251,6 +251,7 @@ class _ProgramBuilder:
         self.replay = ReplayChunks()
         self.head_of: dict[int, int] = {}  # the last node of a merged run -> its first
         self.microbatches = pipeline.order.m
+        self.later: dict[tuple, frozenset[str]] = {}  # _read_later's answers, by run and last
         # timing: templates of every stage of this plan by (shape, chains present): see _action_shape
         self.stage_templates: dict[tuple, tuple] = stage_templates if stage_templates is not None else {}
 
@@ -565,6 +566,8 @@ class _ProgramBuilder:
         step reads the last micro-batch's): the only later nodes that depend on their producers
         (a COMP node follows the compute chain and its comm inputs; a send goes out in the
         action that made its tensor)."""
+        if (run, last) in self.later:  # asked of every action of a timed run
+            return self.later[run, last]
         memo = _reads_later(self.sharded)  # a run's ops are its structure's and cut's: kept across plans
         key = (self.pipeline.stages, self.pipeline.split_backward, run, last)
         if key not in memo:
@@ -576,6 +579,7 @@ class _ProgramBuilder:
                            or user.kind in (OpKind.SLICE, OpKind.CONSTRAIN) and read(user.outputs[0])
                            for user in consumers.get(tensor, ()))
             memo[key] = frozenset(t for op in ops for t in op.outputs if read(t))
+        self.later[run, last] = memo[key]
         return memo[key]
 
     def _add_to_replay(self, start: int, head) -> None:

@@ -319,14 +319,13 @@ def per_graph(fn=None, *, limit: int = 8):
     @functools.wraps(fn)
     def wrapper(sharded, *args):
         key = (id(sharded), *args)
-        hit = memo.get(key)
-        if hit is not None and hit[0] is sharded:
-            return hit[1]
-        if len(memo) >= limit:
-            memo.clear()
-        value = fn(sharded, *args)
-        memo[key] = (sharded, value)
-        return value
+        hit = memo.pop(key, None)
+        if hit is None or hit[0] is not sharded:
+            if len(memo) >= limit:  # the least recently used goes (a search alternates structures)
+                del memo[next(iter(memo))]
+            hit = (sharded, fn(sharded, *args))
+        memo[key] = hit
+        return hit[1]
     return wrapper
 
 

@@ -19,7 +19,7 @@ from typing import Mapping, Sequence
 
 import numpy as np
 
-from stg.limits import check_schema
+from stg.limits import check_schema, fits_schema
 from stg.program import Hole, NodeType, TraceNode
 
 SCHEMA_VERSION = "0.0.4"
@@ -31,7 +31,7 @@ _ID, _NAME, _TYPE, _DATA_DEPS, _DURATION, _ATTR = 1, 2, 3, 5, 7, 10
 _ATTR_NAME, _INT32, _INT64, _UINT64, _BOOL, _STRING = 1, 7, 9, 13, 27, 29
 
 
-def varint(value: int) -> bytes:
+def _varint(value: int) -> bytes:
     if value < 0:
         value += 1 << 64  # two's complement, as protobuf encodes negative int64
     out = bytearray()
@@ -40,6 +40,13 @@ def varint(value: int) -> bytes:
         value >>= 7
     out.append(value)
     return bytes(out)
+
+
+_SMALL = [_varint(v) for v in range(1 << 14)]  # node ids, deps and lengths are mostly these
+
+
+def varint(value: int) -> bytes:
+    return _SMALL[value] if 0 <= value < 16384 else _varint(value)
 
 
 @functools.lru_cache(maxsize=None)  # a handful of (field, wire) pairs, asked for on every node
@@ -56,6 +63,7 @@ def _attr_head(name: str) -> bytes:
     return _len_field(_ATTR_NAME, name.encode())
 
 
+@functools.lru_cache(maxsize=1 << 16)  # repeated layers repeat their attributes' values
 def _attr(name: str, field: int, value: int | str | bool) -> bytes:
     # a oneof member is written even when it holds the default (false, 0): presence matters
     head = _attr_head(name)
@@ -103,12 +111,12 @@ def _hole_attr(name: str, field: int, hole: Hole, width: int) -> list[Segment]:
 def _check_node(node: TraceNode) -> None:
     """The backstop before any byte is written: every number fits its schema field (a varint
     of an out-of-range value decodes as garbage, or not at all)."""
-    where = f"node {node.id} ({node.name})"
     values = {"id": node.id, "duration_micros": node.duration_us, **(
         {"num_ops": node.flops, "tensor_size": node.nbytes} if node.type is NodeType.COMP_NODE else
         {"comm_size": node.comm_bytes, **({} if node.type is NodeType.COMM_COLL_NODE else {"comm_tag": node.tag})})}
     for field, value in values.items():
-        check_schema(field, value, where)
+        if not fits_schema(field, value):
+            check_schema(field, value, f"node {node.id} ({node.name})")
 
 
 def _node_segments(node: TraceNode, width: Mapping[Hole, int]) -> list[Segment]:
