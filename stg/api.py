@@ -302,13 +302,26 @@ def _build(model, plan, memory_limit: int | None, nodes: bool, timing: bool) -> 
     pipeline = _pipeline(model, plan, sharded, stages)
     memories = _memories(sharded, plan, pipeline.stages, pipeline.order, variants, evaluators, shared)
     _refuse_over(memory_limit, memories)  # before the costly lowering
-    across_stages = {id(evaluate): {} for evaluate in evaluators}  # timing: a stage repeats another's actions
-    programs = [lower(sharded, evaluate, device_spec(plan.device), pipeline=pipeline,
-                      bucket_bytes=int(plan.bucket_mb * 2**20), rank=rank, comm_evaluate=shared, keep_nodes=nodes,
-                      timing=timing, stage_templates=across_stages[id(evaluate)])
+    device, bucket_bytes = device_spec(plan.device), int(plan.bucket_mb * 2**20)
+    # timing: a stage repeats the actions another stage ran, in this plan or in one that
+    # differs only in its micro-batch count (a folded plan's probes, stg/explore/probe.py)
+    templates = {id(evaluate): _timing_templates(sharded, pipeline.stages, pipeline.split_backward, device,
+                                                 bucket_bytes, frozenset(evaluate.bindings.items()),
+                                                 frozenset(shared.bindings.items()))
+                 for evaluate in evaluators} if timing else {}
+    programs = [lower(sharded, evaluate, device, pipeline=pipeline, bucket_bytes=bucket_bytes, rank=rank,
+                      comm_evaluate=shared, keep_nodes=nodes, timing=timing, stage_templates=templates.get(id(evaluate)))
                 for rank in range(plan.pp) for evaluate in evaluators]
     return Workload(model, plan, mesh, sharded, tuple(programs), tuple(memories), bindings, variant_axes,
                     variant_map, embeddings, stages)
+
+
+@per_graph
+def _timing_templates(sharded: ShardedGraph, *key) -> dict:
+    """Action templates of timed lowerings (stg/lower.py, stage_templates) by stage cut,
+    backward split, device, bucket size and bindings: what an action's nodes depend on but
+    the schedule, whose actions' keys and shapes the templates are found by."""
+    return {}
 
 
 def _check_graph(model: Model, plan: Plan, sharded: ShardedGraph, bindings: Mapping) -> None:
@@ -424,7 +437,8 @@ def _cut(sharded: ShardedGraph, stages) -> tuple:
 
 @per_graph
 def _shape_symbols(sharded: ShardedGraph) -> frozenset:
-    dims = {dim for t in sharded.graph.tensors.values() for dim in t.shape}  # few distinct ones
+    shapes = {id(t.shape): t.shape for t in sharded.graph.tensors.values()}  # a block's copies share theirs
+    dims = {dim for shape in shapes.values() for dim in shape}  # few distinct ones
     return frozenset(symbol for dim in dims for symbol in dim.free_symbols)
 
 

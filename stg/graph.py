@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass, field
 from enum import Enum
-from functools import cached_property
+from functools import cached_property, lru_cache
 from typing import Any, Iterator, Mapping
 
 import sympy
@@ -135,7 +135,7 @@ class Tensor:
 
     @cached_property
     def numel(self) -> sympy.Expr:
-        return sympy.Mul(*self.shape)
+        return _size(self.shape, 1)
 
     @property
     def signature(self) -> tuple:
@@ -151,7 +151,7 @@ class Tensor:
 
     @cached_property
     def nbytes(self) -> sympy.Expr:
-        return self.numel * self.dtype.nbytes
+        return _size(self.shape, self.dtype.nbytes)
 
     @property
     def memory_bytes(self) -> sympy.Expr:
@@ -159,6 +159,11 @@ class Tensor:
 
     def __str__(self) -> str:
         return f"[{', '.join(map(str, self.shape))}] {self.dtype.label}"
+
+
+@lru_cache(maxsize=1 << 14)  # the sharded copies of a block's tensors share their shapes
+def _size(shape: tuple[sympy.Expr, ...], itemsize) -> sympy.Expr:
+    return sympy.Mul(*shape) * itemsize
 
 
 @dataclass(frozen=True)
@@ -223,28 +228,29 @@ class Graph:
         """Raise GraphError naming the op and tensor on the first broken invariant."""
         produced: set[str] = set()
         seen_ops: set[str] = set()
+        tensors, free = self.tensors, (Role.INPUT, Role.WEIGHT, Role.OPTIMIZER_STATE)
         for op in self.ops:
             if op.name in seen_ops:
                 raise GraphError(f"op {op.name}: name used twice")
             seen_ops.add(op.name)
             for name in op.inputs:
-                if name not in self.tensors:
-                    raise GraphError(f"op {op.name}: input {name} is not a tensor of the graph")
-                if self.tensors[name].role in (Role.INPUT, Role.WEIGHT, Role.OPTIMIZER_STATE):
+                if name in produced:  # most are: a produced name is a tensor of the graph
                     continue
-                if name not in produced:
+                if name not in tensors:
+                    raise GraphError(f"op {op.name}: input {name} is not a tensor of the graph")
+                if tensors[name].role not in free:
                     raise GraphError(
                         f"op {op.name}: input {name} is used before it is produced (cycle or misordered ops)"
                     )
             for name in op.outputs:
-                if name not in self.tensors:
+                if name not in tensors:
                     raise GraphError(f"op {op.name}: output {name} is not a tensor of the graph")
                 if name in produced:
                     raise GraphError(f"op {op.name}: output {name} is produced twice")
                 produced.add(name)
         used = {name for op in self.ops for name in op.inputs}
-        for weight in self.weights:
-            if weight.name not in used:
+        for weight in self.tensors_with(Role.WEIGHT):  # the model's: an optimizer produces the updated copies
+            if weight.name not in produced and weight.name not in used:
                 raise GraphError(f"weight {weight.name} {weight} is never used by any op")
 
     def __str__(self) -> str:

@@ -209,6 +209,7 @@ def _reads_later(sharded: ShardedGraph) -> dict:
 
 
 _TYPE_NAMES = {kind: kind.name for kind in NodeType}
+_VIEWS = (OpKind.SLICE, OpKind.CONSTRAIN)  # ops that make no node: their output is their input
 
 
 class _ProgramBuilder:
@@ -252,6 +253,7 @@ class _ProgramBuilder:
         self.head_of: dict[int, int] = {}  # the last node of a merged run -> its first
         self.microbatches = pipeline.order.m
         self.later: dict[tuple, frozenset[str]] = {}  # _read_later's answers, by run and last
+        self.viewed: set[tuple] = set()  # runs whose views are in self.alias (_views)
         # timing: templates of every stage of this plan by (shape, chains present): see _action_shape
         self.stage_templates: dict[tuple, tuple] = stage_templates if stage_templates is not None else {}
 
@@ -373,7 +375,7 @@ class _ProgramBuilder:
         return f"{label} {members[0].name}{extra}"
 
     def op(self, op: Op, label: str, where: dict[str, int]) -> None:
-        if op.kind in (OpKind.SLICE, OpKind.CONSTRAIN):
+        if op.kind in _VIEWS:
             self.alias[op.outputs[0]] = op.inputs[0]  # a view: no node, same producer
         elif op.kind is OpKind.COLLECTIVE:
             self.collective(f"{label} {op.name}", [op], where)
@@ -537,6 +539,7 @@ class _ProgramBuilder:
             key += (last,)  # what the step reads of the last micro-batch ends runs: see _read_later
         repeat = self.node_repeats.get(key)
         if repeat is not None and repeat.replay(self, action.microbatch, here):
+            self._views(key[:2], ops)
             return
         if self.timing:  # another stage may have run an action of this shape
             shape = shape_of(self, action, ops, units, here, key)
@@ -545,6 +548,7 @@ class _ProgramBuilder:
             moved = moved_here(self, found, shape) if found else None
             if moved is not None and moved.replay(self, action.microbatch, here):
                 self.node_repeats[key] = moved
+                self._views(key[:2], ops)
                 return
         start, chains, known = len(self.nodes), self.chain_roles(), len(here)
         total, self.stats = self.stats, ClassStats()
@@ -559,6 +563,15 @@ class _ProgramBuilder:
             self._add_to_replay(start, recorded.compact.head if recorded else range(len(self.nodes) - start))
             if recorded is not None:  # its shape is the one found before it ran
                 self.stage_templates[(shape[0], recorded.present)] = (recorded, shape)
+
+    def _views(self, run: tuple, ops: list[Op]) -> None:
+        """A repeated action runs no ops: the views its ops make (a view has no node; its
+        producer is the viewed tensor's, which the step's collectives look up) are noted as a
+        run would (op), once per run: a stage that only repeats templates of another stage,
+        or of another plan, runs none of them."""
+        if run not in self.viewed:
+            self.viewed.add(run)
+            self.alias.update((op.outputs[0], op.inputs[0]) for op in ops if op.kind in _VIEWS)
 
     def _read_later(self, run: tuple, ops: list[Op], last: bool) -> frozenset[str]:
         """The tensors `ops` (the run of one virtual stage and action kind) make that collectives

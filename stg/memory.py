@@ -22,7 +22,7 @@ All in bytes, per rank, from local shapes: right by construction for every strat
 
 from __future__ import annotations
 
-from collections import Counter
+from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 from functools import cached_property
 
@@ -111,18 +111,19 @@ def _index(sharded: ShardedGraph) -> _Index:
     tables = frozenset(op.inputs[0] for op in graph.ops if op.kind is OpKind.EMBEDDING_BAG)
     table_states = frozenset(name for op in graph.ops if op.attrs.get("weight") in tables for name in op.inputs
                              if graph.tensors[name].role is Role.OPTIMIZER_STATE)
-    leaves: dict[tuple, Counter] = {}
+    leaves: defaultdict[tuple, Counter] = defaultdict(Counter)
+    producer = graph.producer
     for name, t in graph.tensors.items():
-        if name not in graph.producer:
+        if name not in producer:
             group = (t.role, frozenset(op.layer for op in users.get(name, ())), name in tables, name in table_states)
-            leaves.setdefault(group, Counter())[t.nbytes] += 1
+            leaves[group][t.nbytes] += 1
     casts = tuple((op.layer, graph.tensors[op.outputs[0]].nbytes) for op in graph.ops
                   if op.phase is Phase.STEP and op.kind is OpKind.POINTWISE and op.attrs["fn"] is Pointwise.CAST)
     grads = tuple((op.layer, g, graph.tensors[g].nbytes) for op in graph.ops if op.kind is OpKind.OPTIMIZER
                   for g in (stored_gradient(sharded, op.inputs[0]),))
     saved: dict[int, dict] = {}
     for name, readers in users.items():
-        made_by = graph.producer.get(name)
+        made_by = producer.get(name)
         if made_by is None or made_by.phase is not Phase.FORWARD:
             continue
         backward = [user for user in readers if user.phase in _BACKWARD]

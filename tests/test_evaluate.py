@@ -158,3 +158,18 @@ def test_a_plan_lowered_for_timing_replays_as_its_nodes(name, tmp_path, monkeypa
         assert costed_t.makespan_us == pytest.approx(costed.makespan_us, rel=1e-12)
         assert costed_t.finish_us == pytest.approx(costed.finish_us, rel=1e-12)
         assert costed_t.busy_us == costed.busy_us
+    # a plan that differs only in its micro-batch count (a folded plan's probes) repeats this
+    # one's action templates, its first actions too, without running their ops: its replay
+    # is a fresh lowering's (the step still finds producers through views, e.g. the tied
+    # embedding gradient of gpt-tied-pp-dp1)
+    import stg.api
+    longer = {**plan, "global_batch": 2 * Plan.from_dict(plan).global_batch}
+    before = ran[True]
+    reused = build(model, longer, nodes=False, timing=True)
+    reused_runs, before = ran[True] - before, ran[True]
+    monkeypatch.setattr(stg.api, "_timing_templates", lambda *key: {})
+    fresh = build(model, longer, nodes=False, timing=True)
+    assert reused_runs < ran[True] - before
+    assert [p.stats for p in reused.programs] == [p.stats for p in fresh.programs]
+    for variant in range(fresh.variants):
+        assert slice_timings(reused, network, variant) == slice_timings(fresh, network, variant)
