@@ -103,6 +103,13 @@ def _work(plan: Plan) -> int:
     return 500 + replayed
 
 
+def _unbatched(plan: Plan) -> dict:
+    fields = plan.to_dict()
+    fields.pop("micro_batch", None)
+    fields.pop("global_batch", None)
+    return fields
+
+
 def _chunks(candidates: list[Plan], workers: int) -> list[list[Plan]]:
     """The plans grouped by structure (a worker then pays each structure's symbolic passes
     once), a group cut where its work passes an eighth of a worker's share, the chunks
@@ -117,7 +124,10 @@ def _chunks(candidates: list[Plan], workers: int) -> list[list[Plan]]:
     for _, group in groupby(weighed, key=lambda pair: structure_order(pair[0])):
         current, total = [], 0
         for plan, work in group:
-            if current and total + work > limit:
+            # cut only between plans that differ in more than their batch sizes: a tied
+            # model's stage cut and a folded plan's probes (stg/explore/probe.py) have passes
+            # of their own, which a worker would pay again
+            if current and total + work > limit and _unbatched(plan) != _unbatched(current[-1]):
                 chunks.append((total, current))
                 current, total = [], 0
             current.append(plan)
