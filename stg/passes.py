@@ -116,9 +116,12 @@ def held_leaves(structure: Structure) -> Counter | None:
     def count() -> Counter:
         train, _ = _cached(_TRAINING, structure.key()[:5], structure.training)
         held: Counter = Counter()
+        local: dict[tuple, object] = {}  # by signature: the layers' leaves share a few
         for name, tensor in train.tensors.items():
             if tensor.role in _HELD_ROLES and name not in train.producer and name in train.consumers:
-                held[local_leaf(structure.spec, tensor).nbytes] += 1
+                if tensor.signature not in local:
+                    local[tensor.signature] = local_leaf(structure.spec, tensor).nbytes
+                held[local[tensor.signature]] += 1
         return held
     return _cached(_HELD, structure.key(), count)
 
