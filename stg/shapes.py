@@ -24,6 +24,7 @@ class _Alike:
 
     def __init__(self) -> None:
         self.ids: dict = {}
+        self.names: dict[str, int | None] = {}  # tensor name -> of_tensor's id
 
     def _id(self, key, value) -> int:
         found = self.ids.get(key)
@@ -41,7 +42,15 @@ class _Alike:
     def of_tensor(self, tensor) -> int | None:
         return None if tensor is None else self._id(("tensor", tensor.name), tensor.signature)
 
+    def of_name(self, name: str, tensors) -> int | None:
+        """of_tensor(tensors.get(name)), looked up by the name alone once known."""
+        found = self.names.get(name, _UNKNOWN)
+        if found is _UNKNOWN:
+            found = self.names[name] = self.of_tensor(tensors.get(name))
+        return found
 
+
+_UNKNOWN = object()
 _NAMED = ("grad_of", "weight")  # attributes that hold names (stg.blocks.NameTable.attrs)
 
 
@@ -89,21 +98,21 @@ def _action_shape(builder: _ProgramBuilder, action: Action, ops: list[Op], units
     and role the first time) and coalescing unit; the buckets a final action sends; the
     tensors it receives and sends (with the peer stage of each edge)."""
     table, parts, edges = NameTable(), [], []
-    tensors, seen, same, index = builder.graph.tensors, set(), _alike(builder.sharded), table.index
+    tensors, seen, same, index, names = builder.graph.tensors, set(), _alike(builder.sharded), table.index, table.names
 
     def tensor(name: str) -> int:
-        place = table.at(name)
+        """Its place; its tensor's id goes into the shape where the place is first seen."""
+        place = index.get(name)
+        if place is None:
+            place = index[name] = len(names)
+            names.append(name)
         if place not in seen:
             seen.add(place)
-            parts.append(same.of_tensor(tensors.get(name)))
+            parts.append(same.of_name(name, tensors))
         return place
 
-    def op_tensors(names) -> tuple:
-        places = []
-        for name in names:
-            place = index.get(name)
-            places.append(tensor(name) if place is None or place not in seen else place)
-        return tuple(places)
+    def op_tensors(tensor_names) -> tuple:
+        return tuple(map(tensor, tensor_names))
 
     def collective(op: Op) -> tuple:
         return tensor(op.inputs[0]), tensor(op.outputs[0]), same.of_op(op), _named(table, op)
