@@ -166,6 +166,29 @@ class TransformerConfig:
         return sizes
 
 
+def _layer_template(g: GraphBuilder, start: tuple[int, int], prefix: str, stream: str, out: str) -> tuple:
+    """The layer just built as the later layers of its kind copy it: its ops and tensors (all
+    named under `prefix`), the residual stream it read and the one it made. A copy may only
+    read what it makes and the stream (the layer input every copy renames)."""
+    ops, tensors = g.block(start)
+    names = {t.name for t in tensors} | {op.name for op in ops}
+    if any(not name.startswith(prefix + ".") for name in names) or \
+            any(i not in names and i != stream for op in ops for i in op.inputs):
+        return None
+    return ops, tensors, prefix, stream, out
+
+
+def _copy_layer(g: GraphBuilder, template: tuple, prefix: str, stream: str) -> str:
+    """A layer that copies `template` (from _layer_template) under `prefix`, reading `stream`;
+    the residual stream it makes."""
+    ops, tensors, old, old_stream, out = template
+    rename = {t.name: prefix + t.name[len(old):] for t in tensors}
+    rename.update((op.name, prefix + op.name[len(old):]) for op in ops)
+    rename[old_stream] = stream
+    g.add_copy(ops, tensors, rename, g.layer)
+    return rename[out]
+
+
 def build_transformer(config: TransformerConfig, flash_attention: bool = True, fp8: bool = False,
                       fp8_params: bool = False, kv_cache: DType | None = None) -> Graph:
     """Forward graph of one micro-batch of B sequences of S tokens, loss included.
@@ -286,9 +309,15 @@ def build_transformer(config: TransformerConfig, flash_attention: bool = True, f
         x = g.dropout("embed.dropout", x)
 
     # -- layers 1..L -----------------------------------------------------------------------------
+    built: dict[bool, tuple | None] = {}  # a layer of each kind (dense, MoE) built op by op: the others copy it
     for i in range(1, config.layers + 1):
         g.layer = i
         p = f"layers.{i - 1}"
+        moe_layer = config.experts is not None and i > config.first_dense_layers
+        if built.get(moe_layer) is not None:
+            x = _copy_layer(g, built[moe_layer], p, x)
+            continue
+        start, stream = g.mark(), x
         h = norm_op(f"{p}.attn_norm", x)
         if config.attention == "mla":
             if kv_cache is not None and config.q_lora_rank is None:
@@ -299,7 +328,9 @@ def build_transformer(config: TransformerConfig, flash_attention: bool = True, f
         else:
             out = gqa_attention(p, h)
         x = g.pointwise(f"{p}.attn_residual", Pointwise.ADD, x, out)
-        x = mlp_block(p, x, moe_layer=config.experts is not None and i > config.first_dense_layers)
+        x = mlp_block(p, x, moe_layer)
+        if moe_layer not in built:
+            built[moe_layer] = _layer_template(g, start, p, stream, x)
 
     # -- layer L+1: output head and loss ---------------------------------------------------------
     g.layer = config.layers + 1

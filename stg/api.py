@@ -305,22 +305,25 @@ def _build(model, plan, memory_limit: int | None, nodes: bool, timing: bool) -> 
     device, bucket_bytes = device_spec(plan.device), int(plan.bucket_mb * 2**20)
     # timing: a stage repeats the actions another stage ran, in this plan or in one that
     # differs only in its micro-batch count (a folded plan's probes, stg/explore/probe.py)
-    templates = {id(evaluate): _timing_templates(sharded, pipeline.stages, pipeline.split_backward, device,
-                                                 bucket_bytes, frozenset(evaluate.bindings.items()),
-                                                 frozenset(shared.bindings.items()))
-                 for evaluate in evaluators} if timing else {}
+    templates: dict[int, dict] = {}
+    if timing:
+        kept = _timing_templates(sharded, pipeline.stages, pipeline.split_backward, device, bucket_bytes,
+                                 frozenset(shared.bindings.items()))
+        templates = {id(evaluate): kept.setdefault(frozenset(evaluate.bindings.items()), {}) for evaluate in evaluators}
     programs = [lower(sharded, evaluate, device, pipeline=pipeline, bucket_bytes=bucket_bytes, rank=rank,
-                      comm_evaluate=shared, keep_nodes=nodes, timing=timing, stage_templates=templates.get(id(evaluate)))
+                      comm_evaluate=shared, keep_nodes=nodes, timing=timing,
+                      stage_templates=templates.get(id(evaluate)))
                 for rank in range(plan.pp) for evaluate in evaluators]
     return Workload(model, plan, mesh, sharded, tuple(programs), tuple(memories), bindings, variant_axes,
                     variant_map, embeddings, stages)
 
 
-@per_graph
+@per_graph(limit=2)  # a folded plan's probes run one fold length's two micro-batch counts in turn
 def _timing_templates(sharded: ShardedGraph, *key) -> dict:
     """Action templates of timed lowerings (stg/lower.py, stage_templates) by stage cut,
-    backward split, device, bucket size and bindings: what an action's nodes depend on but
-    the schedule, whose actions' keys and shapes the templates are found by."""
+    backward split, device, bucket size and bindings (then by each variant's): what an
+    action's nodes depend on but the schedule, whose actions' keys and shapes the templates
+    are found by."""
     return {}
 
 

@@ -7,7 +7,7 @@ FLOPs and bytes come from stg/costs.py, never from the caller.
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Any, Mapping, Sequence
 
 import sympy
 
@@ -272,6 +272,26 @@ class GraphBuilder:
         self.tensors.update((t.name, t) for t in outputs)
         self.ops.append(op)
         self._op_names.add(op.name)
+
+    def mark(self) -> tuple[int, int]:
+        """How many ops and tensors the graph has: what is added after a mark is a block."""
+        return len(self.ops), len(self.tensors)
+
+    def block(self, mark: tuple[int, int]) -> tuple[list[Op], list[Tensor]]:
+        """The ops and tensors added since `mark`."""
+        return self.ops[mark[0]:], list(self.tensors.values())[mark[1]:]
+
+    def add_copy(self, ops: Sequence[Op], tensors: Sequence[Tensor], rename: Mapping[str, str], layer: int) -> None:
+        """A block (ops and tensors, from `block`) again, each name mapped by `rename` (a name
+        it lacks stays: a tensor from before the block that every copy reads), in `layer`:
+        the copies of a repeated layer are made without checks and without sympy, tensors
+        and ops in the order building them makes them."""
+        for tensor in tensors:
+            self.tensors[rename[tensor.name]] = tensor.renamed(rename[tensor.name])
+        for op in ops:
+            self.ops.append(op.renamed(rename[op.name], tuple(rename.get(i, i) for i in op.inputs),
+                                       tuple(rename[o] for o in op.outputs), layer, dict(op.attrs)))
+            self._op_names.add(rename[op.name])
 
     def build(self) -> Graph:
         return Graph(dict(self.tensors), tuple(self.ops))
