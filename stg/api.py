@@ -309,7 +309,8 @@ def _build(model, plan, memory_limit: int | None, nodes: bool, timing: bool) -> 
     if timing:
         kept = _timing_templates(sharded, pipeline.stages, pipeline.split_backward, device, bucket_bytes,
                                  frozenset(shared.bindings.items()))
-        templates = {id(evaluate): kept.setdefault(frozenset(evaluate.bindings.items()), {}) for evaluate in evaluators}
+        templates = {id(evaluate): kept.setdefault(frozenset(evaluate.bindings.items()), {})
+                     for evaluate in evaluators}
     programs = [lower(sharded, evaluate, device, pipeline=pipeline, bucket_bytes=bucket_bytes, rank=rank,
                       comm_evaluate=shared, keep_nodes=nodes, timing=timing,
                       stage_templates=templates.get(id(evaluate)))

@@ -589,7 +589,7 @@ class _ProgramBuilder:
             def read(tensor: str) -> bool:
                 return any(user.kind is OpKind.COLLECTIVE and user.name not in names
                            and (last or user.phase is not Phase.STEP)
-                           or user.kind in (OpKind.SLICE, OpKind.CONSTRAIN) and read(user.outputs[0])
+                           or user.kind in _VIEWS and read(user.outputs[0])
                            for user in consumers.get(tensor, ()))
             memo[key] = frozenset(t for op in ops for t in op.outputs if read(t))
         self.later[run, last] = memo[key]

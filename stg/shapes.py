@@ -98,14 +98,11 @@ def _action_shape(builder: _ProgramBuilder, action: Action, ops: list[Op], units
     and role the first time) and coalescing unit; the buckets a final action sends; the
     tensors it receives and sends (with the peer stage of each edge)."""
     table, parts, edges = NameTable(), [], []
-    tensors, seen, same, index, names = builder.graph.tensors, set(), _alike(builder.sharded), table.index, table.names
+    tensors, seen, same = builder.graph.tensors, set(), _alike(builder.sharded)
 
     def tensor(name: str) -> int:
         """Its place; its tensor's id goes into the shape where the place is first seen."""
-        place = index.get(name)
-        if place is None:
-            place = index[name] = len(names)
-            names.append(name)
+        place = table.at(name)
         if place not in seen:
             seen.add(place)
             parts.append(same.of_name(name, tensors))
