@@ -67,11 +67,6 @@ def check_number(field: str, value: Any, error: type[StgError] = RangeError, *, 
     return value
 
 
-def fits_schema(field: str, value: int) -> bool:
-    _, low, high = SCHEMA_FIELDS[field]
-    return low <= value <= high
-
-
 def check_schema(field: str, value: int, where: str) -> int:
     """`value` if it fits Chakra's field `field`; else RangeError naming node and field."""
     kind, low, high = SCHEMA_FIELDS[field]

@@ -19,7 +19,7 @@ from typing import Mapping, Sequence
 
 import numpy as np
 
-from stg.limits import check_schema, fits_schema
+from stg.limits import INT32_MAX, check_schema
 from stg.program import Hole, NodeType, TraceNode
 
 SCHEMA_VERSION = "0.0.4"
@@ -111,12 +111,28 @@ def _hole_attr(name: str, field: int, hole: Hole, width: int) -> list[Segment]:
 def _check_node(node: TraceNode) -> None:
     """The backstop before any byte is written: every number fits its schema field (a varint
     of an out-of-range value decodes as garbage, or not at all)."""
-    values = {"id": node.id, "duration_micros": node.duration_us, **(
-        {"num_ops": node.flops, "tensor_size": node.nbytes} if node.type is NodeType.COMP_NODE else
-        {"comm_size": node.comm_bytes, **({} if node.type is NodeType.COMM_COLL_NODE else {"comm_tag": node.tag})})}
-    for field, value in values.items():
-        if not fits_schema(field, value):
-            check_schema(field, value, f"node {node.id} ({node.name})")
+    if node.type is NodeType.COMP_NODE:
+        fields, values = _COMP_FIELDS, (node.id, node.duration_us, node.flops, node.nbytes)
+    elif node.type is NodeType.COMM_COLL_NODE:
+        fields, values = _COLL_FIELDS, (node.id, node.duration_us, node.comm_bytes)
+    else:
+        fields, values = _P2P_FIELDS, (node.id, node.duration_us, node.comm_bytes, node.tag)
+    if 0 <= min(values) and max(values) <= INT32_MAX:
+        return  # fits every field: the narrowest is an int32
+    for field, value in zip(fields, values):
+        check_schema(field, value, f"node {node.id} ({node.name})")
+
+
+_COMP_FIELDS = ("id", "duration_micros", "num_ops", "tensor_size")
+_COLL_FIELDS = ("id", "duration_micros", "comm_size")
+_P2P_FIELDS = (*_COLL_FIELDS, "comm_tag")
+
+
+@functools.lru_cache(maxsize=1 << 16)  # a repeated layer's ops repeat them
+def _comp_attrs(flops: int, nbytes: int, op_type: str) -> bytes:
+    # ASTRA-sim's roofline divides num_ops by tensor_size and then by the result: keep both > 0
+    return (_NOT_CPU + _attr("num_ops", _INT64, max(flops, 1)) + _attr("tensor_size", _UINT64, max(nbytes, 1))
+            + _attr("op_type", _STRING, op_type))
 
 
 def _node_segments(node: TraceNode, width: Mapping[Hole, int]) -> list[Segment]:
@@ -128,10 +144,7 @@ def _node_segments(node: TraceNode, width: Mapping[Hole, int]) -> list[Segment]:
     if node.type is NodeType.COMP_NODE:
         if node.duration_us:
             head += _key(_DURATION, _VARINT) + varint(node.duration_us)
-        # ASTRA-sim's roofline divides num_ops by tensor_size and then by the result: keep both > 0
-        head += _NOT_CPU + _attr("num_ops", _INT64, max(node.flops, 1))
-        head += _attr("tensor_size", _UINT64, max(node.nbytes, 1)) + _attr("op_type", _STRING, node.op_type)
-        return [head]
+        return [head + _comp_attrs(node.flops, node.nbytes, node.op_type)]
     # ASTRA-sim hangs on a 0-byte collective and aborts on a 0-byte send (measured)
     head += _NOT_CPU + _attr("comm_size", _INT64, max(node.comm_bytes, 1))
     if node.type is NodeType.COMM_COLL_NODE:
