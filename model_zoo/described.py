@@ -165,16 +165,55 @@ class _Builder:
         layer = 0
         for index, block in enumerate(blocks):
             repeat = block.get("repeat", 1)
+            template = None  # the first copy, which the others copy where they can
             for copy in range(repeat):
                 prefix = block.get("name", f"block{index}") + (f".{copy}" if repeat > 1 else "")
                 self.g.layer = layer
-                self.block(block, prefix)
+                if template is None or not self.copy(template, prefix):
+                    entry, core, mark = dict(self.scope), set(self.core), self.g.mark()
+                    self.block(block, prefix)
+                    if repeat > 1 and template is None:
+                        template = self.template(prefix, entry, core, mark)
                 layer += 1
         head_ops = [str(line).split("=", 1)[-1].strip() for line in blocks[-1].get("ops") or []]
         if not any(op.startswith("cross_entropy(") for op in head_ops):
             raise self.error(f"block {blocks[-1].get('name', len(blocks) - 1)}", "no loss: the last block must end "
                              "in `loss = cross_entropy(logits, labels)`, where the backward starts")
         return self.g.build()
+
+    def template(self, prefix: str, entry: dict[str, str], core: set[str], mark: tuple[int, int]) -> tuple | None:
+        """The block copy just built (since `mark`, with `entry` the scope and `core` the
+        attention-core outputs before it) as a later copy repeats it: its ops and tensors (all
+        named under `prefix`), the scope names it reads (each tensor it reads from before it,
+        with whether that was an attention-core output), the scope entries and core outputs it
+        made. None where it made something outside its prefix."""
+        ops, tensors = self.g.block(mark)
+        made = {t.name for t in tensors} | {op.name for op in ops}
+        changed = {k: v for k, v in self.scope.items() if entry.get(k) != v}
+        added = self.core - core
+        if any(not name.startswith(prefix + ".") for name in made) or not set(changed.values()) | added <= made:
+            return None
+        reads = {i for op in ops for i in op.inputs if i not in made}
+        keys = {name: (tuple(k for k, v in entry.items() if v == name), name in core) for name in reads}
+        return ops, tensors, prefix, keys, changed, added
+
+    def copy(self, template: tuple, prefix: str) -> bool:
+        """The block under `prefix` as a renamed copy of `template` (no parsing, no sympy);
+        False where it would not read alike (a scope name bound otherwise, an input that is an
+        attention-core output in one and not the other) or a name is taken: then it is built."""
+        ops, tensors, old, keys, changed, added = template
+        rename = {name: prefix + name[len(old):] for name in (*(t.name for t in tensors), *(op.name for op in ops))}
+        if any(self.g.named(name) for name in rename.values()):
+            return False
+        for name, (scope_keys, core) in keys.items():
+            now = {self.scope.get(k) for k in scope_keys}
+            if len(now) != 1 or None in now or (next(iter(now)) in self.core) != core:
+                return False
+            rename[name] = now.pop()
+        self.g.add_copy(ops, tensors, rename, self.g.layer)
+        self.scope.update((k, rename[v]) for k, v in changed.items())
+        self.core.update(rename[name] for name in added)
+        return True
 
     def block(self, block: dict, prefix: str) -> None:
         local = dict(self.scope)

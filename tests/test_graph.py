@@ -81,3 +81,41 @@ def test_norm_and_softmax_costs_per_element():
     assert graph.producer["n"].flops == 4 * B * H
     assert graph.producer["p"].flops == 5 * B * H
     assert graph.kinds()[OpKind.NORM] == 1
+
+
+def _graph_fingerprint(graph) -> list:
+    return ([(t.name, t.shape, t.dims, t.dtype, t.role, t.transient) for t in graph.tensors.values()] +
+            [(op.name, op.kind, op.inputs, op.outputs, op.flops, op.bytes, op.phase, op.layer, op.attrs)
+             for op in graph.ops])
+
+
+@pytest.mark.parametrize("source", ["deepseek-v3", "gpt3-175b", "examples/llama3-8b-ops.yaml",
+                                    "examples/parallel-block.yaml"])
+def test_a_copied_layer_is_the_layer_built_op_by_op(source, monkeypatch):
+    """The forward graph builds one layer of each kind and copies it for the others
+    (GraphBuilder.add_copy): every tensor, op, cost, layer and attribute, in order, is what
+    building each layer op by op makes (DeepSeek-V3: its dense and MoE layers; a described
+    model's `repeat:` blocks)."""
+    from pathlib import Path
+
+    import model_zoo
+    import model_zoo.described
+    import model_zoo.transformer
+    from model_zoo import GraphOptions, load_model
+
+    root = Path(__file__).resolve().parent.parent
+    model = load_model(str(root / source) if source.endswith(".yaml") else source)
+    for options in (GraphOptions(), GraphOptions(False, None, True, False)):
+        if options.fp8 and source.endswith(".yaml"):
+            continue
+        copies = []
+        with monkeypatch.context() as m:
+            add_copy = GraphBuilder.add_copy
+            m.setattr(GraphBuilder, "add_copy", lambda self, *args: copies.append(add_copy(self, *args)))
+            copied = model_zoo._forward_graph.__wrapped__(model.config, options)
+        assert len(copies) >= 2
+        with monkeypatch.context() as m:  # every layer built op by op
+            m.setattr(model_zoo.transformer, "_layer_template", lambda *args: None)
+            m.setattr(model_zoo.described._Builder, "template", lambda *args: None)
+            built = model_zoo._forward_graph.__wrapped__(model.config, options)
+        assert _graph_fingerprint(copied) == _graph_fingerprint(built)
