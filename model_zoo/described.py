@@ -183,26 +183,24 @@ class _Builder:
 
     def template(self, prefix: str, entry: dict[str, str], core: set[str], mark: tuple[int, int]) -> tuple | None:
         """The block copy just built (since `mark`, with `entry` the scope and `core` the
-        attention-core outputs before it) as a later copy repeats it: its ops and tensors (all
-        named under `prefix`), the scope names it reads (each tensor it reads from before it,
-        with whether that was an attention-core output), the scope entries and core outputs it
-        made. None where it made something outside its prefix."""
-        ops, tensors = self.g.block(mark)
-        made = {t.name for t in tensors} | {op.name for op in ops}
+        attention-core outputs before it) as a later copy repeats it: the graph's block, the
+        scope names it reads (each tensor it reads from before it, with whether that was an
+        attention-core output), the scope entries and core outputs it made. None where it
+        made something outside its prefix."""
+        block = self.g.block(mark, prefix)
         changed = {k: v for k, v in self.scope.items() if entry.get(k) != v}
         added = self.core - core
-        if any(not name.startswith(prefix + ".") for name in made) or not set(changed.values()) | added <= made:
+        if block is None or not set(changed.values()) | added <= block.made:
             return None
-        reads = {i for op in ops for i in op.inputs if i not in made}
-        keys = {name: (tuple(k for k, v in entry.items() if v == name), name in core) for name in reads}
-        return ops, tensors, prefix, keys, changed, added
+        keys = {name: (tuple(k for k, v in entry.items() if v == name), name in core) for name in block.reads}
+        return block, keys, changed, added
 
     def copy(self, template: tuple, prefix: str) -> bool:
         """The block under `prefix` as a renamed copy of `template` (no parsing, no sympy);
         False where it would not read alike (a scope name bound otherwise, an input that is an
         attention-core output in one and not the other) or a name is taken: then it is built."""
-        ops, tensors, old, keys, changed, added = template
-        rename = {name: prefix + name[len(old):] for name in (*(t.name for t in tensors), *(op.name for op in ops))}
+        block, keys, changed, added = template
+        rename = block.renaming(prefix)
         if any(self.g.named(name) for name in rename.values()):
             return False
         for name, (scope_keys, core) in keys.items():
@@ -210,7 +208,7 @@ class _Builder:
             if len(now) != 1 or None in now or (next(iter(now)) in self.core) != core:
                 return False
             rename[name] = now.pop()
-        self.g.add_copy(ops, tensors, rename, self.g.layer)
+        self.g.add_copy(block, rename, self.g.layer)
         self.scope.update((k, rename[v]) for k, v in changed.items())
         self.core.update(rename[name] for name in added)
         return True

@@ -166,26 +166,19 @@ class TransformerConfig:
         return sizes
 
 
-def _layer_template(g: GraphBuilder, start: tuple[int, int], prefix: str, stream: str, out: str) -> tuple:
-    """The layer just built as the later layers of its kind copy it: its ops and tensors (all
-    named under `prefix`), the residual stream it read and the one it made. A copy may only
-    read what it makes and the stream (the layer input every copy renames)."""
-    ops, tensors = g.block(start)
-    names = {t.name for t in tensors} | {op.name for op in ops}
-    if any(not name.startswith(prefix + ".") for name in names) or \
-            any(i not in names and i != stream for op in ops for i in op.inputs):
-        return None
-    return ops, tensors, prefix, stream, out
+def _layer_template(g: GraphBuilder, start: tuple[int, int], prefix: str, stream: str, out: str) -> tuple | None:
+    """The layer just built as the later layers of its kind copy it: its block, the residual
+    stream it read and the one it made; None where it reads anything else from before it."""
+    block = g.block(start, prefix)
+    return (block, stream, out) if block is not None and block.reads <= {stream} else None
 
 
 def _copy_layer(g: GraphBuilder, template: tuple, prefix: str, stream: str) -> str:
     """A layer that copies `template` (from _layer_template) under `prefix`, reading `stream`;
     the residual stream it makes."""
-    ops, tensors, old, old_stream, out = template
-    rename = {t.name: prefix + t.name[len(old):] for t in tensors}
-    rename.update((op.name, prefix + op.name[len(old):]) for op in ops)
-    rename[old_stream] = stream
-    g.add_copy(ops, tensors, rename, g.layer)
+    block, old_stream, out = template
+    rename = {**block.renaming(prefix), old_stream: stream}
+    g.add_copy(block, rename, g.layer)
     return rename[out]
 
 

@@ -7,6 +7,8 @@ FLOPs and bytes come from stg/costs.py, never from the caller.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from itertools import islice
 from typing import Any, Mapping, Sequence
 
 import sympy
@@ -14,6 +16,22 @@ import sympy
 from stg.costs import COST_ATTRS, NormKind, Pointwise, op_cost
 from stg.errors import GraphError
 from stg.graph import DType, Graph, Op, OpKind, Phase, Role, Tensor
+
+
+@dataclass(frozen=True)
+class Block:
+    """Ops and tensors built together (a layer), every name they make under `prefix`, and the
+    names they read from before them: what GraphBuilder.add_copy repeats."""
+
+    ops: tuple[Op, ...]
+    tensors: tuple[Tensor, ...]
+    prefix: str
+    made: frozenset[str]
+    reads: frozenset[str]
+
+    def renaming(self, prefix: str) -> dict[str, str]:
+        """Each name the block makes, under `prefix` instead of its own."""
+        return {name: prefix + name[len(self.prefix):] for name in self.made}
 
 
 class GraphBuilder:
@@ -277,19 +295,23 @@ class GraphBuilder:
         """How many ops and tensors the graph has: what is added after a mark is a block."""
         return len(self.ops), len(self.tensors)
 
-    def block(self, mark: tuple[int, int]) -> tuple[list[Op], list[Tensor]]:
-        """The ops and tensors added since `mark`."""
-        return self.ops[mark[0]:], list(self.tensors.values())[mark[1]:]
+    def block(self, mark: tuple[int, int], prefix: str) -> Block | None:
+        """The ops and tensors added since `mark`, when every name they make is under
+        `prefix` (its copies swap that prefix); None otherwise."""
+        ops, tensors = tuple(self.ops[mark[0]:]), tuple(islice(self.tensors.values(), mark[1], None))
+        made = frozenset(t.name for t in tensors) | frozenset(op.name for op in ops)
+        if any(not name.startswith(prefix + ".") for name in made):
+            return None
+        return Block(ops, tensors, prefix, made, frozenset(i for op in ops for i in op.inputs if i not in made))
 
-    def add_copy(self, ops: Sequence[Op], tensors: Sequence[Tensor], rename: Mapping[str, str], layer: int) -> None:
-        """A block (ops and tensors, from `block`) again, each name mapped by `rename` (a name
-        it lacks stays: a tensor from before the block that every copy reads), in `layer`:
-        the copies of a repeated layer are made without checks and without sympy, tensors
-        and ops in the order building them makes them."""
-        for tensor in tensors:
+    def add_copy(self, block: Block, rename: Mapping[str, str], layer: int) -> None:
+        """`block` again, each name it makes and reads mapped by `rename`, in `layer`: the
+        copies of a repeated layer are made without checks and without sympy, tensors and ops
+        in the order building them makes them."""
+        for tensor in block.tensors:
             self.tensors[rename[tensor.name]] = tensor.renamed(rename[tensor.name])
-        for op in ops:
-            self.ops.append(op.renamed(rename[op.name], tuple(rename.get(i, i) for i in op.inputs),
+        for op in block.ops:
+            self.ops.append(op.renamed(rename[op.name], tuple(rename[i] for i in op.inputs),
                                        tuple(rename[o] for o in op.outputs), layer, dict(op.attrs)))
             self._op_names.add(rename[op.name])
 

@@ -155,10 +155,13 @@ def _stage_work(sharded: ShardedGraph, stages: StagePlan, split_backward: bool) 
     return work
 
 
+_VIEWS = (OpKind.SLICE, OpKind.CONSTRAIN)  # ops that make no node: their output is their input
+
+
 def _made_by(graph, tensor: str) -> Op | None:
     """The op that computes `tensor`, looking through views."""
     op = graph.producer.get(tensor)
-    while op is not None and op.kind in (OpKind.SLICE, OpKind.CONSTRAIN):
+    while op is not None and op.kind in _VIEWS:
         op = graph.producer.get(op.inputs[0])
     return op
 
@@ -181,8 +184,7 @@ class _StepPlan:
 def _step_plans(sharded: ShardedGraph, stages: StagePlan, split_backward: bool) -> dict[int, _StepPlan]:
     """Per pipeline stage, its _StepPlan."""
     graph, position, found = sharded.graph, _positions(sharded), {}
-    views = (OpKind.SLICE, OpKind.CONSTRAIN)
-    feeds_compute = lambda op: any(user.kind not in views for user in graph.consumers.get(op.outputs[0], ()))
+    feeds_compute = lambda op: any(user.kind not in _VIEWS for user in graph.consumers.get(op.outputs[0], ()))
     for rank, (runs, _, step) in _stage_work(sharded, stages, split_backward).items():
         run_of = {op.name: key for key, ops in runs.items() for op in ops}
         # A reduction over pipeline stages (a tied embedding's) waits for the flush, as Megatron's
@@ -209,7 +211,6 @@ def _reads_later(sharded: ShardedGraph) -> dict:
 
 
 _TYPE_NAMES = {kind: kind.name for kind in NodeType}
-_VIEWS = (OpKind.SLICE, OpKind.CONSTRAIN)  # ops that make no node: their output is their input
 
 
 class _ProgramBuilder:
@@ -539,7 +540,7 @@ class _ProgramBuilder:
             key += (last,)  # what the step reads of the last micro-batch ends runs: see _read_later
         repeat = self.node_repeats.get(key)
         if repeat is not None and repeat.replay(self, action.microbatch, here):
-            self._views(key[:2], ops)
+            self._views(key[:2], ops)  # a repeated action runs none of its ops
             return
         if self.timing:  # another stage may have run an action of this shape
             shape = shape_of(self, action, ops, units, here, key)
@@ -565,10 +566,9 @@ class _ProgramBuilder:
                 self.stage_templates[(shape[0], recorded.present)] = (recorded, shape)
 
     def _views(self, run: tuple, ops: list[Op]) -> None:
-        """A repeated action runs no ops: the views its ops make (a view has no node; its
-        producer is the viewed tensor's, which the step's collectives look up) are noted as a
-        run would (op), once per run: a stage that only repeats templates of another stage,
-        or of another plan, runs none of them."""
+        """The views a run's ops make (a view has no node; its producer is the viewed tensor's,
+        which the step's collectives look up), noted once per run as running them would (op):
+        a stage that only repeats templates of another stage, or of another plan, runs none."""
         if run not in self.viewed:
             self.viewed.add(run)
             self.alias.update((op.outputs[0], op.inputs[0]) for op in ops if op.kind in _VIEWS)

@@ -15,7 +15,7 @@ from stg.autodiff import training_graph
 from stg.graph import DType, Graph, Role
 from stg.plan import OPTIMIZERS, Plan
 from stg.recompute import recompute
-from stg.sharding import ShardedGraph, local_leaf, shard
+from stg.sharding import ShardedGraph, local_leaf, recent, shard
 
 
 @dataclass(frozen=True)
@@ -93,15 +93,7 @@ _CACHE_SIZE = 16  # sharded graphs of the largest models hold tens of thousands 
 
 
 def _cached(cache: dict, key: tuple, make):
-    """The least recently used entry goes first (a search alternates between a plan's
-    structure and those of its folded probes, stg/explore/probe.py)."""
-    if key in cache:
-        cache[key] = cache.pop(key)
-    else:
-        if len(cache) >= _CACHE_SIZE:
-            del cache[next(iter(cache))]
-        cache[key] = make()
-    return cache[key]
+    return recent(cache, key, make, _CACHE_SIZE)
 
 
 def held_leaves(structure: Structure) -> Counter | None:

@@ -108,9 +108,6 @@ def _action_shape(builder: _ProgramBuilder, action: Action, ops: list[Op], units
             parts.append(same.of_name(name, tensors))
         return place
 
-    def op_tensors(tensor_names) -> tuple:
-        return tuple(map(tensor, tensor_names))
-
     def collective(op: Op) -> tuple:
         return tensor(op.inputs[0]), tensor(op.outputs[0]), same.of_op(op), _named(table, op)
 
@@ -123,7 +120,8 @@ def _action_shape(builder: _ProgramBuilder, action: Action, ops: list[Op], units
     for op in ops:
         unit = builder.unit(op)
         members = units.get(unit, ())
-        parts.append((same.of_op(op), _named(table, op), op_tensors(op.inputs), op_tensors(op.outputs),
+        parts.append((same.of_op(op), _named(table, op), tuple(map(tensor, op.inputs)),
+                      tuple(map(tensor, op.outputs)),
                       unit and (unit[0], unit[1], unit[3], unit[4], op is members[0], op is members[-1],
                                 tuple(map(collective, members)))))
         for bucket in builder.flush_after.get(op.name, []) if key[2] else ():

@@ -319,14 +319,23 @@ def per_graph(fn=None, *, limit: int = 8):
     @functools.wraps(fn)
     def wrapper(sharded, *args):
         key = (id(sharded), *args)
-        hit = memo.pop(key, None)
-        if hit is None or hit[0] is not sharded:
-            if len(memo) >= limit:  # the least recently used goes (a search alternates structures)
-                del memo[next(iter(memo))]
-            hit = (sharded, fn(sharded, *args))
-        memo[key] = hit
+        hit = recent(memo, key, lambda: (sharded, fn(sharded, *args)), limit)
+        if hit[0] is not sharded:  # a graph gone, whose id this one reuses
+            hit = memo[key] = (sharded, fn(sharded, *args))
         return hit[1]
     return wrapper
+
+
+def recent(cache: dict, key, make, limit: int):
+    """cache[key], from make() when missing; a full cache drops its least recently used entry
+    (a search alternates between structures, and a plan's structure and its probes')."""
+    if key in cache:
+        cache[key] = cache.pop(key)
+    else:
+        if len(cache) >= limit:
+            del cache[next(iter(cache))]
+        cache[key] = make()
+    return cache[key]
 
 
 @per_graph(limit=4)

@@ -104,6 +104,7 @@ def _work(plan: Plan) -> int:
 
 
 def _unbatched(plan: Plan) -> dict:
+    """A plan's fields but its batch sizes."""
     fields = plan.to_dict()
     fields.pop("micro_batch", None)
     fields.pop("global_batch", None)
@@ -160,22 +161,15 @@ def explore(model: Model | str, cluster: Cluster, job: Job, space: Space = Space
     considered = len(candidates) + sum(dropped.values())  # and those Plan refused
     if workers < 1:
         raise PlanError(f"workers: must be a positive integer, got {workers}")
-    _FORKED = (model, network, capacity)
-    # a plan's build and replay leave no reference cycles (a full collection after one finds
-    # none), so the collector stays paused for the whole search, workers too (forked paused):
-    # its young collections after each plan rescanned everything the plan had cached (6 % of
-    # the 1T space's time)
-    with collector_paused():
-        return _search(candidates, workers, progress, dropped, considered, started)
-
-
-def _search(candidates: list[Plan], workers: int, progress, dropped: Counter, considered: int,
-            started: float) -> Result:
-    global _FORKED
     rows, done = [], 0
+    _FORKED = (model, network, capacity)
     try:
         chunks = _chunks(candidates, workers)
-        with worker_pool(workers) if workers > 1 else nullcontext() as pool:
+        # a plan's build and replay leave no reference cycles (a full collection after one
+        # finds none), so the collector stays paused for the whole search, workers too (forked
+        # paused): its young collections after each plan rescanned everything the plan had
+        # cached (6 % of the 1T space's time)
+        with collector_paused(), worker_pool(workers) if workers > 1 else nullcontext() as pool:
             for results in pool.imap_unordered(_evaluate_chunk, chunks) if pool else map(_evaluate_chunk, chunks):
                 for row in results:
                     if isinstance(row, Row):
