@@ -28,6 +28,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from child import compile_bytecode
+
 DP, TP, PP, BATCH, SEQ = 8, 4, 4, 64, 1024
 
 
@@ -79,6 +81,9 @@ def main() -> None:
     if shutil.which(args.stage_python) is None and not Path(args.stage_python).is_file():
         raise SystemExit(f"bench_stage: STAGE's Python not found: {args.stage_python}")
 
+    # both byte-compiled first, each by its own Python (see child.compile_bytecode)
+    compile_bytecode()
+    subprocess.run([args.stage_python, "-m", "compileall", "-q", str(stage)], stdout=subprocess.DEVNULL, check=True)
     scratch = Path(tempfile.mkdtemp(prefix="bench_stage.", dir=args.scratch))
     walls: dict[str, list[float]] = {"STAGE": [], "stg": []}
     written: dict[str, tuple[int, int]] = {}
