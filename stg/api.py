@@ -13,9 +13,9 @@ import gc
 from collections import Counter
 from contextlib import contextmanager
 from dataclasses import dataclass, fields, replace
-from functools import cached_property
+from functools import cached_property, partial
 from pathlib import Path
-from typing import Any, Iterator, Mapping
+from typing import Any, Callable, Iterator, Mapping
 
 import numpy as np
 import sympy
@@ -26,7 +26,7 @@ from model_zoo.transformer import TransformerConfig
 from parallelism.embedding import EmbeddingPlan, plan_embeddings
 from stg import numeric
 from stg.device import device_spec
-from stg.emit import Progress, count_trace_set, write_trace_set
+from stg.emit import Progress, count_trace_set, lower_counted, write_trace_set
 from stg.errors import PlanError
 from stg.groups import GroupIds
 from stg.graph import OpKind, Phase
@@ -254,7 +254,9 @@ def collector_paused() -> Iterator[None]:
         gc.enable()
 
 
-def _build(model, plan, memory_limit: int | None, nodes: bool, timing: bool) -> Workload:
+def _build(model, plan, memory_limit: int | None, nodes: bool, timing: bool,
+           lower_all: Callable[[list[Callable[[], RankProgram]]], list[RankProgram]] | None = None) -> Workload:
+    """build(); `lower_all` runs the rank classes' lowering jobs (default: each in turn)."""
     model = model if isinstance(model, Model) else load_model(model)
     plan = plan if isinstance(plan, Plan) else Plan.from_dict(plan)
     model = _in_dtype(model, plan)
@@ -311,10 +313,10 @@ def _build(model, plan, memory_limit: int | None, nodes: bool, timing: bool) -> 
                                  frozenset(shared.bindings.items()))
         templates = {id(evaluate): kept.setdefault(frozenset(evaluate.bindings.items()), {})
                      for evaluate in evaluators}
-    programs = [lower(sharded, evaluate, device, pipeline=pipeline, bucket_bytes=bucket_bytes, rank=rank,
-                      comm_evaluate=shared, keep_nodes=nodes, timing=timing,
-                      stage_templates=templates.get(id(evaluate)))
-                for rank in range(plan.pp) for evaluate in evaluators]
+    jobs = [partial(lower, sharded, evaluate, device, pipeline=pipeline, bucket_bytes=bucket_bytes, rank=rank,
+                    comm_evaluate=shared, keep_nodes=nodes, timing=timing, stage_templates=templates.get(id(evaluate)))
+            for rank in range(plan.pp) for evaluate in evaluators]  # one per rank class
+    programs = lower_all(jobs) if lower_all else [job() for job in jobs]
     return Workload(model, plan, mesh, sharded, tuple(programs), tuple(memories), bindings, variant_axes,
                     variant_map, embeddings, stages)
 
@@ -529,10 +531,18 @@ def generate(
     return summary
 
 
-def count(model: Model | str | Path | Mapping, plan: Plan | Mapping) -> dict:
-    """Everything but the writing: the bytes and nodes a full set would have, with the summary."""
-    workload = build(model, plan)
-    return {**count_trace_set(workload), "summary": workload.summary()}
+def count(model: Model | str | Path | Mapping, plan: Plan | Mapping, *, workers: int = 1) -> dict:
+    """Everything but the writing: the bytes and nodes a full set would have, with the summary;
+    `workers` > 1 lowers the rank classes in that many forked processes."""
+    counted: list = []
+
+    def lower_all(jobs):
+        programs, found = lower_counted(jobs, workers)
+        counted.extend(found)
+        return programs
+    with collector_paused():
+        workload = _build(model, plan, None, True, False, lower_all)
+    return {**count_trace_set(workload, counted), "summary": workload.summary()}
 
 
 def check_ranks(ranks: range | None, workload: Workload) -> range | None:

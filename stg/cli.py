@@ -142,7 +142,7 @@ def generate(
     local_world_size: Optional[int] = LOCAL_WORLD_SIZE,
     column_shards: Optional[int] = COLUMN_SHARDS,
     embedding_memory_gib: Optional[float] = EMBEDDING_MEMORY_GIB,
-    workers: Optional[int] = typer.Option(None, help="Processes that stamp rank files. [default: all cores]", rich_help_panel="Output & scale"),
+    workers: Optional[int] = typer.Option(None, help="Processes that stamp rank files (with --count-only: that lower the rank classes). [default: all cores]", rich_help_panel="Output & scale"),
     ranks: Optional[str] = typer.Option(None, help="Write only ranks A:B (A included, B excluded) into OUT, each file byte-identical to a full run's; workload.json and summary.json are written too, the same for every range. Split a large set over machines this way.", rich_help_panel="Output & scale"),
     count_only: bool = typer.Option(False, "--count-only", help="Do everything but write: print the bytes and nodes a full set would have (JSON).", rich_help_panel="Output & scale"),
     executor: str = typer.Option("local", help="Where ranks are written: local (processes on this machine) or dask (a Dask cluster; pip install 'stg[dask]').", rich_help_panel="Output & scale"),
@@ -178,7 +178,7 @@ def generate(
         overrides = {k: v for k, v in given.items() if v is not None}
         plan = Plan.from_yaml(plan_file, overrides) if plan_file else Plan.from_dict(overrides)
         if count_only:
-            counted = count(model, plan)
+            counted = count(model, plan, workers=workers or os.cpu_count() or 1)
             counted.pop("summary")
             typer.echo(json.dumps(counted, indent=1))
             return

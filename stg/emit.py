@@ -11,10 +11,11 @@ import json
 import os
 import shutil
 import signal
+from dataclasses import replace
 from pathlib import Path
-from typing import Callable, Mapping
+from typing import Callable, Mapping, Sequence
 
-from stg.chakra.writer import Skeleton, build_skeleton, metadata_record
+from stg.chakra.writer import Skeleton, StreamShape, build_skeleton, metadata_record, stream_length, stream_shape
 from stg.errors import OutputError
 from stg.groups import GroupIds
 from stg.outdir import commit_output, prepare_output, prepare_range
@@ -64,11 +65,6 @@ class Stamper:
         for rank in ranks:
             _write_atomic(folder / f"workload.{rank}.et", self.owner, self.header, self.rank_bytes(rank).data)
         return len(ranks)
-
-    def size(self, cls: int, rank: int) -> int:
-        """Bytes of one file of class `cls` (`rank` is one of its ranks)."""
-        values = self.workload.hole_values(rank, self.workload.programs[cls].holes)
-        return len(self.header) + len(self.skeleton(cls, values).body)
 
 
 def _write_atomic(path: Path, owner: int, *chunks) -> None:
@@ -176,17 +172,48 @@ def _discard(folder: Path, whole: bool, stamper: Stamper) -> None:
         leftover.unlink(missing_ok=True)
 
 
-def count_trace_set(workload) -> dict:
-    """What a full write would produce, without writing: bytes and nodes, per class and in all."""
-    stamper = Stamper(workload)
-    classes = [
-        {"class": cls, "ranks": workload.class_count(cls), "bytes_per_rank": stamper.size(cls, workload.representative(cls)),
-         "nodes_per_rank": len(program.nodes)}
-        for cls, program in enumerate(workload.programs)
-    ]
+Counted = tuple[int, StreamShape]  # a class's nodes: how many, and its stream's shape
+
+
+def count_trace_set(workload, counted: Sequence[Counted]) -> dict:
+    """What a full write would produce, without writing: bytes and nodes, per class and in all,
+    from each class's counted nodes (lower_counted)."""
+    header = len(metadata_record())
+    classes = []
+    for cls, (program, (nodes, shape)) in enumerate(zip(workload.programs, counted)):
+        values = workload.hole_values(workload.representative(cls), program.holes)
+        classes.append({"class": cls, "ranks": workload.class_count(cls),
+                        "bytes_per_rank": header + stream_length(shape, {h: len(v) for h, v in values.items()}),
+                        "nodes_per_rank": nodes})
     return {
         "ranks": workload.mesh.size,
         "bytes": sum(c["ranks"] * c["bytes_per_rank"] for c in classes),
         "nodes": sum(c["ranks"] * c["nodes_per_rank"] for c in classes),
         "classes": classes,
     }
+
+
+_JOBS: Sequence[Callable] = ()  # the parent's lowering jobs, inherited by forked workers
+
+
+def _count_class(index: int):
+    program = _JOBS[index]()
+    return replace(program, nodes=(), counted_holes=frozenset(program.holes)), (len(program.nodes), stream_shape(program.nodes))
+
+
+def lower_counted(jobs: Sequence[Callable], workers: int) -> tuple[list, list[Counted]]:
+    """Run `jobs` (each lowers one rank class with its nodes), in `workers` forked processes
+    when there are several, each class's nodes counted where they are made and dropped there:
+    (the programs without their nodes, each class's Counted). The classes lower independently
+    of each other, so a count takes about 1/workers of their time."""
+    global _JOBS
+    _JOBS = jobs
+    try:
+        if workers < 2 or len(jobs) < 2:
+            done = [_count_class(index) for index in range(len(jobs))]
+        else:
+            with worker_pool(min(workers, len(jobs))) as pool:
+                done = pool.map(_count_class, range(len(jobs)), chunksize=1)
+    finally:
+        _JOBS = ()
+    return [program for program, _ in done], [counted for _, counted in done]

@@ -52,6 +52,25 @@ def test_count_only_predicts_bytes_and_nodes(full):
     assert counted["nodes"] == sum(sum(1 for _ in iter_nodes(p)) for p in full.glob("*.et"))
 
 
+MOE = dict(name="tiny-moe", family="mixtral", layers=4, hidden=64, ffn=128, heads=4, kv_heads=2, vocab=512,
+           experts=4, top_k=2, moe_ffn=96)
+
+
+@pytest.mark.parametrize("model, plan", [
+    (MODEL, Plan(dp=2, tp=2, pp=4, global_batch=8, seq=16, layers_per_stage=[1, 1, 1, 1])),
+    (MOE, Plan(dp=4, ep=4, pp=2, global_batch=8, seq=16, expert_skew=1.0)),  # a class per stage and expert slot
+], ids=["pp4-uneven", "moe-skew"])
+def test_count_only_in_workers_predicts_every_file(model, plan, tmp_path):
+    """Counted in forked workers (the rank classes lowered there, their nodes never sent
+    back), each class's bytes are those of each of its ranks' files."""
+    generate(model, plan, tmp_path / "set")
+    sizes = sorted(p.stat().st_size for p in (tmp_path / "set").glob("*.et"))
+    for workers in (1, 3):
+        counted = count(model, plan, workers=workers)
+        assert len(counted["classes"]) > 2
+        assert sorted(c["bytes_per_rank"] for c in counted["classes"] for _ in range(c["ranks"])) == sizes
+
+
 @pytest.mark.parametrize("ranks, message", [("5", "expected A:B"), ("6:3", "not a non-empty range"), ("0:99", "within 0:8")])
 def test_bad_rank_range(tmp_path, ranks, message):
     import yaml

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import functools
 
+from collections import Counter
 from dataclasses import dataclass
 from typing import Mapping, Sequence
 
@@ -101,11 +102,13 @@ def rank_width(world: int) -> int:
 Segment = bytes | Hole  # a node's body: static bytes and holes
 
 
-def _hole_attr(name: str, field: int, hole: Hole, width: int) -> list[Segment]:
+@functools.lru_cache(maxsize=None)  # a few attribute names and widths
+def _hole_head(name: str, field: int, width: int) -> bytes:
+    """An attribute record up to its value, a hole `width` bytes wide."""
     head = _len_field(_ATTR_NAME, name.encode()) + _key(field, _LEN if field == _STRING else _VARINT)
     if field == _STRING:
         head += varint(width)
-    return [_key(_ATTR, _LEN) + varint(len(head) + width) + head, hole]
+    return _key(_ATTR, _LEN) + varint(len(head) + width) + head
 
 
 def _check_node(node: TraceNode) -> None:
@@ -135,7 +138,11 @@ def _comp_attrs(flops: int, nbytes: int, op_type: str) -> bytes:
             + _attr("op_type", _STRING, op_type))
 
 
-def _node_segments(node: TraceNode, width: Mapping[Hole, int]) -> list[Segment]:
+HoleAttr = tuple[str, int, Hole]  # an attribute whose value is a hole: (name, field, hole)
+
+
+def _node_parts(node: TraceNode) -> tuple[bytes, tuple[HoleAttr, ...]]:
+    """A node's record up to its holes, and the attributes holding them, which end it."""
     _check_node(node)
     head = _key(_ID, _VARINT) + varint(node.id) + _len_field(_NAME, node.name.encode())
     head += _key(_TYPE, _VARINT) + varint(int(node.type))
@@ -144,15 +151,41 @@ def _node_segments(node: TraceNode, width: Mapping[Hole, int]) -> list[Segment]:
     if node.type is NodeType.COMP_NODE:
         if node.duration_us:
             head += _key(_DURATION, _VARINT) + varint(node.duration_us)
-        return [head + _comp_attrs(node.flops, node.nbytes, node.op_type)]
+        return head + _comp_attrs(node.flops, node.nbytes, node.op_type), ()
     # ASTRA-sim hangs on a 0-byte collective and aborts on a 0-byte send (measured)
     head += _NOT_CPU + _attr("comm_size", _INT64, max(node.comm_bytes, 1))
     if node.type is NodeType.COMM_COLL_NODE:
         head += _attr("comm_type", _INT64, node.collective.value)
-        return [head, *_hole_attr("pg_name", _STRING, node.group, width[node.group])]
+        return head, (("pg_name", _STRING, node.group),)
     head += _attr("comm_tag", _INT32, node.tag)
-    return [head, *_hole_attr("comm_src", _INT32, node.src, width[node.src]),
-            *_hole_attr("comm_dst", _INT32, node.dst, width[node.dst])]
+    return head, (("comm_src", _INT32, node.src), ("comm_dst", _INT32, node.dst))
+
+
+def _node_segments(node: TraceNode, width: Mapping[Hole, int]) -> list[Segment]:
+    head, holes = _node_parts(node)
+    segments: list[Segment] = [head]
+    for name, field, hole in holes:
+        segments += (_hole_head(name, field, width[hole]), hole)
+    return segments
+
+
+StreamShape = Counter  # (bytes of a record up to its holes, its hole attributes) -> how many records
+
+
+def stream_shape(nodes: Sequence[TraceNode]) -> StreamShape:
+    """What the length of a class's node stream depends on, whatever its holes' widths: a set
+    is counted from it without a skeleton (and in a forked worker, without sending nodes back)."""
+    return Counter((len(head), holes) for head, holes in map(_node_parts, nodes))
+
+
+def stream_length(shape: StreamShape, width: Mapping[Hole, int]) -> int:
+    """Bytes of the node stream of `shape` with every hole `width[hole]` bytes wide: the length
+    of build_skeleton's body."""
+    total = 0
+    for (fixed, holes), count in shape.items():
+        size = fixed + sum(len(_hole_head(name, field, width[hole])) + width[hole] for name, field, hole in holes)
+        total += count * (len(varint(size)) + size)
+    return total
 
 
 @dataclass(frozen=True)

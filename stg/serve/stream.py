@@ -81,11 +81,11 @@ def build_layout(template: StageTemplate, first: bool, id_width: int, hole_width
             segments += [w._NOT_CPU, _slot_attr("comm_size", w._INT64, WIDTH["comm"]), ("comm", i)]
             if node.type is NodeType.COMM_COLL_NODE:
                 segments += [w._attr("comm_type", w._INT64, node.collective.value),
-                             *w._hole_attr("pg_name", w._STRING, node.group, hole_width[node.group])]
+                             w._hole_head("pg_name", w._STRING, hole_width[node.group]), node.group]
             else:
                 segments += [_slot_attr("comm_tag", w._INT32, WIDTH["tag"]), ("tag", i),
-                             *w._hole_attr("comm_src", w._INT32, node.src, hole_width[node.src]),
-                             *w._hole_attr("comm_dst", w._INT32, node.dst, hole_width[node.dst])]
+                             w._hole_head("comm_src", w._INT32, hole_width[node.src]), node.src,
+                             w._hole_head("comm_dst", w._INT32, hole_width[node.dst]), node.dst]
         size = lambda s: len(s) if isinstance(s, bytes) else (
             id_width if isinstance(s, tuple) and s[0] in ("id", "dep", "link") else WIDTH[s[0]]
             if isinstance(s, tuple) else hole_width[s])
