@@ -264,7 +264,8 @@ def retie(sharded, ties: dict, other: dict):
                 if any("@stage" in n for n in (op.name, *op.inputs, *op.outputs)) else op for op in sharded.graph.ops)
     graph = Graph({name(n): tensor(t) for n, t in sharded.graph.tensors.items()}, ops)
     return ShardedGraph(graph, {name(n): layout for n, layout in sharded.layouts.items()},
-                        {name(n): tensor(t) for n, t in sharded.global_tensors.items()}, sharded.mesh_axes)
+                        {name(n): tensor(t) for n, t in sharded.global_tensors.items()}, sharded.mesh_axes,
+                        {name(n): origin for n, origin in sharded.origins.items()})
 
 
 def tie_gradients(sharded, ties: dict, stages: StagePlan):
@@ -284,10 +285,11 @@ def tie_gradients(sharded, ties: dict, stages: StagePlan):
                for copies in ties.values() for name, _ in copies}
     graph = sharded.graph
     tensors, layouts, global_tensors = dict(graph.tensors), dict(sharded.layouts), dict(sharded.global_tensors)
-    ops = []
+    ops, changed = [], set()
     for op in graph.ops:
         weight = op.attrs["weight"] if op.kind is OpKind.OPTIMIZER else None
         if weight in members:
+            changed.add(op.name)
             grad = op.inputs[0]
             summed = f"{grad}.tied_all_reduce"
             tensors[summed] = replace(tensors[grad], name=summed)
@@ -299,6 +301,8 @@ def tie_gradients(sharded, ties: dict, stages: StagePlan):
                            "members": members[weight]}))
             op = replace(op, inputs=(summed, *op.inputs[1:]))
         ops.append(op)
-    result = ShardedGraph(Graph(tensors, tuple(ops)), layouts, global_tensors, sharded.mesh_axes)
+    # a tied copy's optimizer step reads the summed gradient: no longer the op of its origin
+    origins = {n: origin for n, origin in sharded.origins.items() if n not in changed}
+    result = ShardedGraph(Graph(tensors, tuple(ops)), layouts, global_tensors, sharded.mesh_axes, origins)
     result.graph.verify()
     return result

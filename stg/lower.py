@@ -24,7 +24,7 @@ Collectives that move parameters or gradients are coalesced, as frameworks do:
 from __future__ import annotations
 
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable, Mapping
 
 import sympy
@@ -468,12 +468,7 @@ class _ProgramBuilder:
         for layer_ops in blocks(ops):
             key = ("layer", layer_ops[0].name, len(layer_ops))
             if key not in known:
-                made: dict = {}
-
-                def run_layer(ops=layer_ops, made=made) -> None:
-                    for op in ops:
-                        self.run(op, units, "", made)
-                known[key] = self._tallied(run_layer, made)
+                known[key] = self._layer_tally(layer_ops, units, known)
             layer = known[key]
             self.terms.update(layer.terms)
             self.stats.add(layer.counts)  # its node and collective counts (flops come from the terms)
@@ -483,6 +478,26 @@ class _ProgramBuilder:
             for bucket in self.flush_after.get(op.name, []):
                 self.collective(self._bucket_name("S", bucket), bucket, where)
         self.send_made(stage, action.microbatch, ops, where)
+
+    def _layer_tally(self, ops: list[Op], units: dict, known: dict) -> ActionTally:
+        """The tally of one layer's run of an action's ops. A run whose ops have the origins
+        of an earlier one's (ShardedGraph.origins: the same ops of two copies of a block) adds
+        what that one adds, and makes its tensors under its own names: it is not run again."""
+        origins = self.sharded.origins
+        alike = ("alike", tuple(origins.get(op.name) for op in ops))
+        if alike in known:
+            tally, places = known[alike]
+            return replace(tally, made=tuple(ops[i].outputs[j] for i, j in places))
+        made: dict = {}
+
+        def run_layer() -> None:
+            for op in ops:
+                self.run(op, units, "", made)
+        tally = self._tallied(run_layer, made)
+        place = {out: (i, j) for i, op in enumerate(ops) for j, out in enumerate(op.outputs)}
+        if None not in alike[1] and all(name in place for name in tally.made):
+            known[alike] = tally, tuple(place[name] for name in tally.made)
+        return tally
 
     def buckets(self, ops: list[Op]) -> list[list[Op]]:
         """PyTorch DDP's bucketing: consecutive collectives of one kind, up to bucket_bytes."""

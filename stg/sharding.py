@@ -79,6 +79,9 @@ class ShardedGraph:
     layouts: Mapping[str, Layout]  # every tensor's layout on the mesh
     global_tensors: Mapping[str, Tensor]  # every tensor's global shape
     mesh_axes: tuple[str, ...]
+    # op -> (its block's template, its place in it): two ops of one origin are one op of two
+    # copies of a block, alike up to names (what a lowering may tally once for both)
+    origins: Mapping[str, tuple[int, int]] = field(default_factory=dict)
 
     def describe(self, tensor: str) -> str:
         return self.layouts[tensor].describe(self.global_tensors[tensor].shape)
@@ -98,6 +101,7 @@ class _Sharder:
         self.derived: dict[str, tuple[str, str]] = {}  # a copy -> (the tensor it copies, its name's suffix)
         self.changes: list[tuple] = []  # every write to memo, copies and rebound, in order
         self.templates: dict[tuple, _Template] = {}  # a block's signature -> how it was sharded
+        self.origins: dict[str, tuple[int, int]] = {}  # ShardedGraph.origins
 
     def tensor(self, name: str) -> Tensor:
         return self.global_tensors[name]
@@ -117,7 +121,7 @@ class _Sharder:
             else:
                 for op in block[0]:
                     self.shard_op(op)
-        return ShardedGraph(self.g.build(), self.layouts, self.global_tensors, self.mesh_axes)
+        return ShardedGraph(self.g.build(), self.layouts, self.global_tensors, self.mesh_axes, self.origins)
 
     def shard_block(self, ops: list[Op], table: NameTable, body: tuple | None, made: frozenset) -> None:
         """Shard one block's ops (a run of one layer), or replay how a block with the same
@@ -131,7 +135,9 @@ class _Sharder:
         for op in ops:
             self.shard_op(op)
         if key is not None:
-            self.templates[key] = _Template(names, self.g.ops[first_op:], self.changes[first_change:])
+            template = self.templates[key] = _Template(len(self.templates), names, self.g.ops[first_op:],
+                                                       self.changes[first_change:])
+            self.origins.update((op.name, (template.serial, place)) for place, op in enumerate(template.ops))
 
     def shard_op(self, op: Op) -> None:
         names = [self.rebound.get(i, i) for i in op.inputs]
@@ -196,6 +202,7 @@ class _Sharder:
             g.add_costed(op.renamed(rename[op.name], tuple(rename[i] for i in op.inputs),
                                     tuple(rename[o] for o in op.outputs), layer, attrs),
                          [g.tensors[out].renamed(rename[out]) for out in op.outputs])
+        self.origins.update((rename[op.name], (template.serial, place)) for place, op in enumerate(template.ops))
         for change in template.changes:
             if change[0] == "memo":
                 _, (name, layout, group), result = change
@@ -286,6 +293,7 @@ class _Template:
     """How one block was sharded: the names its signature lists, the ops it added (sources
     and collectives) and its writes to the sharder's memo and rebound copies."""
 
+    serial: int  # its place among the sharder's templates
     names: list[str]
     ops: list[Op]
     changes: list[tuple]

@@ -33,6 +33,23 @@ def test_counting_without_nodes_equals_lowering_them(name, tmp_path):
         assert build(model, plan, nodes=False).summary() == build(model, plan).summary(), (name, extra)
 
 
+def test_copies_of_a_layer_are_tallied_once(monkeypatch):
+    """Without nodes, a layer's run of an action is tallied once per distinct block: its copies
+    (the same ops of one sharding template, ShardedGraph.origins) take that tally under their
+    own names, so a model twice as deep runs no more tallies (their sums are checked above)."""
+    from stg.lower import _ProgramBuilder
+
+    runs = []
+    tallied = _ProgramBuilder._tallied
+    monkeypatch.setattr(_ProgramBuilder, "_tallied", lambda self, run, where: runs.append(1) or tallied(self, run, where))
+    counts = []
+    for layers in (4, 8):
+        runs.clear()
+        build({**LLAMA, "name": f"deep-{layers}", "layers": layers}, {"tp": 2, "dp": 2, "seq": 32}, nodes=False)
+        counts.append(len(runs))
+    assert counts[0] == counts[1] > 0
+
+
 def test_invalid_plans_say_why():
     rows = list(evaluate(LLAMA, [Plan(tp=3, global_batch=1, seq=32), Plan(dp=2, global_batch=2, seq=32)]))
     assert "tp=3 does not divide" in rows[0]["error"] and "error" not in rows[1]
