@@ -237,6 +237,7 @@ class _ProgramBuilder:
         self.alias: dict[str, str] = {}  # a view (slice, anchor) -> the tensor it views
         self.prefetch: dict[Phase, int | None] = {}  # compute running when the last unit gather went out
         self.flush_after: dict[str, list[list[Op]]] = {}  # op -> gradient buckets that go out after it
+        self.flushing: dict[tuple, tuple] = {}  # _flushes, by run
         self.stats = ClassStats()
         self.keep_nodes = keep_nodes
         self.holes: set = set()  # without nodes, the holes they would have had
@@ -517,8 +518,7 @@ class _ProgramBuilder:
         times each expression is added to each field, and its node counts -- holds for every
         plan of this structure and stage cut (a final action's buckets are part of the key), so
         a later plan binds the tally to its own numbers instead of running the ops again."""
-        flushes = tuple((op.name, tuple(len(b) for b in self.flush_after[op.name]))
-                        for op in ops if op.name in self.flush_after) if key[2] else ()
+        flushes = self._flushes(key[0], key[1], ops) if key[2] else ()
         known = tallies(self.sharded)
         shared = (self.pipeline.stages, self.pipeline.split_backward, self.rank, key, flushes)
         if shared not in known:  # `found()`: the tensors its micro-batch's earlier actions made
@@ -664,7 +664,16 @@ class _ProgramBuilder:
         received) are those of its micro-batch's earlier actions, `history`; the last run of a
         chunk and kind sends the gradient buckets its ops finish (one whose ops finish none is
         like any other, and repeats the others' nodes)."""
-        return stage, kind, last and any(op.name in self.flush_after for op in ops), history
+        return stage, kind, last and bool(self._flushes(stage, kind, ops)), history
+
+    def _flushes(self, stage: int, kind: Kind, ops: list[Op]) -> tuple:
+        """The ops of the run of `stage` and `kind` (`ops`) that gradient buckets go out after,
+        with each one's bucket sizes: once per run (flush_after is planned before any action)."""
+        found = self.flushing.get((stage, kind))
+        if found is None:
+            found = self.flushing[(stage, kind)] = tuple(
+                (op.name, tuple(len(b) for b in self.flush_after[op.name])) for op in ops if op.name in self.flush_after)
+        return found
 
     def _run_actions(self, actions: list[Action], runs: dict, units: dict) -> dict[int, dict[str, int]]:
         """Run (or repeat) every action's nodes; per micro-batch, the producer of each tensor."""
