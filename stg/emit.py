@@ -198,7 +198,8 @@ _JOBS: Sequence[Callable] = ()  # the parent's lowering jobs, inherited by forke
 
 def _count_class(index: int):
     program = _JOBS[index]()
-    return replace(program, nodes=(), counted_holes=frozenset(program.holes)), (len(program.nodes), stream_shape(program.nodes))
+    counted = len(program.nodes), stream_shape(program.nodes)
+    return replace(program, nodes=(), counted_holes=frozenset(program.holes)), counted
 
 
 def lower_counted(jobs: Sequence[Callable], workers: int) -> tuple[list, list[Counted]]:

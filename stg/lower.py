@@ -671,8 +671,8 @@ class _ProgramBuilder:
         with each one's bucket sizes: once per run (flush_after is planned before any action)."""
         found = self.flushing.get((stage, kind))
         if found is None:
-            found = self.flushing[(stage, kind)] = tuple(
-                (op.name, tuple(len(b) for b in self.flush_after[op.name])) for op in ops if op.name in self.flush_after)
+            found = self.flushing[(stage, kind)] = tuple((op.name, tuple(map(len, self.flush_after[op.name])))
+                                                         for op in ops if op.name in self.flush_after)
         return found
 
     def _run_actions(self, actions: list[Action], runs: dict, units: dict) -> dict[int, dict[str, int]]:

@@ -39,9 +39,8 @@ def test_copies_of_a_layer_are_tallied_once(monkeypatch):
     own names, so a model twice as deep runs no more tallies (their sums are checked above)."""
     from stg.lower import _ProgramBuilder
 
-    runs = []
-    tallied = _ProgramBuilder._tallied
-    monkeypatch.setattr(_ProgramBuilder, "_tallied", lambda self, run, where: runs.append(1) or tallied(self, run, where))
+    runs, tallied = [], _ProgramBuilder._tallied
+    monkeypatch.setattr(_ProgramBuilder, "_tallied", lambda self, *args: runs.append(1) or tallied(self, *args))
     counts = []
     for layers in (4, 8):
         runs.clear()
