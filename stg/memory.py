@@ -142,19 +142,24 @@ def _stage_shares(sharded: ShardedGraph, stages) -> dict[int, tuple]:
 
 
 def _stage_share(sharded: ShardedGraph, stages, rank: int) -> tuple:
-    """What memory() sums for pipeline stage `rank` under `stages` (None: the whole graph):
-    the leaf groups its ops read, its casts' and its stored gradients' bytes (a gradient
-    counted once) and, per layer, its saved tensors."""
+    """What memory() sums for pipeline stage `rank` under `stages` (None: the whole graph),
+    each distinct expression once with how many times it counts: the bytes of the leaves its
+    ops read (by role, and whether an embedding table or a table's state), of its casts and
+    of its stored gradients (a gradient counted once); and per layer, its saved tensors."""
     shares = _stage_shares(sharded, stages)
     if rank not in shares:
         index = _index(sharded)
         mine = index.layers if stages is None else frozenset(
             layer for layer in index.layers if stages.rank_and_chunk(stages.virtual_stage(layer))[0] == rank)
-        groups = [index.leaves[n] for n in sorted({n for layer in mine for n in index.by_layer[layer][0]})]
-        casts = [nbytes for layer in mine for nbytes in index.by_layer[layer][1]]
-        grads = {g: nbytes for layer in mine for g, nbytes in index.by_layer[layer][2]}
+        leaves: Counter = Counter()
+        for n in sorted({n for layer in mine for n in index.by_layer[layer][0]}):
+            role, _, table, table_state, sizes = index.leaves[n]
+            for nbytes, count in sizes:
+                leaves[(role, table, table_state, nbytes)] += count
+        casts = Counter(nbytes for layer in mine for nbytes in index.by_layer[layer][1])
+        grads = Counter({g: nbytes for layer in mine for g, nbytes in index.by_layer[layer][2]}.values())
         saved = [(layer, index.saved[layer]) for layer in mine if layer in index.saved]
-        shares[rank] = groups, casts, tuple(grads.values()), saved
+        shares[rank] = tuple(leaves.items()), tuple(casts.items()), tuple(grads.items()), saved
     return shares[rank]
 
 
@@ -162,27 +167,32 @@ def memory(sharded: ShardedGraph, evaluate: Evaluator, stages=None, in_flight=No
     """Memory of pipeline stage `rank` (its virtual stages under `stages`) running its
     schedule, of which `in_flight` (stg.schedule.StageDigest) tells the micro-batches held;
     without it, the whole graph and one micro-batch at a time."""
-    groups, casts, grads, saved = _stage_share(sharded, stages, rank)
+    leaves, casts, grads, saved = _stage_share(sharded, stages, rank)
     held: Counter = Counter()  # bytes of the leaves this stage's ops read, by role
     embedding = [0, 0]  # of them, the embedding tables' and their optimizer states'
-    for role, _, table, table_state, sizes in groups:
-        size = sum(n * evaluate(nbytes) for nbytes, n in sizes)
+    for (role, table, table_state, nbytes), n in leaves:
+        size = n * evaluate(nbytes)
         held[role] += size
         embedding[0] += size if table else 0
         embedding[1] += size if table_state else 0
     # fp8 training: the weights' fp8 copies, cast once per step and kept until the next
-    weights = held[Role.WEIGHT] + sum(evaluate(nbytes) for nbytes in casts)
+    weights = held[Role.WEIGHT] + sum(n * evaluate(nbytes) for nbytes, n in casts)
     states = held[Role.OPTIMIZER_STATE]
-    gradients = sum(evaluate(nbytes) for nbytes in grads)
-    # saved tensors per block: freed after the backward's B pass, or kept until its W pass
+    gradients = sum(n * evaluate(nbytes) for nbytes, n in grads)
+    # saved tensors per block: freed after the backward's B pass, or kept until its W pass;
+    # the copies of a block keep alike tensors, whose sizes are found once
     by_layer: Counter = Counter()
     until_w: Counter = Counter()
+    sized: dict[tuple, tuple[int, int]] = {}
     for layer, kept in saved:
-        for nbytes, n, read_by_w in kept:
-            size = evaluate(nbytes)
-            by_layer[layer] += n * size
-            if read_by_w:
-                until_w[layer] += read_by_w * size
+        if kept not in sized:
+            sizes = [(n, read_by_w, evaluate(nbytes)) for nbytes, n, read_by_w in kept]
+            sized[kept] = (sum(n * size for n, _, size in sizes), sum(w * size for _, w, size in sizes),
+                           any(w for _, w, _ in sizes))
+        total, late, read_by_w = sized[kept]
+        by_layer[layer] += total
+        if read_by_w:
+            until_w[layer] += late
     if in_flight is None:
         activations = sum(by_layer.values())
     else:
