@@ -135,6 +135,14 @@ class Pipeline:
 
 
 @per_graph
+def _run_places(sharded: ShardedGraph, stages: StagePlan, split_backward: bool) -> dict[int, dict]:
+    """Per pipeline stage, per run of its work ((virtual stage, action kind), _stage_work), each
+    op's place in the run."""
+    return {rank: {run: {op.name: place for place, op in enumerate(ops)} for run, ops in runs.items()}
+            for rank, (runs, _, _) in _stage_work(sharded, stages, split_backward).items()}
+
+
+@per_graph
 def _stage_work(sharded: ShardedGraph, stages: StagePlan, split_backward: bool) -> dict[int, tuple]:
     """Per pipeline stage, its share of the graph: per (virtual stage, action kind) its ops in
     program order, the parameter/gradient collectives per coalescing unit, and its step ops."""
@@ -518,7 +526,7 @@ class _ProgramBuilder:
         times each expression is added to each field, and its node counts -- holds for every
         plan of this structure and stage cut (a final action's buckets are part of the key), so
         a later plan binds the tally to its own numbers instead of running the ops again."""
-        flushes = self._flushes(key[0], key[1], ops) if key[2] else ()
+        flushes = self._flushes(key[0], key[1]) if key[2] else ()
         known = tallies(self.sharded)
         shared = (self.pipeline.stages, self.pipeline.split_backward, self.rank, key, flushes)
         if shared not in known:  # `found()`: the tensors its micro-batch's earlier actions made
@@ -659,20 +667,24 @@ class _ProgramBuilder:
         self.stats.add(known[key].bind(self.ev, self.comm_ev))
         self._gathers({})
 
-    def _key(self, stage: int, kind: Kind, last: bool, ops: list[Op], history: tuple) -> tuple:
+    def _key(self, stage: int, kind: Kind, last: bool, history: tuple) -> tuple:
         """What an action adds depends only on this key: the tensors it finds made (or
         received) are those of its micro-batch's earlier actions, `history`; the last run of a
         chunk and kind sends the gradient buckets its ops finish (one whose ops finish none is
         like any other, and repeats the others' nodes)."""
-        return stage, kind, last and bool(self._flushes(stage, kind, ops)), history
+        return stage, kind, last and bool(self._flushes(stage, kind)), history
 
-    def _flushes(self, stage: int, kind: Kind, ops: list[Op]) -> tuple:
-        """The ops of the run of `stage` and `kind` (`ops`) that gradient buckets go out after,
-        with each one's bucket sizes: once per run (flush_after is planned before any action)."""
+    def _flushes(self, stage: int, kind: Kind) -> tuple:
+        """The ops of the run of `stage` and `kind` that gradient buckets go out after, in run
+        order, with each one's bucket sizes: once per run (flush_after is planned before any
+        action), from the few ops that have buckets, not the run's every op."""
         found = self.flushing.get((stage, kind))
         if found is None:
-            found = self.flushing[(stage, kind)] = tuple((op.name, tuple(map(len, self.flush_after[op.name])))
-                                                         for op in ops if op.name in self.flush_after)
+            place = _run_places(self.sharded, self.pipeline.stages, self.pipeline.split_backward)[self.rank]
+            place = place.get((stage, kind), {})
+            found = self.flushing[(stage, kind)] = tuple(
+                (name, tuple(map(len, self.flush_after[name])))
+                for name in sorted((name for name in self.flush_after if name in place), key=place.__getitem__))
         return found
 
     def _run_actions(self, actions: list[Action], runs: dict, units: dict) -> dict[int, dict[str, int]]:
@@ -683,7 +695,7 @@ class _ProgramBuilder:
         for action in actions:
             stage = virtual_stage(self.rank, action.chunk, pp)
             ops = runs.get((stage, action.kind), [])
-            key = self._key(stage, action.kind, action in finals, ops, history.get(action.microbatch, ()))
+            key = self._key(stage, action.kind, action in finals, history.get(action.microbatch, ()))
             history[action.microbatch] = key[3] + (key[:2],)
             self.action_nodes(action, ops, units, where.setdefault(action.microbatch, {}), key)
         return where
@@ -700,7 +712,7 @@ class _ProgramBuilder:
             for action, is_last in zip(sequence, lasts):
                 stage = virtual_stage(self.rank, action.chunk, pp)
                 ops = runs.get((stage, action.kind), [])
-                key = self._key(stage, action.kind, is_last, ops, history)
+                key = self._key(stage, action.kind, is_last, history)
                 if key not in self.repeats:  # it finds what its micro-batch's earlier actions made
                     self.repeats[key] = self._action_stats(
                         action, ops, units, lambda: dict.fromkeys(n for k in earlier for n in self.repeats[k][1]), key)
