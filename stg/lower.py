@@ -680,8 +680,8 @@ class _ProgramBuilder:
         action), from the few ops that have buckets, not the run's every op."""
         found = self.flushing.get((stage, kind))
         if found is None:
-            place = _run_places(self.sharded, self.pipeline.stages, self.pipeline.split_backward)[self.rank]
-            place = place.get((stage, kind), {})
+            runs = _run_places(self.sharded, self.pipeline.stages, self.pipeline.split_backward)[self.rank]
+            place = runs.get((stage, kind), {})
             found = self.flushing[(stage, kind)] = tuple(
                 (name, tuple(map(len, self.flush_after[name])))
                 for name in sorted((name for name in self.flush_after if name in place), key=place.__getitem__))

@@ -183,7 +183,7 @@ def memory(sharded: ShardedGraph, evaluate: Evaluator, stages=None, in_flight=No
     # the copies of a block keep alike tensors, whose sizes are found once
     by_layer: Counter = Counter()
     until_w: Counter = Counter()
-    sized: dict[tuple, tuple[int, int]] = {}
+    sized: dict[tuple, tuple[int, int, bool]] = {}  # kept -> (bytes, bytes a W pass reads, read by one)
     for layer, kept in saved:
         if kept not in sized:
             sizes = [(n, read_by_w, evaluate(nbytes)) for nbytes, n, read_by_w in kept]
