@@ -135,14 +135,6 @@ class Pipeline:
 
 
 @per_graph
-def _run_places(sharded: ShardedGraph, stages: StagePlan, split_backward: bool) -> dict[int, dict]:
-    """Per pipeline stage, per run of its work ((virtual stage, action kind), _stage_work), each
-    op's place in the run."""
-    return {rank: {run: {op.name: place for place, op in enumerate(ops)} for run, ops in runs.items()}
-            for rank, (runs, _, _) in _stage_work(sharded, stages, split_backward).items()}
-
-
-@per_graph
 def _stage_work(sharded: ShardedGraph, stages: StagePlan, split_backward: bool) -> dict[int, tuple]:
     """Per pipeline stage, its share of the graph: per (virtual stage, action kind) its ops in
     program order, the parameter/gradient collectives per coalescing unit, and its step ops."""
@@ -182,7 +174,7 @@ class _StepPlan:
     finishing op, `made`), and the collectives that go out after the optimizer, bucketed
     (the new parameters' gathers: those no backward sent and no step compute reads)."""
 
-    reductions: tuple[list[Op], ...]
+    reductions: Mapping[tuple, list[Op]]  # by run ((virtual stage, action kind) of _stage_work)
     made: Mapping[str, Op]  # a reduction -> the op that finishes its gradient
     deferred: list[Op]
     skipped: frozenset[str]  # the reductions and the deferred: what the optimizer does not run
@@ -207,7 +199,7 @@ def _step_plans(sharded: ShardedGraph, stages: StagePlan, split_backward: bool) 
         bucketed = {op.name for op in ready}
         deferred = [op for op in step if op.kind is OpKind.COLLECTIVE and op.name not in bucketed
                     and not feeds_compute(op)]
-        found[rank] = _StepPlan(tuple(by_run.values()), {op.name: made[op.name] for op in ready}, deferred,
+        found[rank] = _StepPlan(by_run, {op.name: made[op.name] for op in ready}, deferred,
                                 frozenset(bucketed | {op.name for op in deferred}))
     return found
 
@@ -245,7 +237,8 @@ class _ProgramBuilder:
         self.alias: dict[str, str] = {}  # a view (slice, anchor) -> the tensor it views
         self.prefetch: dict[Phase, int | None] = {}  # compute running when the last unit gather went out
         self.flush_after: dict[str, list[list[Op]]] = {}  # op -> gradient buckets that go out after it
-        self.flushing: dict[tuple, tuple] = {}  # _flushes, by run
+        # by run: its ops that buckets go out after, in run order, with their buckets' sizes
+        self.flushes: dict[tuple, tuple] = {}
         self.stats = ClassStats()
         self.keep_nodes = keep_nodes
         self.holes: set = set()  # without nodes, the holes they would have had
@@ -526,7 +519,7 @@ class _ProgramBuilder:
         times each expression is added to each field, and its node counts -- holds for every
         plan of this structure and stage cut (a final action's buckets are part of the key), so
         a later plan binds the tally to its own numbers instead of running the ops again."""
-        flushes = self._flushes(key[0], key[1]) if key[2] else ()
+        flushes = self.flushes.get(key[:2], ()) if key[2] else ()
         known = tallies(self.sharded)
         shared = (self.pipeline.stages, self.pipeline.split_backward, self.rank, key, flushes)
         if shared not in known:  # `found()`: the tensors its micro-batch's earlier actions made
@@ -632,9 +625,12 @@ class _ProgramBuilder:
         last backward makes them (PyTorch DDP's overlap): each bucket right after the op that
         finishes its last gradient, in the last action that runs that op."""
         plan = self._step_plan()
-        for ops in plan.reductions:  # each in the order their gradients are finished
+        for run, ops in plan.reductions.items():  # each in the order their gradients are finished
+            after: dict[str, list[list[Op]]] = {}
             for bucket in self.buckets(ops):
-                self.flush_after.setdefault(plan.made[bucket[-1].name].name, []).append(bucket)
+                after.setdefault(plan.made[bucket[-1].name].name, []).append(bucket)
+            self.flush_after.update(after)
+            self.flushes[run] = tuple((name, tuple(map(len, buckets))) for name, buckets in after.items())
 
     def step(self, ops: list[Op], where: dict[str, int]) -> None:
         """The optimizer (after any reduction it reads that the last backward did not send),
@@ -672,20 +668,7 @@ class _ProgramBuilder:
         received) are those of its micro-batch's earlier actions, `history`; the last run of a
         chunk and kind sends the gradient buckets its ops finish (one whose ops finish none is
         like any other, and repeats the others' nodes)."""
-        return stage, kind, last and bool(self._flushes(stage, kind)), history
-
-    def _flushes(self, stage: int, kind: Kind) -> tuple:
-        """The ops of the run of `stage` and `kind` that gradient buckets go out after, in run
-        order, with each one's bucket sizes: once per run (flush_after is planned before any
-        action), from the few ops that have buckets, not the run's every op."""
-        found = self.flushing.get((stage, kind))
-        if found is None:
-            runs = _run_places(self.sharded, self.pipeline.stages, self.pipeline.split_backward)[self.rank]
-            place = runs.get((stage, kind), {})
-            found = self.flushing[(stage, kind)] = tuple(
-                (name, tuple(map(len, self.flush_after[name])))
-                for name in sorted((name for name in self.flush_after if name in place), key=place.__getitem__))
-        return found
+        return stage, kind, last and bool(self.flushes.get((stage, kind))), history
 
     def _run_actions(self, actions: list[Action], runs: dict, units: dict) -> dict[int, dict[str, int]]:
         """Run (or repeat) every action's nodes; per micro-batch, the producer of each tensor."""
