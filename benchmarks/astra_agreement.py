@@ -31,7 +31,7 @@ from pathlib import Path
 from stg.api import build, generate
 from stg.device import device_spec
 from stg.explore.astra import find_binary, misaligned, simulate
-from stg.explore.cost import estimate, peak_tflops
+from stg.explore.cost import estimate
 from stg.explore.network import load_network, network_from_dict
 from stg.explore.search import label
 from stg.plan import Plan
@@ -123,7 +123,7 @@ def main() -> int:
         world = workload.mesh.size
         groups = {int(k): v for k, v in json.loads((folder / "workload.json").read_text()).items()}
         odd = misaligned(network, groups, world)
-        run = simulate(binary, folder, network, peak_tflops(plan, workload.model), memory_gbps, timeout_s=900)
+        run = simulate(binary, folder, network, memory_gbps, timeout_s=900)
         problem = run.problem()
         theirs = run.time_us if problem is None else float("nan")
         flag = (f"  misaligned groups {odd}" if odd else "") + (f"  {problem}" if problem else "")

@@ -1,17 +1,21 @@
 """Device specs for the roofline that gives compute nodes their `duration_micros`.
 
-A node takes max(FLOPs / peak, bytes / memory bandwidth) -- the same roofline ASTRA-sim
-applies in its `roofline-enabled` mode, so replay and roofline runs agree. Peaks are the
-vendors' dense tensor-core figures (no sparsity) per operand dtype: bf16 and fp16 share one,
-fp32 GEMMs run as TF32 on tensor cores (PyTorch's `allow_tf32` / matmul precision "high";
-strict IEEE fp32 is 8-16x slower), fp8 is twice bf16 where the chip has it (H100 onwards,
-MI300X). Bandwidths are HBM peaks. The numbers live in stg/data/devices/*.yaml with
-their datasheet sources.
+A node takes max(FLOPs / (peak x achieved fraction), bytes / (memory bandwidth x memory
+efficiency)). Peaks are the vendors' dense tensor-core figures (no sparsity) per operand dtype:
+bf16 and fp16 share one, fp32 GEMMs run as TF32 on tensor cores (PyTorch's `allow_tf32` /
+matmul precision "high"; strict IEEE fp32 is 8-16x slower), fp8 is twice bf16 where the chip
+has it (H100 onwards, MI300X). Bandwidths are HBM peaks. A GEMM (an einsum op) reaches a
+fraction of its peak that grows with its size: `matmul_efficiency` gives measured points
+(GFLOP of one GEMM, achieved / peak), interpolated in log size and held flat beyond the ends;
+a device without them runs every GEMM at peak. `memory_efficiency` scales the bandwidth.
+The numbers live in stg/data/devices/*.yaml with their sources.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+import numpy as np
 
 from stg.errors import PlanError
 from stg.graph import DType
@@ -25,6 +29,9 @@ class DeviceSpec:
     memory_gib: float
     tf32_tflops: float  # dense TF32: what fp32 GEMMs run at
     fp8_tflops: float | None = None  # dense fp8; None: no fp8 tensor cores
+    # (GFLOP of one GEMM, achieved fraction of peak), ascending in size; (): every GEMM at peak
+    matmul_efficiency: tuple[tuple[float, float], ...] = ()
+    memory_efficiency: float = 1.0  # achieved fraction of the HBM bandwidth
 
     def peak(self, dtype: DType) -> float:
         """Dense TFLOP/s of a GEMM whose operands are `dtype`."""
@@ -34,8 +41,22 @@ class DeviceSpec:
             return self.fp8_tflops
         return self.tf32_tflops if dtype is DType.FP32 else self.peak_tflops
 
-    def duration_us(self, flops: int, nbytes: int, dtype: DType = DType.BF16) -> float:
-        return max(flops / (self.peak(dtype) * 1e12), nbytes / (self.memory_tbps * 1e12)) * 1e6
+    def matmul_fraction(self, flops):
+        """The achieved fraction of peak of a GEMM of `flops` (a number or an array of them)."""
+        if not self.matmul_efficiency:
+            return np.ones(np.shape(flops))
+        sizes, fractions = zip(*self.matmul_efficiency)
+        gflop = np.maximum(np.asarray(flops, dtype=float), 1) / 1e9  # (float: counts past int64 are refused later)
+        return np.interp(np.log(gflop), np.log(sizes), fractions)
+
+    def duration_us(self, flops, nbytes, dtype: DType = DType.BF16, matmul=False):
+        """Microseconds of an op of `flops` and `nbytes`; `matmul`: it is a GEMM, which runs at
+        its size's fraction of peak. Numbers or arrays of them (one op per element)."""
+        fraction = np.where(matmul, self.matmul_fraction(flops), 1.0)
+        compute = flops / (self.peak(dtype) * 1e12 * fraction)
+        memory = nbytes / (self.memory_tbps * 1e12 * self.memory_efficiency)
+        took = np.maximum(compute, memory) * 1e6
+        return float(took) if np.ndim(took) == 0 else took
 
 
 def from_dict(data: dict, where: str = "device") -> DeviceSpec:
@@ -44,13 +65,22 @@ def from_dict(data: dict, where: str = "device") -> DeviceSpec:
         peaks = data["peak_tflops"]
         spec = DeviceSpec(str(data["name"]), float(peaks["bf16"]), float(data["memory_tbps"]),
                           float(data["memory_gib"]), float(peaks["tf32"]),
-                          float(peaks["fp8"]) if peaks.get("fp8") is not None else None)
+                          float(peaks["fp8"]) if peaks.get("fp8") is not None else None,
+                          tuple((float(size), float(fraction)) for size, fraction in data.get("matmul_efficiency", ())),
+                          float(data.get("memory_efficiency", 1.0)))
     except KeyError as missing:
         raise PlanError(f"{where}: missing field {missing.args[0]}") from None
     except (TypeError, ValueError, AttributeError) as error:
         raise PlanError(f"{where}: malformed device description ({error})") from None
     if min(spec.peak_tflops, spec.memory_tbps, spec.memory_gib, spec.tf32_tflops) <= 0:
         raise PlanError(f"{where}: peak_tflops, memory_tbps and memory_gib must be positive")
+    if not 0 < spec.memory_efficiency <= 1:
+        raise PlanError(f"{where}: memory_efficiency must be in (0, 1], not {spec.memory_efficiency}")
+    sizes = [size for size, _ in spec.matmul_efficiency]
+    if any(not 0 < f <= 1 for _, f in spec.matmul_efficiency) or min(sizes, default=1) <= 0 \
+            or sizes != sorted(set(sizes)):
+        raise PlanError(f"{where}: matmul_efficiency must be [GFLOP, fraction] pairs with sizes > 0 ascending "
+                        "and fractions in (0, 1]")
     return spec
 
 

@@ -302,7 +302,8 @@ class _ProgramBuilder:
         costs = self.op_costs.get(op.name)
         if costs is None:
             flops, nbytes = self.ev(op.flops), self.ev(op.bytes)
-            exact = self.device.duration_us(flops, nbytes, self._operand_dtype(op)) if self.keep_nodes else 0.0
+            exact = self.device.duration_us(flops, nbytes, self._operand_dtype(op), op.kind is OpKind.EINSUM) \
+                if self.keep_nodes else 0.0
             costs = self.op_costs[op.name] = (flops, nbytes, exact, op.label())
         return costs
 

@@ -36,6 +36,42 @@ def test_device_files_hold_the_datasheet_numbers():
     assert DEVICES["mi300x"].peak_tflops == 1307.4 and DEVICES["b200"].peak_tflops == 2250
 
 
+# OpenXLA's measured bf16 GEMM throughputs on sm_90 (xla/service/gpu/model/
+# matmul_interpolator_data.h): (b, m, n, k) -> TFLOP/s
+XLA_SM90 = {(1, 1024, 1024, 2048): 349.98, (1, 2048, 2048, 2048): 631.98, (1, 4096, 4096, 4096): 783.33}
+
+
+@pytest.mark.parametrize("name", ["h100", "h200"])
+def test_gemms_take_the_time_measured_for_their_size(name):
+    """A GEMM of a measured size takes its measured time; sizes between interpolate in log
+    size, larger ones run at the largest measured rate, and other ops are not GEMMs."""
+    device = DEVICES[name]
+    for (b, m, n, k), tflops in XLA_SM90.items():
+        flops = 2 * b * m * n * k
+        assert device.duration_us(flops, 0, matmul=True) == pytest.approx(flops / tflops / 1e6, rel=2e-4)
+    between, large = 2 * 2048 * 2048 * 4096, 2 * 4096**3
+    per_flop = device.duration_us(between, 0, matmul=True) / between
+    assert 1 / 783.33e6 < per_flop < 1 / 631.98e6
+    assert device.duration_us(8 * large, 0, matmul=True) == pytest.approx(8 * large / 783.33e6, rel=2e-4)
+    assert device.duration_us(large, 0) == pytest.approx(large / 989.4e6)  # not a GEMM: the peak
+
+
+def test_a_device_file_checks_its_gemm_efficiency(tmp_path):
+    from stg.device import from_dict
+
+    base = {"name": "g", "peak_tflops": {"bf16": 100, "tf32": 50}, "memory_gib": 8, "memory_tbps": 1}
+    assert from_dict(base).duration_us(1e12, 0, matmul=True) == pytest.approx(1e4)  # no curve: the peak
+    for bad in ([[10, 0.5], [1, 0.4]], [[1, 1.5]], [[0, 0.5]], [[1]]):
+        with pytest.raises(PlanError, match="device"):
+            from_dict({**base, "matmul_efficiency": bad})
+    with pytest.raises(PlanError, match="memory_efficiency must be in"):
+        from_dict({**base, "memory_efficiency": 0})
+    slow = from_dict({**base, "matmul_efficiency": [[1, 0.25], [100, 0.5]], "memory_efficiency": 0.5})
+    assert slow.duration_us(1e9, 0, matmul=True) == pytest.approx(1e9 / 25e12 * 1e6)
+    assert slow.duration_us(1e10, 0, matmul=True) == pytest.approx(1e10 / 37.5e12 * 1e6)  # log-midway: 0.375
+    assert slow.duration_us(0, 1e9) == pytest.approx(1e9 / 0.5e12 * 1e6)
+
+
 # --- the network: NCCL's ring and tree formulas, by hand ---------------------------------------
 
 NET = network_from_dict({"name": "two-tier", "tiers": [

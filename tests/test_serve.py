@@ -93,7 +93,10 @@ def test_decode_is_memory_bound_reading_weights_and_the_whole_cache():
     h100 = 3.35e12  # bytes/s; decode's arithmetic intensity is far below 989e12 / 3.35e12 FLOP/byte
     assert stats["flops"] / stats["compute_bytes"] < 10
     durations = sum(n.duration_us for n in engine.program(shape, 0).nodes)
-    assert durations == pytest.approx(stats["compute_bytes"] / h100 * 1e6, rel=0.02)
+    # the bytes at the HBM bandwidth bound the step from below; decode's small GEMMs (a few
+    # tokens against each weight) at their measured fraction of peak add a little
+    memory_us = stats["compute_bytes"] / h100 * 1e6
+    assert memory_us * 0.99 < durations < memory_us * 1.05
 
 
 def test_pool_formula_with_hand_numbers():

@@ -16,8 +16,9 @@ The system file: one chunk per collective (`preferred-dataset-splits` 1: ASTRA-s
 latency per ring step of every chunk, stg per step), ring reduce-scatter and all-gather, the
 network's all-reduce (ring, or doubleBinaryTree for tree) and all-to-all (`direct1`, n-1
 exchanges one at a time, for direct; `ring` for ring), `localBWAware` multi-dimensional
-collectives (what `hierarchical: true` models), and the device's roofline (`peak-perf` in
-TFLOP/s, `local-mem-bw` in 1e9 B/s), which reproduces the durations stg writes.
+collectives (what `hierarchical: true` models), the roofline off (`roofline-enabled` 0: a
+compute node takes the `duration_micros` stg wrote, its GEMM efficiency included), and the
+device's memory bandwidth (`local-mem-bw` in 1e9 B/s, which ASTRA-sim charges reductions at).
 
 The run: `BINARY --workload-configuration=SET/workload --comm-group-configuration=SET/workload.json
 --system-configuration=... --network-configuration=... --remote-memory-configuration=...`.
@@ -60,9 +61,9 @@ def network_config(network: Network, world: int) -> dict:
     }
 
 
-def system_config(network: Network, dims: int, peak_tflops: float, memory_gbps: float) -> dict:
+def system_config(network: Network, dims: int, memory_gbps: float) -> dict:
     """ASTRA-sim's system configuration (see the module's docstring) for a `dims`-dimensional
-    network and a device of `peak_tflops` and `memory_gbps` (1e9 B/s)."""
+    network and a device of `memory_gbps` (1e9 B/s)."""
     all_reduce = "doubleBinaryTree" if network.all_reduce is Algorithm.TREE else "ring"
     all_to_all = "ring" if network.all_to_all is AllToAll.RING else "direct1"
     return {
@@ -75,8 +76,7 @@ def system_config(network: Network, dims: int, peak_tflops: float, memory_gbps: 
         "reduce-scatter-implementation": ["ring"] * dims,
         "all-gather-implementation": ["ring"] * dims,
         "all-to-all-implementation": [all_to_all] * dims,
-        "roofline-enabled": 1,
-        "peak-perf": peak_tflops,
+        "roofline-enabled": 0,
         "local-mem-bw": memory_gbps,
     }
 
@@ -146,7 +146,7 @@ def set_ranks(set_dir: Path) -> int:
     return len(list(Path(set_dir).glob("workload.*.et")))
 
 
-def simulate(binary: Path, set_dir: Path, network: Network, peak_tflops: float, memory_gbps: float,
+def simulate(binary: Path, set_dir: Path, network: Network, memory_gbps: float,
              timeout_s: float | None = None) -> AstraRun:
     """Run ASTRA-sim's analytical backend on the written set in `set_dir`."""
     set_dir = Path(set_dir).resolve()
@@ -155,7 +155,7 @@ def simulate(binary: Path, set_dir: Path, network: Network, peak_tflops: float, 
     with tempfile.TemporaryDirectory(prefix="stg-astra-") as work:
         work_dir = Path(work)
         (work_dir / "network.yml").write_text(network_yaml(net))
-        system = system_config(network, len(net["npus_count"]), peak_tflops, memory_gbps)
+        system = system_config(network, len(net["npus_count"]), memory_gbps)
         (work_dir / "system.json").write_text(json.dumps(system, indent=1))
         (work_dir / "memory.json").write_text(json.dumps({"memory-type": "NO_MEMORY_EXPANSION"}))
         command = [str(binary), f"--workload-configuration={set_dir / 'workload'}",
@@ -210,7 +210,6 @@ def simulate_rows(model, result, top: int, out: Path | None, binary: Path, netwo
     from model_zoo import Model, load_model
     from stg.api import generate
     from stg.device import device_spec
-    from stg.explore.cost import peak_tflops
     from stg.explore.network import load_network
     from stg.explore.search import label
 
@@ -223,7 +222,7 @@ def simulate_rows(model, result, top: int, out: Path | None, binary: Path, netwo
             if out is None:
                 generate(model, row.plan, folder)
             device = device_spec(row.plan.device)
-            run = simulate(binary, folder, network, peak_tflops(row.plan, model), device.memory_tbps * 1e3, timeout_s)
+            run = simulate(binary, folder, network, device.memory_tbps * 1e3, timeout_s)
             stg_ms = row.estimate.step_us / 1e3
             problem = run.problem()
             astra = f"{run.time_us / 1e3:13.3f} {stg_ms / (run.time_us / 1e3):6.3f}" if problem is None else \

@@ -42,6 +42,7 @@ class StageTemplate:
     nbytes: np.ndarray
     comm_bytes: np.ndarray  # [comm nodes, monomials]
     denominator: int
+    matmul: np.ndarray  # per compute node: a GEMM (its size's fraction of peak, stg/device.py)
     # sequence parallelism splits a step's tokens over tp: they run padded to a multiple of it
     # (the padding positions go through every linear layer, as vLLM pads them)
     pad: int = 1
@@ -57,7 +58,7 @@ class StageTemplate:
         """Per node of this step: FLOPs and bytes (compute), durations (us, whole), comm bytes."""
         powers = self.powers(shape)
         flops, nbytes = self._eval(self.flops, powers), self._eval(self.nbytes, powers)
-        exact = np.maximum(flops / (device.peak_tflops * 1e12), nbytes / (device.memory_tbps * 1e12)) * 1e6
+        exact = device.duration_us(flops, nbytes, matmul=self.matmul)
         total = np.round(np.cumsum(exact))
         durations = np.diff(total, prepend=0.0).astype(np.int64)
         return {"flops": flops, "nbytes": nbytes, "exact_us": exact, "duration_us": durations,
@@ -110,6 +111,7 @@ def build_template(program_of, static: dict, reference: StepShape, symbols: tupl
                 out[i, column[m]] = int(c * denominator)
         return out
 
+    gemms = np.array([program.nodes[i].op_type.split("[")[0] == "einsum" for i in compute], dtype=bool)
     return StageTemplate(program, np.array(compute, dtype=np.int64), np.array(comm, dtype=np.int64),
                          tuple(monomials), matrix(rows["flops"]), matrix(rows["nbytes"]), matrix(rows["comm"]),
-                         denominator, pad)
+                         denominator, gemms, pad)
