@@ -48,4 +48,8 @@ def sharding_spec(plan: Plan) -> ShardingSpec:
         anchors["pooled"] = LayoutRules(merged["pooled"])
     if stored["grad"] is not None:
         anchors["grad"] = stored["grad"]
-    return ShardingSpec(in_play, stored["params"], stored["states"], LayoutRules(merged["data"]), anchors)
+    data = LayoutRules(merged["data"])
+    # an axis no layout names (pp: it cuts stages, it splits no tensor) leaves the sharded graph
+    # as it is, so plans that differ only in it share one structure (stg/passes.py)
+    named = set().union(*(rules.axes() for rules in (stored["params"], stored["states"], data, *anchors.values())))
+    return ShardingSpec(tuple(a for a in in_play if a in named), stored["params"], stored["states"], data, anchors)

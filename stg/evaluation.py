@@ -2,7 +2,7 @@
 rank class (FLOPs by phase, bytes by collective, send/recv bytes, node counts, memory).
 
 Plans that share a structure (the same model and structural choices: sp, recompute, ZeRO
-stage, flash attention, which mesh axes are in play) share the symbolic passes, which
+stage, flash attention, which mesh axes split tensors) share the symbolic passes, which
 stg/passes.py caches per structure; a plan then costs its lowering per rank class, not its
 sympy, and that lowering builds no nodes: an action that repeats one already run adds its
 counts again (stg/lower.py). Plans are run grouped by structure and answered in the order
@@ -20,9 +20,10 @@ from stg.errors import StgError
 from stg.plan import Plan
 
 # Plan fields that are bindings of a structure (stg/passes.py's Structure): plans that differ
-# only in these share the symbolic passes; of a degree only whether it is above 1 matters.
-_DEGREES = ("tp", "pp", "cp", "ep", "etp", "local_world_size")
-_BINDINGS = ("dp", "vpp", "schedule", "layers_per_stage", "micro_batch", "global_batch", "seq", "bucket_mb",
+# only in these share the symbolic passes; of a degree only whether it is above 1 matters. pp
+# splits no tensor (only a tied model's stage cut is structure, which its passes key on).
+_DEGREES = ("tp", "cp", "ep", "etp", "local_world_size")
+_BINDINGS = ("dp", "pp", "vpp", "schedule", "layers_per_stage", "micro_batch", "global_batch", "seq", "bucket_mb",
              "device", "capacity_factor", "expert_skew", "make_vocab_divisible_by")
 
 

@@ -43,6 +43,10 @@ class LayoutRules:
     def _layouts(self) -> dict[tuple, Layout]:
         return {}
 
+    def axes(self) -> set[str]:
+        """The mesh axes these rules name."""
+        return {axis for axes in self.split.values() for axis in axes} | set(self.flat)
+
     def _layout(self, dims: tuple[str, ...], mesh_axes: tuple[str, ...]) -> Layout:
         placements: dict[str, Placement] = {}
         for dim, logical in enumerate(dims):

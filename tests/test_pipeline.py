@@ -145,6 +145,26 @@ def test_a_tied_model_runs_its_passes_once_per_tie_pattern(monkeypatch):
         assert (mine.layouts, mine.global_tensors) == (theirs.layouts, theirs.global_tensors)
 
 
+def test_pp_is_no_structure_of_an_untied_model(monkeypatch):
+    """pp cuts stages and splits no tensor: a plan of an untied model with pp and one without
+    run the symbolic passes once, and each plan's summary is the one its own passes give."""
+    import stg.passes
+
+    llama = dict(name="tiny-llama", family="llama", layers=4, hidden=64, ffn=128, heads=4, kv_heads=2, vocab=512)
+    plans = [Plan(tp=2, dp=2, global_batch=8, seq=32), Plan(tp=2, pp=2, dp=2, global_batch=8, seq=32)]
+    for cache in ("_CACHE", "_TRAINING", "_RECOMPUTED"):
+        monkeypatch.setattr(stg.passes, cache, {})
+    fresh = []
+    for plan in plans:
+        fresh.append(build(llama, plan).summary(per_rank=False))
+        monkeypatch.setattr(stg.passes, "_CACHE", {})
+    passes = []
+    run = stg.passes.Structure.untied
+    monkeypatch.setattr(stg.passes.Structure, "untied", lambda self: passes.append(1) or run(self))
+    assert [build(llama, plan).summary(per_rank=False) for plan in plans] == fresh
+    assert len(passes) == 1
+
+
 @pytest.mark.parametrize("costs, stages, split", [
     ([0] + [2] * 6 + [0], 3, (2, 2, 2)),
     # the head costs 2.5 blocks: a block beside it (3.5) is the least bottleneck; of the

@@ -90,7 +90,7 @@ def test_a_replayed_block_is_the_block_made_afresh(name, monkeypatch, tmp_path):
     resized = isinstance(model, dict) and "layers" in model
     if resized:
         model = {**model, "layers": 8}
-    replayed, compared = Counter(), []
+    replayed, compared, split = Counter(), [], []
 
     def counting(cls):
         replay = cls.replay
@@ -112,6 +112,7 @@ def test_a_replayed_block_is_the_block_made_afresh(name, monkeypatch, tmp_path):
         templated = shard(graph, spec)
         assert _equal(templated, shard(graph, spec, templates=False))
         compared.append("shard")
+        split.extend(spec.mesh_axes)
         return templated
 
     counting(_Sharder)
@@ -124,6 +125,7 @@ def test_a_replayed_block_is_the_block_made_afresh(name, monkeypatch, tmp_path):
     stg.api.build(model, {"seq": 32, **PLANS[name][1]}, nodes=False)
     assert set(compared) == {"autodiff", "shard"}
     if resized:  # blocks 2..7 repeat (the first and last differ: embedding, head)
-        assert min(replayed[_Sharder], replayed[_Backward]) >= 4
+        assert replayed[_Backward] >= 4
+        assert replayed[_Sharder] >= 4 or not split  # (pp alone splits no tensor: nothing to shard)
     elif not name.startswith("dlrm"):  # a recommendation model has no repeated blocks
         assert sum(replayed.values()) >= 1
