@@ -25,6 +25,7 @@ from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass, replace
+from itertools import groupby
 from typing import Callable, Mapping
 
 import sympy
@@ -135,22 +136,34 @@ class Pipeline:
 
 
 @per_graph
+def _segments(sharded: ShardedGraph) -> list[tuple[int, Phase, list[Op], list[tuple]]]:
+    """The graph's ops in program order as runs of one layer and phase, each with its ops'
+    coalescing units: what a stage cut deals out whole (every cut of a structure reads them)."""
+    found = []
+    for (layer, phase), ops in groupby(sharded.graph.ops, key=lambda op: (op.layer, op.phase)):
+        ops = list(ops)
+        units = [(unit, op) for op in ops if (unit := _unit(op, sharded.graph)) is not None]
+        found.append((layer, phase, ops, units))
+    return found
+
+
+@per_graph
 def _stage_work(sharded: ShardedGraph, stages: StagePlan, split_backward: bool) -> dict[int, tuple]:
     """Per pipeline stage, its share of the graph: per (virtual stage, action kind) its ops in
     program order, the parameter/gradient collectives per coalescing unit, and its step ops."""
     work = {rank: ({}, {}, []) for rank in range(stages.pp)}
     stage_of = {layer: stages.virtual_stage(layer) for layer in _layers(sharded)}
-    for op in sharded.graph.ops:
-        stage = stage_of[op.layer]
+    for layer, phase, ops, op_units in _segments(sharded):
+        stage = stage_of[layer]
         runs, units, step = work[stages.rank_and_chunk(stage)[0]]
-        if op.phase is Phase.STEP:
-            step.append(op)
+        if phase is Phase.STEP:
+            step += ops
             continue
-        kind = {Phase.FORWARD: Kind.F, Phase.BACKWARD_INPUT: Kind.B}.get(op.phase, Kind.W)
+        kind = {Phase.FORWARD: Kind.F, Phase.BACKWARD_INPUT: Kind.B}.get(phase, Kind.W)
         if not split_backward and kind is Kind.W:
             kind = Kind.B  # one autograd backward: input and weight gradients in program order
-        runs.setdefault((stage, kind), []).append(op)
-        if (unit := _unit(op, sharded.graph)) is not None:
+        runs.setdefault((stage, kind), []).extend(ops)
+        for unit, op in op_units:
             units.setdefault(unit, []).append(op)
     return work
 
@@ -202,6 +215,12 @@ def _step_plans(sharded: ShardedGraph, stages: StagePlan, split_backward: bool) 
         found[rank] = _StepPlan(by_run, {op.name: made[op.name] for op in ready}, deferred,
                                 frozenset(bucketed | {op.name for op in deferred}))
     return found
+
+
+@per_graph
+def _run_edges(sharded: ShardedGraph) -> dict:
+    """_ProgramBuilder._edges's answers, by stage cut, backward split, virtual stage and kind."""
+    return {}
 
 
 @per_graph
@@ -423,27 +442,37 @@ class _ProgramBuilder:
         once its last gradient is done."""
         stage = virtual_stage(self.rank, action.chunk, self.pipeline.stages.pp)
         label = f"{action.microbatch}{action.kind.value}{action.chunk}"
-        self.receive(stage, action.microbatch, ops, where)
+        self.receive(stage, action.kind, action.microbatch, ops, where)
         for op in ops:
             self.run(op, units, label, where)
             for bucket in self.flush_after.get(op.name, []) if final else ():
                 self.collective(self._bucket_name("S", bucket), bucket, where)
-        self.send_made(stage, action.microbatch, ops, where)
+        self.send_made(stage, action.kind, action.microbatch, ops, where)
 
-    def received(self, stage: int, ops: list[Op], where: dict):
-        """The edges into virtual stage `stage` that `ops` receive: of the tensors they read,
-        those their micro-batch does not hold yet (`where`, checked as each edge comes)."""
-        read = {name for op in ops for name in op.inputs}
-        return (edge for edge in self.pipeline.edges
-                if edge.target == stage and edge.tensor in read and edge.tensor not in where)
+    def _edges(self, stage: int, kind: Kind, ops: list[Op]) -> tuple[list[Edge], list[Edge]]:
+        """The edges into virtual stage `stage` whose tensors its run of `kind`, `ops`, reads, and
+        the edges out of it whose tensors they make: once per run of a stage cut."""
+        memo = _run_edges(self.sharded)
+        key = (self.pipeline.stages, self.pipeline.split_backward, stage, kind)
+        if key not in memo:
+            read = {name for op in ops for name in op.inputs}
+            made = {name for op in ops for name in op.outputs}
+            memo[key] = ([edge for edge in self.pipeline.edges if edge.target == stage and edge.tensor in read],
+                         [edge for edge in self.pipeline.edges if edge.source == stage and edge.tensor in made])
+        return memo[key]
 
-    def sent(self, stage: int, ops: list[Op]) -> list[Edge]:
-        """The edges out of virtual stage `stage` that carry tensors `ops` make."""
-        made = {name for op in ops for name in op.outputs}
-        return [edge for edge in self.pipeline.edges if edge.source == stage and edge.tensor in made]
+    def received(self, stage: int, kind: Kind, ops: list[Op], where: dict):
+        """The edges into virtual stage `stage` that its run of `kind`, `ops`, receives: of the
+        tensors they read, those their micro-batch does not hold yet (`where`, checked as each
+        edge comes)."""
+        return (edge for edge in self._edges(stage, kind, ops)[0] if edge.tensor not in where)
 
-    def receive(self, stage: int, microbatch: int, ops: list[Op], where: dict) -> None:
-        for edge in self.received(stage, ops, where):
+    def sent(self, stage: int, kind: Kind, ops: list[Op]) -> list[Edge]:
+        """The edges out of virtual stage `stage` that carry tensors its run of `kind` makes."""
+        return self._edges(stage, kind, ops)[1]
+
+    def receive(self, stage: int, kind: Kind, microbatch: int, ops: list[Op], where: dict) -> None:
+        for edge in self.received(stage, kind, ops, where):
             self.recv(edge, microbatch, where)
 
     def run(self, op: Op, units: dict[tuple, list[Op]], label: str, where: dict) -> None:
@@ -457,8 +486,8 @@ class _ProgramBuilder:
         elif unit[0] is Role.GRADIENT and op is members[-1]:
             self.collective(self._bucket_name(label, members), members, where)
 
-    def send_made(self, stage: int, microbatch: int, ops: list[Op], where: dict) -> None:
-        for edge in self.sent(stage, ops):
+    def send_made(self, stage: int, kind: Kind, microbatch: int, ops: list[Op], where: dict) -> None:
+        for edge in self.sent(stage, kind, ops):
             self.send(edge, microbatch, where)
 
     def _tally_action(self, action: Action, ops: list[Op], units: dict, where: dict, final: bool) -> None:
@@ -466,28 +495,36 @@ class _ProgramBuilder:
         layer's ops and units are the same on whichever stage the cut puts it, so a plan with
         another pp binds them -- and its own receives, sends and gradient buckets."""
         stage = virtual_stage(self.rank, action.chunk, self.pipeline.stages.pp)
-        self.receive(stage, action.microbatch, ops, where)
+        self.receive(stage, action.kind, action.microbatch, ops, where)
+        self._add_layers(ops, units, where)
+        for name, _ in self.flushes.get((stage, action.kind), ()) if final else ():  # in the run's order
+            for bucket in self.flush_after[name]:
+                self.collective(self._bucket_name("S", bucket), bucket, where)
+        self.send_made(stage, action.kind, action.microbatch, ops, where)
+
+    def _add_layers(self, ops: list[Op], units: dict, where: dict, step: bool = False) -> None:
+        """Add what `ops` (an action's, or with `step` the optimizer's) add, layer by layer, each
+        layer's tally kept per structure: a layer's ops are the same on whichever stage the cut
+        puts it, so a plan with another pp binds them."""
         known = tallies(self.sharded)
         for layer_ops in blocks(ops):
-            key = ("layer", layer_ops[0].name, len(layer_ops))
+            # an action runs a layer's ops of its kind whole; the step those the cut leaves it
+            key = ("step", *(op.name for op in layer_ops)) if step else ("layer", layer_ops[0].name, len(layer_ops))
             if key not in known:
-                known[key] = self._layer_tally(layer_ops, units, known)
+                known[key] = self._layer_tally(layer_ops, units, known, step)
             layer = known[key]
             self.terms.update(layer.terms)
             self.stats.add(layer.counts)  # its node and collective counts (flops come from the terms)
             self.holes |= layer.holes
             where.update(dict.fromkeys(layer.made))
-        for op in ops if final else ():
-            for bucket in self.flush_after.get(op.name, []):
-                self.collective(self._bucket_name("S", bucket), bucket, where)
-        self.send_made(stage, action.microbatch, ops, where)
 
-    def _layer_tally(self, ops: list[Op], units: dict, known: dict) -> ActionTally:
-        """The tally of one layer's run of an action's ops. A run whose ops have the origins
-        of an earlier one's (ShardedGraph.origins: the same ops of two copies of a block) adds
-        what that one adds, and makes its tensors under its own names: it is not run again."""
+    def _layer_tally(self, ops: list[Op], units: dict, known: dict, step: bool) -> ActionTally:
+        """The tally of one layer's run of an action's ops (or of its optimizer ops). A run whose
+        ops have the origins of an earlier one's (ShardedGraph.origins: the same ops of two
+        copies of a block) adds what that one adds, and makes its tensors under its own names:
+        it is not run again."""
         origins = self.sharded.origins
-        alike = ("alike", tuple(origins.get(op.name) for op in ops))
+        alike = ("alike", step, tuple(origins.get(op.name) for op in ops))
         if alike in known:
             tally, places = known[alike]
             return replace(tally, made=tuple(ops[i].outputs[j] for i, j in places))
@@ -495,10 +532,13 @@ class _ProgramBuilder:
 
         def run_layer() -> None:
             for op in ops:
-                self.run(op, units, "", made)
+                if step:
+                    self.op(op, "S", made)
+                else:
+                    self.run(op, units, "", made)
         tally = self._tallied(run_layer, made)
         place = {out: (i, j) for i, op in enumerate(ops) for j, out in enumerate(op.outputs)}
-        if None not in alike[1] and all(name in place for name in tally.made):
+        if None not in alike[2] and all(name in place for name in tally.made):
             known[alike] = tally, tuple(place[name] for name in tally.made)
         return tally
 
@@ -659,7 +699,9 @@ class _ProgramBuilder:
         key = ("step", self.pipeline.stages, self.pipeline.split_backward, self.rank)
         known = tallies(self.sharded)
         if key not in known:
-            known[key] = self._tallied(lambda: self._optimizer(ops, {}), {})
+            skipped = self._step_plan().skipped
+            kept = [op for op in ops if op.name not in skipped]
+            known[key] = self._tallied(lambda: self._add_layers(kept, {}, {}, step=True), {})
         self.holes |= known[key].holes
         self.stats.add(known[key].bind(self.ev, self.comm_ev))
         self._gathers({})
