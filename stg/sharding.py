@@ -127,7 +127,7 @@ class _Sharder:
                     self.shard_op(op)
         return ShardedGraph(self.g.build(), self.layouts, self.global_tensors, self.mesh_axes, self.origins)
 
-    def shard_block(self, ops: list[Op], table: NameTable, body: tuple | None, made: frozenset) -> None:
+    def shard_block(self, ops: list[Op], table: NameTable, body: int | None, made: frozenset) -> None:
         """Shard one block's ops (a run of one layer), or replay how a block with the same
         signature was sharded, under its own names: of a model's repeated blocks, each distinct one
         costs its ops, the others their names."""
@@ -158,7 +158,7 @@ class _Sharder:
         self.g.add_op(op.name, op.kind, inputs, local_outs, dict(op.attrs), phase=op.phase, layer=op.layer)
         self.reduce_final_gradients(op)
 
-    def signature(self, table: NameTable, body: tuple | None, made: frozenset) -> tuple[list[str], tuple | None]:
+    def signature(self, table: NameTable, body: int | None, made: frozenset) -> tuple[list[str], tuple | None]:
         """The names a block reads and writes (in order of first use), and everything that
         sharding it reads, with names replaced by their place in that list: its ops (`body`,
         _block_bodies), and the state of each name made before it (shape, layout, rebound
@@ -176,12 +176,7 @@ class _Sharder:
                           None if rebound is None else at(rebound), copies))
         if body is None:
             return table.names, None
-        key = (body, tuple(state))
-        try:
-            hash(key)
-        except TypeError:
-            return table.names, None
-        return table.names, key
+        return table.names, (body, tuple(state))
 
     def replay(self, template: _Template, names: list[str], ops: list[Op]) -> bool:
         """Add `template`'s ops and state under this block's names; False (nothing changed)
@@ -351,12 +346,14 @@ def recent(cache: dict, key, make, limit: int):
 
 
 @per_graph(limit=4)
-def _block_bodies(graph: Graph) -> list[tuple[list[Op], NameTable, tuple | None, frozenset]]:
+def _block_bodies(graph: Graph) -> list[tuple[list[Op], NameTable, int | None, frozenset]]:
     """Each block of `graph` (stg/blocks.py) with the part of its sharding signature that its
     ops alone give -- the same for every sharding of the graph: its name table after its
     ops, the ops by place (kind, phase, attributes, names; whether each gradient output has
-    contributions still to be summed), the names it makes. None: an attribute is no key."""
-    found = []
+    contributions still to be summed), the names it makes. The ops by place are kept as a
+    number, equal for equal blocks (a long tuple is hashed afresh at each lookup); None: an
+    attribute is no key."""
+    found, numbers = [], {}
     for ops in blocks(graph.ops):
         table, body, made = NameTable(), [], set()
         at = table.at
@@ -367,12 +364,11 @@ def _block_bodies(graph: Graph) -> list[tuple[list[Op], NameTable, tuple | None,
             body.append((op.kind, op.phase, table.attrs(op.attrs), at(op.name), tuple(map(at, op.inputs)),
                          tuple(map(at, op.outputs)), summed))
             made.update(op.outputs)
-        body = tuple(body)
         try:
-            hash(body)
+            number = numbers.setdefault(tuple(body), len(numbers))
         except TypeError:
-            body = None
-        found.append((ops, table, body, frozenset(made)))
+            number = None
+        found.append((ops, table, number, frozenset(made)))
     return found
 
 
