@@ -13,6 +13,7 @@ The numbers live in stg/data/devices/*.yaml with their sources.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import numpy as np
@@ -43,20 +44,35 @@ class DeviceSpec:
 
     def matmul_fraction(self, flops):
         """The achieved fraction of peak of a GEMM of `flops` (a number or an array of them)."""
-        if not self.matmul_efficiency:
-            return np.ones(np.shape(flops))
-        sizes, fractions = zip(*self.matmul_efficiency)
-        gflop = np.maximum(np.asarray(flops, dtype=float), 1) / 1e9  # (float: counts past int64 are refused later)
-        return np.interp(np.log(gflop), np.log(sizes), fractions)
+        if isinstance(flops, np.ndarray):
+            return _fractions(self.matmul_efficiency, flops)
+        return _fraction(self.matmul_efficiency, flops)  # the copies of a layer ask for a few sizes
 
     def duration_us(self, flops, nbytes, dtype: DType = DType.BF16, matmul=False):
         """Microseconds of an op of `flops` and `nbytes`; `matmul`: it is a GEMM, which runs at
-        its size's fraction of peak. Numbers or arrays of them (one op per element)."""
-        fraction = np.where(matmul, self.matmul_fraction(flops), 1.0)
-        compute = flops / (self.peak(dtype) * 1e12 * fraction)
-        memory = nbytes / (self.memory_tbps * 1e12 * self.memory_efficiency)
-        took = np.maximum(compute, memory) * 1e6
-        return float(took) if np.ndim(took) == 0 else took
+        its size's fraction of peak. Numbers, or arrays of them (one op per element; `matmul`
+        then an array of flags)."""
+        peak, bandwidth = self.peak(dtype) * 1e12, self.memory_tbps * 1e12 * self.memory_efficiency
+        if isinstance(flops, np.ndarray):
+            fraction = np.where(matmul, self.matmul_fraction(flops), 1.0)
+            return np.maximum(flops / (peak * fraction), nbytes / bandwidth) * 1e6
+        fraction = self.matmul_fraction(flops) if matmul else 1.0
+        return max(flops / (peak * fraction), nbytes / bandwidth) * 1e6
+
+
+def _fractions(curve: tuple[tuple[float, float], ...], flops: np.ndarray) -> np.ndarray:
+    """`curve`'s fraction at each GEMM size of `flops`: interpolated in log size, flat beyond its
+    ends; 1 without a curve."""
+    if not curve:
+        return np.ones(np.shape(flops))
+    sizes, fractions = zip(*curve)
+    gflop = np.maximum(np.asarray(flops, dtype=float), 1) / 1e9  # (float: counts past int64 are refused later)
+    return np.interp(np.log(gflop), np.log(sizes), fractions)
+
+
+@functools.lru_cache(maxsize=1 << 14)
+def _fraction(curve: tuple[tuple[float, float], ...], flops: int) -> float:
+    return float(_fractions(curve, np.asarray(flops, dtype=float)))
 
 
 def from_dict(data: dict, where: str = "device") -> DeviceSpec:
