@@ -509,7 +509,8 @@ class _ProgramBuilder:
         known = tallies(self.sharded)
         for layer_ops in blocks(ops):
             # an action runs a layer's ops of its kind whole; the step those the cut leaves it
-            key = ("step", *(op.name for op in layer_ops)) if step else ("layer", layer_ops[0].name, len(layer_ops))
+            key = ("step layer", *(op.name for op in layer_ops)) if step else \
+                ("layer", layer_ops[0].name, len(layer_ops))
             if key not in known:
                 known[key] = self._layer_tally(layer_ops, units, known, step)
             layer = known[key]
