@@ -33,7 +33,7 @@ def explore(
     global_batch: Optional[int] = typer.Option(None, help="Sequences per optimizer step."),
     global_batch_tokens: Optional[int] = typer.Option(None, help="Tokens per optimizer step (instead of --global-batch; a multiple of --seq)."),
     seq: int = typer.Option(..., help="Sequence length (ignored for recommendation models)."),
-    device: str = typer.Option("h100", help="A device name (stg/data/devices: h100, h200, a100, b200, mi300x) or a device YAML path."),
+    device: str = typer.Option("h100", help="A device name (stg/data/devices: h100, h200, a100, b200, mi300x) or a device YAML path: peaks per dtype, HBM size and bandwidth, and optionally matmul_efficiency, the measured fraction of peak by GEMM size (h100 and h200 carry OpenXLA's measurements)."),
     network: str = typer.Option("dgx-h100-superpod", help="A network name (stg/data/networks) or a network YAML path."),
     gpus_per_node: int = typer.Option(8, help="GPUs per node: the default largest tp."),
     tp: Optional[str] = typer.Option(None, help="Tensor-parallel degrees to try, e.g. 4,8. [default: powers of 2 up to --max-tp]"),

@@ -23,7 +23,7 @@ def serve(
     dp: int = typer.Option(1, help="Independent replicas; requests are assigned round-robin in arrival order."),
     dtype: str = typer.Option("bf16", help="Weights: bf16 or fp8."),
     kv_cache_dtype: str = typer.Option("bf16", "--kv-cache-dtype", help="KV cache: bf16 or fp8."),
-    device: str = typer.Option("h100", help="Device for the roofline durations and memory: h100, h200, a100, b200, mi300x."),
+    device: str = typer.Option("h100", help="Device for the roofline durations (on h100 and h200 each GEMM at the fraction of peak measured for its size) and memory: h100, h200, a100, b200, mi300x."),
     attention_flops: str = typer.Option("causal", help="Count attention's query-key pairs as causal (skip masked) or full (whole squares, as FlopCounterMode)."),
     scheduler: str = typer.Option("sarathi", help="sarathi (chunked prefill, decodes first, whole-prompt admission above a 1% watermark) or vllm (vLLM v1)."),
     max_num_batched_tokens: int = typer.Option(512, "--max-num-batched-tokens", help="Token budget of an iteration."),
