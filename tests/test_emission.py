@@ -80,3 +80,22 @@ def test_bad_rank_range(tmp_path, ranks, message):
     result = CliRunner().invoke(app, ["generate", str(model), "-o", str(tmp_path / "o"), "--dp", "2", "--tp", "2",
                                       "--pp", "2", "--global-batch", "4", "--seq", "16", "--ranks", ranks])
     assert result.exit_code == 2 and message in result.output
+
+
+def test_a_counted_record_has_the_length_of_the_written_one(tmp_path):
+    """Counting measures each node's record field by field instead of making its bytes: over
+    every strategy of the digest matrix, with ids, dependencies and durations past one varint
+    byte and a name past ASCII, the measured length is that of the record written."""
+    from dataclasses import replace
+
+    from stg.api import build
+    from stg.chakra.writer import _head_length, _node_parts
+    from test_digests import PLANS, model_of
+
+    for name, (_, plan) in PLANS.items():
+        for program in build(model_of(name, tmp_path), {"seq": 32, **plan}).programs:
+            for node in program.nodes:
+                wider = replace(node, id=node.id + 20000, name=node.name + " é", duration_us=node.duration_us * 300,
+                                deps=tuple(d + 200 for d in node.deps))
+                assert _head_length(node) == len(_node_parts(node)[0])
+                assert _head_length(wider) == len(_node_parts(wider)[0])

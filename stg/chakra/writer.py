@@ -148,17 +148,50 @@ def _node_parts(node: TraceNode) -> tuple[bytes, tuple[HoleAttr, ...]]:
     head += _key(_TYPE, _VARINT) + varint(int(node.type))
     if node.deps:
         head += _len_field(_DATA_DEPS, b"".join(varint(d) for d in node.deps))
+    if node.type is NodeType.COMP_NODE and node.duration_us:
+        head += _key(_DURATION, _VARINT) + varint(node.duration_us)
+    return head + _attrs(node), _hole_attrs(node)
+
+
+def _head_length(node: TraceNode) -> int:
+    """len(_node_parts(node)[0]), field by field without making the bytes: counting a set
+    reads only this (tests/test_emission.py holds the two equal on every strategy's nodes)."""
+    _check_node(node)
+    name = len(node.name) if node.name.isascii() else len(node.name.encode())
+    length = 3 * _KEY + _varint_length(node.id) + _varint_length(name) + name + _varint_length(int(node.type))
+    if node.deps:
+        deps = sum(map(_varint_length, node.deps))
+        length += _KEY + _varint_length(deps) + deps
+    if node.type is NodeType.COMP_NODE and node.duration_us:
+        length += _KEY + _varint_length(node.duration_us)
+    return length + len(_attrs(node))
+
+
+_KEY = len(_key(_DURATION, _VARINT))  # a Node field's key: one byte (field numbers below 16)
+
+
+def _varint_length(value: int) -> int:
+    return len(varint(value)) if value < 0 or value >= 16384 else 1 if value < 128 else 2
+
+
+def _attrs(node: TraceNode) -> bytes:
+    """A node's attributes before its holes."""
     if node.type is NodeType.COMP_NODE:
-        if node.duration_us:
-            head += _key(_DURATION, _VARINT) + varint(node.duration_us)
-        return head + _comp_attrs(node.flops, node.nbytes, node.op_type), ()
+        return _comp_attrs(node.flops, node.nbytes, node.op_type)
     # ASTRA-sim hangs on a 0-byte collective and aborts on a 0-byte send (measured)
-    head += _NOT_CPU + _attr("comm_size", _INT64, max(node.comm_bytes, 1))
+    size = _attr("comm_size", _INT64, max(node.comm_bytes, 1))
     if node.type is NodeType.COMM_COLL_NODE:
-        head += _attr("comm_type", _INT64, node.collective.value)
-        return head, (("pg_name", _STRING, node.group),)
-    head += _attr("comm_tag", _INT32, node.tag)
-    return head, (("comm_src", _INT32, node.src), ("comm_dst", _INT32, node.dst))
+        return _NOT_CPU + size + _attr("comm_type", _INT64, node.collective.value)
+    return _NOT_CPU + size + _attr("comm_tag", _INT32, node.tag)
+
+
+def _hole_attrs(node: TraceNode) -> tuple[HoleAttr, ...]:
+    """The attributes that hold a node's holes, which end its record."""
+    if node.type is NodeType.COMP_NODE:
+        return ()
+    if node.type is NodeType.COMM_COLL_NODE:
+        return (("pg_name", _STRING, node.group),)
+    return (("comm_src", _INT32, node.src), ("comm_dst", _INT32, node.dst))
 
 
 def _node_segments(node: TraceNode, width: Mapping[Hole, int]) -> list[Segment]:
@@ -175,7 +208,7 @@ StreamShape = Counter  # (bytes of a record up to its holes, its hole attributes
 def stream_shape(nodes: Sequence[TraceNode]) -> StreamShape:
     """What the length of a class's node stream depends on, whatever its holes' widths: a set
     is counted from it without a skeleton (and in a forked worker, without sending nodes back)."""
-    return Counter((len(head), holes) for head, holes in map(_node_parts, nodes))
+    return Counter(zip(map(_head_length, nodes), map(_hole_attrs, nodes)))
 
 
 def stream_length(shape: StreamShape, width: Mapping[Hole, int]) -> int:
