@@ -250,6 +250,27 @@ def test_memory_over_the_device_is_dropped(tmp_path):
     assert result.rows == () and result.dropped == {"memory (over the device)": 2} and result.considered == 2
 
 
+def test_a_device_files_gemm_efficiency_slows_its_gemms_only(tmp_path):
+    """A device file's matmul_efficiency: at a flat half of peak, every GEMM of a compute-bound
+    device takes twice as long and every other op as long (whole microseconds, the rounding
+    carried along the chain)."""
+    from stg.device import register_device
+    from stg.program import NodeType
+
+    base = {"peak_tflops": {"bf16": 100, "tf32": 50}, "memory_gib": 80, "memory_tbps": 1000}
+    for name, curve in (("peak-gpu", {}), ("half-gpu", {"matmul_efficiency": [[1, 0.5]]})):
+        (tmp_path / f"{name}.yaml").write_text(yaml.safe_dump({"name": name, **base, **curve}))
+        register_device(str(tmp_path / f"{name}.yaml"))
+    at_peak, at_half = ([n for n in build(MID, Plan(global_batch=1, seq=512, device=name)).programs[0].nodes
+                         if n.type is NodeType.COMP_NODE] for name in ("peak-gpu", "half-gpu"))
+    gemm_us = 0
+    for fast, slow in zip(at_peak, at_half, strict=True):
+        gemm = fast.op_type.startswith("einsum")
+        gemm_us += fast.duration_us if gemm else 0
+        assert slow.duration_us == pytest.approx(fast.duration_us * (2 if gemm else 1), abs=2)
+    assert gemm_us > 500  # (mlp.up alone: 2 x 512 x 1024 x 2816 FLOPs at 100 TFLOP/s, 30 us)
+
+
 def test_build_refuses_over_its_memory_limit_with_the_summary_peak():
     from stg.api import MemoryLimitError
 
