@@ -72,7 +72,7 @@ def _fractions(curve: tuple[tuple[float, float], ...], flops: np.ndarray) -> np.
 
 @functools.lru_cache(maxsize=1 << 14)
 def _fraction(curve: tuple[tuple[float, float], ...], flops: int) -> float:
-    return float(_fractions(curve, np.asarray(flops, dtype=float)))
+    return float(_fractions(curve, flops))
 
 
 def from_dict(data: dict, where: str = "device") -> DeviceSpec:

@@ -681,10 +681,13 @@ class _ProgramBuilder:
         self._gathers(where)
 
     def _optimizer(self, ops: list[Op], where: dict[str, int]) -> None:
+        for op in self._optimizer_ops(ops):
+            self.op(op, "S", where)
+
+    def _optimizer_ops(self, ops: list[Op]) -> list[Op]:
+        """The step's ops that the optimizer runs: all but the buckets and gathers."""
         skipped = self._step_plan().skipped
-        for op in ops:
-            if op.name not in skipped:
-                self.op(op, "S", where)
+        return [op for op in ops if op.name not in skipped]
 
     def _gathers(self, where: dict[str, int]) -> None:
         for bucket in self.buckets(self._step_plan().deferred):
@@ -700,8 +703,7 @@ class _ProgramBuilder:
         key = ("step", self.pipeline.stages, self.pipeline.split_backward, self.rank)
         known = tallies(self.sharded)
         if key not in known:
-            skipped = self._step_plan().skipped
-            kept = [op for op in ops if op.name not in skipped]
+            kept = self._optimizer_ops(ops)
             known[key] = self._tallied(lambda: self._add_layers(kept, {}, {}, step=True), {})
         self.holes |= known[key].holes
         self.stats.add(known[key].bind(self.ev, self.comm_ev))

@@ -79,8 +79,8 @@ def shape_of(builder: _ProgramBuilder, action: Action, ops: list[Op], units: dic
     ops, so the shape of an action with the same key, receives and buckets is the same."""
     stage = key[0]
     received = tuple(edge.index for edge in builder.received(stage, action.kind, ops, here))
-    flushes = tuple((op.name, tuple(tuple(m.name for m in b) for b in builder.flush_after[op.name]))
-                    for op in ops if op.name in builder.flush_after) if key[2] else ()
+    flushes = tuple((name, tuple(tuple(m.name for m in b) for b in builder.flush_after[name]))
+                    for name, _ in builder.flushes.get(key[:2], ())) if key[2] else ()
     memo = _shapes(builder.sharded)
     found = memo.get(at := (builder.pipeline.stages, builder.pipeline.split_backward, key, received, flushes))
     if found is None:

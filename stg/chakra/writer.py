@@ -171,7 +171,7 @@ _KEY = len(_key(_DURATION, _VARINT))  # a Node field's key: one byte (field numb
 
 
 def _varint_length(value: int) -> int:
-    return len(varint(value)) if value < 0 or value >= 16384 else 1 if value < 128 else 2
+    return len(varint(value))
 
 
 def _attrs(node: TraceNode) -> bytes:

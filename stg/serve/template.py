@@ -17,6 +17,7 @@ from math import lcm
 import numpy as np
 import sympy
 
+from stg.graph import OpKind
 from stg.program import NodeType, RankProgram
 from stg.serve.step import StepShape
 
@@ -111,7 +112,8 @@ def build_template(program_of, static: dict, reference: StepShape, symbols: tupl
                 out[i, column[m]] = int(c * denominator)
         return out
 
-    gemms = np.array([program.nodes[i].op_type.split("[")[0] == "einsum" for i in compute], dtype=bool)
+    # a node's op type is its op's label, `kind[detail]`
+    gemms = np.array([program.nodes[i].op_type.split("[")[0] == OpKind.EINSUM.value for i in compute], dtype=bool)
     return StageTemplate(program, np.array(compute, dtype=np.int64), np.array(comm, dtype=np.int64),
                          tuple(monomials), matrix(rows["flops"]), matrix(rows["nbytes"]), matrix(rows["comm"]),
                          denominator, gemms, pad)
