@@ -15,6 +15,9 @@ from stg.errors import PlanError
 
 DATA = Path(__file__).parent
 KINDS = {"devices": "device", "networks": "network"}  # folder -> the field that names one
+# libyaml's loader where PyYAML has it: the packaged devices are read at import, and the
+# pure-Python one costs several ms of every command's start
+_LOADER = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
 
 
 def names(kind: str) -> list[str]:
@@ -32,7 +35,7 @@ def load(kind: str, name_or_path: str | Path) -> dict[str, Any]:
         if not path.is_file():
             raise PlanError(f"{field}: unknown {field} {text!r}; known: {', '.join(names(kind))}, or a YAML file path")
     try:
-        data = yaml.safe_load(path.read_text())
+        data = yaml.load(path.read_text(), Loader=_LOADER)
     except (OSError, yaml.YAMLError) as error:
         raise PlanError(f"{field}: cannot read {path}: {str(error).splitlines()[0]}") from None
     if not isinstance(data, dict):
