@@ -262,3 +262,45 @@ def test_a_tied_model_over_a_memory_limit_is_refused_from_its_graph_without_a_cu
         build(gpt, plan, memory_limit=peaks[-1] - 1)
     assert refused.value.peak == peaks[-1] and stg.passes._UNTIED
     build(gpt, plan, memory_limit=peaks[-1])  # exactly at the limit fits
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "interleaved", "zb-h1"])
+def test_a_pipeline_stage_sends_its_gradient_buckets_after_its_last_action(schedule):
+    """A rank runs one collective or send at a time (the comm chain): a bucket sent inside the
+    last backward would hold up the collectives and the send behind it. With a pipeline every
+    step collective (buckets, then the gathers) comes after the stage's last send, receive and
+    micro-batch compute."""
+    plan = Plan(pp=2, dp=2, tp=2, zero=1, schedule=schedule, vpp=2 if schedule == "interleaved" else 1,
+                global_batch=8, seq=S)
+    workload = build(MODEL, plan)
+    for program in workload.programs:
+        step = [n.id for n in program.nodes if n.type is NodeType.COMM_COLL_NODE and n.name.startswith("S ")]
+        actions = [n.id for n in program.nodes if n.type in (NodeType.COMM_SEND_NODE, NodeType.COMM_RECV_NODE)
+                   or n.type is NodeType.COMP_NODE and not n.name.startswith("S ")]
+        assert step and min(step) > max(actions)
+
+
+def test_a_pipelines_gradient_buckets_cost_the_step_no_more_than_their_own_time(monkeypatch):
+    """After the last backward, a stage's data-parallel reductions overlap the cool-down of
+    the stages still running; only the stage that finishes last waits for its own. Inside the
+    backward each stage would hand the wait on to the one before it (pp - 1 times over)."""
+    from stg.explore.cost import estimate
+    from stg.explore.network import NetworkCost, network_from_dict
+
+    model = dict(MODEL, hidden=1024, ffn=2816, heads=16, kv_heads=8, layers=8)
+    plan = Plan(pp=4, dp=4, tp=2, micro_batch=1, global_batch=32, seq=512)
+    network = network_from_dict({"tiers": [  # tp inside a node; dp and pp across, at 1 GB/s
+        {"size": 2, "bandwidth_gbps": 400, "latency_us": 2, "efficiency": 1},
+        {"size": None, "bandwidth_gbps": 1, "latency_us": 5, "efficiency": 1}]})
+    workload = build(model, plan)
+    fabric = network.tiers[-1]
+    own = max(sum(network.collective_us(n.collective.value, n.comm_bytes, plan.dp, fabric)
+                  for n in program.nodes if n.type is NodeType.COMM_COLL_NODE and "dp" in n.group.axes)
+              for program in workload.programs)
+    step = estimate(workload, network).step_us
+    costed = NetworkCost.collective_us
+    monkeypatch.setattr(NetworkCost, "collective_us", lambda self, ctype, size, group:
+                        0.0 if self.spans[group][0] == plan.dp else costed(self, ctype, size, group))
+    without = estimate(workload, network).step_us
+    assert own > 0.05 * step  # the reductions weigh
+    assert step - without <= 1.01 * own
