@@ -136,7 +136,7 @@ def generate(
     global_batch: Optional[int] = typer.Option(None, help="Sequences per optimizer step over all ranks; micro-batches per rank = global / (micro * dp). [default: micro-batch * dp]", rich_help_panel="Model & batch"),
     seq: Optional[int] = typer.Option(None, help="Sequence length in tokens. [default: 2048]", rich_help_panel="Model & batch"),
     attention_flops: Optional[str] = typer.Option(None, help="Count causal attention's score matrices as 'causal' (the unmasked half, as FlashAttention runs and Megatron-LM counts) or 'full' (the whole square, as PyTorch's FlopCounterMode). [default: causal]", rich_help_panel="Model & batch"),
-    bucket_mb: Optional[float] = typer.Option(None, help="Gradient bucket size in MiB for the data-parallel all-reduce. [default: 25, PyTorch DDP's]", rich_help_panel="Parallelism"),
+    bucket_mb: Optional[float] = typer.Option(None, help="Gradient bucket size in MiB for the data-parallel all-reduce, sent as the last backward finishes its gradients (with pp > 1: after the stage's last backward; see README, Conventions). [default: 25, PyTorch DDP's]", rich_help_panel="Parallelism"),
     device: Optional[str] = typer.Option(None, help="Device spec for compute durations (a roofline of its peak per dtype and HBM bandwidth; on h100 and h200 each GEMM at the fraction of peak measured for its size): h100, h200, a100, b200, mi300x. [default: h100]", rich_help_panel="Memory & precision"),
     embedding_sharding: Optional[str] = EMBEDDING_SHARDING,
     local_world_size: Optional[int] = LOCAL_WORLD_SIZE,
