@@ -148,6 +148,18 @@ def _segments(sharded: ShardedGraph) -> list[tuple[int, Phase, list[Op], list[tu
     return found
 
 
+def _kind(phase: Phase, split_backward: bool) -> Kind:
+    """The action kind that runs a (non-step) op of `phase`."""
+    kind = {Phase.FORWARD: Kind.F, Phase.BACKWARD_INPUT: Kind.B}.get(phase, Kind.W)
+    # one autograd backward: input and weight gradients in program order
+    return Kind.B if kind is Kind.W and not split_backward else kind
+
+
+def _run(op: Op, stages: StagePlan, split_backward: bool) -> tuple[int, Kind]:
+    """The run (virtual stage, action kind) of _stage_work that holds a non-step op."""
+    return stages.virtual_stage(op.layer), _kind(op.phase, split_backward)
+
+
 @per_graph
 def _stage_work(sharded: ShardedGraph, stages: StagePlan, split_backward: bool) -> dict[int, tuple]:
     """Per pipeline stage, its share of the graph: per (virtual stage, action kind) its ops in
@@ -160,10 +172,7 @@ def _stage_work(sharded: ShardedGraph, stages: StagePlan, split_backward: bool) 
         if phase is Phase.STEP:
             step += ops
             continue
-        kind = {Phase.FORWARD: Kind.F, Phase.BACKWARD_INPUT: Kind.B}.get(phase, Kind.W)
-        if not split_backward and kind is Kind.W:
-            kind = Kind.B  # one autograd backward: input and weight gradients in program order
-        runs.setdefault((stage, kind), []).extend(ops)
+        runs.setdefault((stage, _kind(phase, split_backward)), []).extend(ops)
         for unit, op in op_units:
             units.setdefault(unit, []).append(op)
     return work
@@ -195,32 +204,42 @@ class _StepPlan:
 
 
 @per_graph
+def _step_collectives(sharded: ShardedGraph) -> dict[str, tuple[Op | None, bool]]:
+    """Each step collective: the op that computes what it moves (looking through views; None
+    for one over pp) and whether a step op other than a view reads it -- the same for every
+    stage cut, which only deals them out (_step_plans)."""
+    graph, found = sharded.graph, {}
+    for op in graph.ops:
+        if op.phase is Phase.STEP and op.kind is OpKind.COLLECTIVE:
+            made = None if "pp" in op.attrs["axes"] else _made_by(graph, op.inputs[0])
+            found[op.name] = made, any(user.kind not in _VIEWS for user in graph.consumers.get(op.outputs[0], ()))
+    return found
+
+
+@per_graph
 def _step_plans(sharded: ShardedGraph, stages: StagePlan, split_backward: bool) -> dict[int, _StepPlan]:
     """Per pipeline stage, its _StepPlan."""
-    graph, position, found = sharded.graph, _positions(sharded), {}
-    feeds_compute = lambda op: any(user.kind not in _VIEWS for user in graph.consumers.get(op.outputs[0], ()))
-    for rank, (runs, _, step) in _stage_work(sharded, stages, split_backward).items():
-        run_of = {op.name: key for key, ops in runs.items() for op in ops}
+    position, collectives, found = _positions(sharded), _step_collectives(sharded), {}
+    for rank, (_, _, step) in _stage_work(sharded, stages, split_backward).items():
         # A reduction over pipeline stages (a tied embedding's) waits for the flush, as Megatron's
         # embedding all-reduce does: on the one comm chain it would otherwise go ahead of sends
         # that its peer stage needs before it can join (a deadlock).
-        made = {op.name: _made_by(graph, op.inputs[0]) for op in step
-                if op.kind is OpKind.COLLECTIVE and "pp" not in op.attrs["axes"]}
-        ready = [op for op in step if (by := made.get(op.name)) is not None and by.phase is not Phase.STEP]
+        made = {op.name: by for op in step if (by := collectives.get(op.name, (None,))[0]) is not None
+                and by.phase is not Phase.STEP}
+        ready = [op for op in step if op.name in made]
         by_run: dict[tuple, list[Op]] = {}
         for op in sorted(ready, key=lambda op: position[made[op.name].name]):
-            by_run.setdefault(run_of[made[op.name].name], []).append(op)
-        bucketed = {op.name for op in ready}
-        deferred = [op for op in step if op.kind is OpKind.COLLECTIVE and op.name not in bucketed
-                    and not feeds_compute(op)]
-        found[rank] = _StepPlan(by_run, {op.name: made[op.name] for op in ready}, deferred,
-                                frozenset(bucketed | {op.name for op in deferred}))
+            by_run.setdefault(_run(made[op.name], stages, split_backward), []).append(op)
+        deferred = [op for op in step if op.name in collectives and op.name not in made
+                    and not collectives[op.name][1]]
+        found[rank] = _StepPlan(by_run, made, deferred, frozenset(made) | {op.name for op in deferred})
     return found
 
 
 @per_graph
 def _run_edges(sharded: ShardedGraph) -> dict:
-    """_ProgramBuilder._edges's answers, by stage cut, backward split, virtual stage and kind."""
+    """_ProgramBuilder._edges's answers, by stage cut and backward split: the edges into and
+    out of each run (virtual stage, kind)."""
     return {}
 
 
@@ -444,37 +463,46 @@ class _ProgramBuilder:
         once its last gradient is done."""
         stage = virtual_stage(self.rank, action.chunk, self.pipeline.stages.pp)
         label = f"{action.microbatch}{action.kind.value}{action.chunk}"
-        self.receive(stage, action.kind, action.microbatch, ops, where)
+        self.receive(stage, action.kind, action.microbatch, where)
         for op in ops:
             self.run(op, units, label, where)
             for bucket in self.flush_after.get(op.name, []) if final else ():
                 self.collective(self._bucket_name("S", bucket), bucket, where)
-        self.send_made(stage, action.kind, action.microbatch, ops, where)
+        self.send_made(stage, action.kind, action.microbatch, where)
 
-    def _edges(self, stage: int, kind: Kind, ops: list[Op]) -> tuple[list[Edge], list[Edge]]:
-        """The edges into virtual stage `stage` whose tensors its run of `kind`, `ops`, reads, and
-        the edges out of it whose tensors they make: once per run of a stage cut."""
+    def _edges(self, stage: int, kind: Kind) -> tuple[list[Edge], list[Edge]]:
+        """The edges into virtual stage `stage` whose tensors its run of `kind` reads, and the
+        edges out of it whose tensors that run makes: found for every run of a stage cut at
+        once, from each edge tensor's producer and readers."""
         memo = _run_edges(self.sharded)
-        key = (self.pipeline.stages, self.pipeline.split_backward, stage, kind)
+        key = (self.pipeline.stages, self.pipeline.split_backward)
         if key not in memo:
-            read = {name for op in ops for name in op.inputs}
-            made = {name for op in ops for name in op.outputs}
-            memo[key] = ([edge for edge in self.pipeline.edges if edge.target == stage and edge.tensor in read],
-                         [edge for edge in self.pipeline.edges if edge.source == stage and edge.tensor in made])
-        return memo[key]
+            into: dict[tuple, list[Edge]] = {}
+            out: dict[tuple, list[Edge]] = {}
+            run = lambda op: _run(op, *key)  # noqa: E731
+            for edge in self.pipeline.edges:  # in order, as each run lists them
+                readers = {run(op) for op in self.graph.consumers.get(edge.tensor, ()) if op.phase is not Phase.STEP}
+                for reader in readers:
+                    if reader[0] == edge.target:
+                        into.setdefault(reader, []).append(edge)
+                maker = self.graph.producer.get(edge.tensor)
+                if maker is not None and maker.phase is not Phase.STEP and (made := run(maker))[0] == edge.source:
+                    out.setdefault(made, []).append(edge)
+            memo[key] = into, out
+        into, out = memo[key]
+        return into.get((stage, kind), []), out.get((stage, kind), [])
 
-    def received(self, stage: int, kind: Kind, ops: list[Op], where: dict):
-        """The edges into virtual stage `stage` that its run of `kind`, `ops`, receives: of the
-        tensors they read, those their micro-batch does not hold yet (`where`, checked as each
-        edge comes)."""
-        return (edge for edge in self._edges(stage, kind, ops)[0] if edge.tensor not in where)
+    def received(self, stage: int, kind: Kind, where: dict):
+        """The edges into virtual stage `stage` that its run of `kind` receives: of the tensors
+        it reads, those its micro-batch does not hold yet (`where`, checked as each edge comes)."""
+        return (edge for edge in self._edges(stage, kind)[0] if edge.tensor not in where)
 
-    def sent(self, stage: int, kind: Kind, ops: list[Op]) -> list[Edge]:
+    def sent(self, stage: int, kind: Kind) -> list[Edge]:
         """The edges out of virtual stage `stage` that carry tensors its run of `kind` makes."""
-        return self._edges(stage, kind, ops)[1]
+        return self._edges(stage, kind)[1]
 
-    def receive(self, stage: int, kind: Kind, microbatch: int, ops: list[Op], where: dict) -> None:
-        for edge in self.received(stage, kind, ops, where):
+    def receive(self, stage: int, kind: Kind, microbatch: int, where: dict) -> None:
+        for edge in self.received(stage, kind, where):
             self.recv(edge, microbatch, where)
 
     def run(self, op: Op, units: dict[tuple, list[Op]], label: str, where: dict) -> None:
@@ -488,8 +516,8 @@ class _ProgramBuilder:
         elif unit[0] is Role.GRADIENT and op is members[-1]:
             self.collective(self._bucket_name(label, members), members, where)
 
-    def send_made(self, stage: int, kind: Kind, microbatch: int, ops: list[Op], where: dict) -> None:
-        for edge in self.sent(stage, kind, ops):
+    def send_made(self, stage: int, kind: Kind, microbatch: int, where: dict) -> None:
+        for edge in self.sent(stage, kind):
             self.send(edge, microbatch, where)
 
     def _tally_action(self, action: Action, ops: list[Op], units: dict, where: dict, final: bool) -> None:
@@ -497,12 +525,12 @@ class _ProgramBuilder:
         layer's ops and units are the same on whichever stage the cut puts it, so a plan with
         another pp binds them -- and its own receives, sends and gradient buckets."""
         stage = virtual_stage(self.rank, action.chunk, self.pipeline.stages.pp)
-        self.receive(stage, action.kind, action.microbatch, ops, where)
+        self.receive(stage, action.kind, action.microbatch, where)
         self._add_layers(ops, units, where)
         for name, _ in self.flushes.get((stage, action.kind), ()) if final else ():  # in the run's order
             for bucket in self.flush_after[name]:
                 self.collective(self._bucket_name("S", bucket), bucket, where)
-        self.send_made(stage, action.kind, action.microbatch, ops, where)
+        self.send_made(stage, action.kind, action.microbatch, where)
 
     def _add_layers(self, ops: list[Op], units: dict, where: dict, step: bool = False) -> None:
         """Add what `ops` (an action's, or with `step` the optimizer's) add, layer by layer, each

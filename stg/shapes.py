@@ -78,7 +78,7 @@ def shape_of(builder: _ProgramBuilder, action: Action, ops: list[Op], units: dic
     """_action_shape, kept per structure: plans of one stage cut share their stages' runs of
     ops, so the shape of an action with the same key, receives and buckets is the same."""
     stage = key[0]
-    received = tuple(edge.index for edge in builder.received(stage, action.kind, ops, here))
+    received = tuple(edge.index for edge in builder.received(stage, action.kind, here))
     flushes = tuple((name, tuple(tuple(m.name for m in b) for b in builder.flush_after[name]))
                     for name, _ in builder.flushes.get(key[:2], ())) if key[2] else ()
     memo = _shapes(builder.sharded)
@@ -114,7 +114,7 @@ def _action_shape(builder: _ProgramBuilder, action: Action, ops: list[Op], units
     chunk = lambda stage: builder.pipeline.stages.rank_and_chunk(stage)[1]
     parts.append((action.kind, action.chunk, key[2:3] + key[4:], tuple((chunk(s), k) for s, k in key[3])))
     stage = virtual_stage(builder.rank, action.chunk, builder.pipeline.stages.pp)
-    for edge in builder.received(stage, action.kind, ops, here):
+    for edge in builder.received(stage, action.kind, here):
         parts.append(("recv", tensor(edge.tensor)))
         edges.append((edge, edge.source))
     for op in ops:
@@ -126,7 +126,7 @@ def _action_shape(builder: _ProgramBuilder, action: Action, ops: list[Op], units
                                 tuple(map(collective, members)))))
         for bucket in builder.flush_after.get(op.name, []) if key[2] else ():
             parts.append(tuple(map(collective, bucket)))
-    for edge in builder.sent(stage, action.kind, ops):
+    for edge in builder.sent(stage, action.kind):
         parts.append(("send", tensor(edge.tensor)))
         edges.append((edge, edge.target))
     last = bool(key[4:]) and key[4]
