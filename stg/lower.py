@@ -278,7 +278,7 @@ class _ProgramBuilder:
         self.flush_after: dict[str, list[list[Op]]] = {}  # op -> gradient buckets that go out after it
         # by run: its ops that buckets go out after, in run order, with their buckets' sizes
         self.flushes: dict[tuple, tuple] = {}
-        self.late_buckets: list[list[Op]] = []  # with a pipeline: the buckets, for the step
+        self.late_reductions: list[list[Op]] = []  # with a pipeline: per run, what the step buckets
         self.stats = ClassStats()
         self.keep_nodes = keep_nodes
         self.holes: set = set()  # without nodes, the holes they would have had
@@ -696,7 +696,7 @@ class _ProgramBuilder:
         """The step's reductions of gradients the micro-batches make go out in buckets as the
         last backward makes them (PyTorch DDP's overlap): each bucket right after the op that
         finishes its last gradient, in the last action that runs that op. With a pipeline they
-        go out after the stage's last action instead (`late_buckets`, in the same order): a
+        go out after the stage's last action instead (`late_reductions`, in the same order): a
         rank runs one collective or send at a time (the comm chain, as ASTRA-sim does), so a
         bucket inside the backward would hold up the tensor-parallel collectives and the sends
         after it, and in the cool-down each stage would pass that wait on to the stage before
@@ -706,7 +706,7 @@ class _ProgramBuilder:
         plan = self._step_plan()
         for run, ops in plan.reductions.items():  # each in the order their gradients are finished
             if self.pipeline.stages.pp > 1:
-                self.late_buckets.extend(self.buckets(ops))
+                self.late_reductions.append(ops)
                 continue
             after: dict[str, list[list[Op]]] = {}
             for bucket in self.buckets(ops):
@@ -723,8 +723,26 @@ class _ProgramBuilder:
         self._gathers(where)
 
     def _late_buckets(self, where: dict[str, int]) -> None:
-        for bucket in self.late_buckets:
-            self.collective(self._bucket_name("S", bucket), bucket, where)
+        for ops in self.late_reductions:
+            self._step_buckets(ops, where)
+
+    def _step_buckets(self, ops: list[Op], where: dict[str, int]) -> None:
+        """The step's collectives `ops` in buckets, one collective each; without nodes only
+        counted, in one pass."""
+        if self.keep_nodes:
+            for bucket in self.buckets(ops):
+                self.collective(self._bucket_name("S", bucket), bucket, where)
+            return
+        stats, size, kind = self.stats, 0, None
+        for op in ops:  # buckets() and collective() without nodes, fused: a plan's step sends hundreds
+            this = (op.attrs["collective"], op.attrs["axes"])
+            if kind is None or size >= self.bucket_bytes or this != kind:
+                size, kind, name = 0, this, this[0].name
+                stats.comm_count[name] += 1
+                self._count_node(NodeType.COMM_COLL_NODE, GroupHole(this[1], op.attrs.get("members")))
+            nbytes = self.comm_ev(op.bytes)
+            size += nbytes
+            stats.comm_bytes[name] += nbytes
 
     def _optimizer(self, ops: list[Op], where: dict[str, int]) -> None:
         for op in self._optimizer_ops(ops):
@@ -736,8 +754,7 @@ class _ProgramBuilder:
         return [op for op in ops if op.name not in skipped]
 
     def _gathers(self, where: dict[str, int]) -> None:
-        for bucket in self.buckets(self._step_plan().deferred):
-            self.collective(self._bucket_name("S", bucket), bucket, where)
+        self._step_buckets(self._step_plan().deferred, where)
 
     def _step_plan(self) -> _StepPlan:
         return _step_plans(self.sharded, self.pipeline.stages, self.pipeline.split_backward)[self.rank]
