@@ -181,33 +181,33 @@ class _Sharder:
     def replay(self, template: _Template, names: list[str], ops: list[Op]) -> bool:
         """Add `template`'s ops and state under this block's names; False (nothing changed)
         when a name it would make exists already."""
-        rename = renaming(template.names, names, (out for op in template.ops for out in op.outputs), self.derived)
-        made = [rename[out] for op in template.ops for out in op.outputs]
-        if any(name in self.layouts for name in made):
+        rename = renaming(template.names, names, template.made, self.derived)
+        at = rename.__getitem__
+        layouts = self.layouts
+        if any(at(name) in layouts for name in template.made):
             return False
         layer, sources = ops[0].layer, iter(ops)
-        g = self.g
-        for op in template.ops:
-            copy = op.kind in (OpKind.COLLECTIVE, OpKind.SLICE)
+        g, global_tensors, derived, source_tensors = self.g, self.global_tensors, self.derived, self.src.tensors
+        for op, copy in template.steps:  # per op: thousands per structure, kept lean
             attrs = dict(op.attrs) if copy else dict(next(sources).attrs)
-            for out in op.outputs:
-                new = rename[out]
+            outs = tuple(map(at, op.outputs))
+            for out, new in zip(op.outputs, outs):
                 if copy:
-                    self.global_tensors[new] = self.global_tensors[out].renamed(new)
-                    self.derived[new] = (rename[self.derived[out][0]], self.derived[out][1])
+                    global_tensors[new] = global_tensors[out].renamed(new)
+                    base, suffix = derived[out]
+                    derived[new] = (at(base), suffix)
                 else:
-                    self.global_tensors[new] = self.src.tensors[new]
-                self.layouts[new] = self.layouts[out]
-            g.add_costed(op.renamed(rename[op.name], tuple(rename[i] for i in op.inputs),
-                                    tuple(rename[o] for o in op.outputs), layer, attrs),
-                         [g.tensors[out].renamed(rename[out]) for out in op.outputs])
-        self.origins.update((rename[op.name], (template.serial, place)) for place, op in enumerate(template.ops))
+                    global_tensors[new] = source_tensors[new]
+                layouts[new] = layouts[out]
+            g.add_costed(op.renamed(at(op.name), tuple(map(at, op.inputs)), outs, layer, attrs),
+                         [g.tensors[out].renamed(new) for out, new in zip(op.outputs, outs)])
+        self.origins.update(zip(map(at, template.op_names), template.places))
         for change in template.changes:
             if change[0] == "memo":
                 _, (name, layout, group), result = change
-                self.remember(rename[name], layout, group, rename[result])
+                self.remember(at(name), layout, group, at(result))
             else:
-                self.rebind(rename[change[1]], rename[change[2]])
+                self.rebind(at(change[1]), at(change[2]))
         return True
 
     def remember(self, name: str, layout: Layout, group: str | None, result: str) -> None:
@@ -296,6 +296,26 @@ class _Template:
     names: list[str]
     ops: list[Op]
     changes: list[tuple]
+
+    @functools.cached_property
+    def made(self) -> tuple[str, ...]:
+        """The names its ops make, in order."""
+        return tuple(out for op in self.ops for out in op.outputs)
+
+    @functools.cached_property
+    def steps(self) -> tuple[tuple[Op, bool], ...]:
+        """Its ops, each with whether the sharding pass added it (a collective or a slice: its
+        attributes are its own, not a source op's)."""
+        return tuple((op, op.kind in (OpKind.COLLECTIVE, OpKind.SLICE)) for op in self.ops)
+
+    @functools.cached_property
+    def op_names(self) -> tuple[str, ...]:
+        return tuple(op.name for op in self.ops)
+
+    @functools.cached_property
+    def places(self) -> tuple[tuple[int, int], ...]:
+        """Each op's ShardedGraph.origins entry."""
+        return tuple((self.serial, place) for place in range(len(self.ops)))
 
 
 def local_leaf(spec: ShardingSpec, tensor: Tensor) -> Tensor:
