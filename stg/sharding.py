@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass, field
+from itertools import islice
 from typing import Mapping, Sequence
 
 from stg.blocks import NameTable, blocks, renaming, signature_of
@@ -127,11 +128,11 @@ class _Sharder:
                     self.shard_op(op)
         return ShardedGraph(self.g.build(), self.layouts, self.global_tensors, self.mesh_axes, self.origins)
 
-    def shard_block(self, ops: list[Op], table: NameTable, body: int | None, made: frozenset) -> None:
+    def shard_block(self, ops: list[Op], table: NameTable, body: int | None, outside: tuple[str, ...]) -> None:
         """Shard one block's ops (a run of one layer), or replay how a block with the same
         signature was sharded, under its own names: of a model's repeated blocks, each distinct one
         costs its ops, the others their names."""
-        names, key = self.signature(table.copy(), body, made)
+        names, key = self.signature(table.copy(), body, outside)
         template = self.templates.get(key) if key is not None else None
         if template is not None and self.replay(template, names, ops):
             return
@@ -158,25 +159,29 @@ class _Sharder:
         self.g.add_op(op.name, op.kind, inputs, local_outs, dict(op.attrs), phase=op.phase, layer=op.layer)
         self.reduce_final_gradients(op)
 
-    def signature(self, table: NameTable, body: int | None, made: frozenset) -> tuple[list[str], tuple | None]:
+    def signature(self, table: NameTable, body: int | None, outside: tuple[str, ...]) -> tuple[list[str], tuple | None]:
         """The names a block reads and writes (in order of first use), and everything that
-        sharding it reads, with names replaced by their place in that list: its ops (`body`,
-        _block_bodies), and the state of each name made before it (shape, layout, rebound
-        copy, copies made). Two blocks with one signature shard alike up to names. None: an
+        sharding it reads, with names replaced by their place in that list: its ops and the
+        tensors they make (`body`, _block_bodies), and the state of each name made before it
+        (`outside`, then the rebound and earlier copies it names: shape, layout, rebound copy,
+        copies made). Two blocks with one signature shard alike up to names. None: an
         attribute is no key."""
-        at, state = table.at, []
-        for name in table.names:  # grows as rebound copies and earlier copies are named
-            if name in made:
-                state.append(signature_of(self.src.tensors.get(name)))
-                continue
+        at, state, names = table.at, [], table.names
+        base = len(names)
+
+        def state_of(name: str) -> tuple:
             rebound = self.rebound.get(name)
             copies = tuple((layout, group, at(self.memo[(name, layout, group)]))
                            for layout, group in self.copies.get(name, ()))
-            state.append((signature_of(self.global_tensors.get(name)), self.layouts.get(name),
-                          None if rebound is None else at(rebound), copies))
+            return (signature_of(self.global_tensors.get(name)), self.layouts.get(name),
+                    None if rebound is None else at(rebound), copies)
+
+        state.extend(map(state_of, outside))
+        for name in islice(names, base, None):  # grows as rebound copies and earlier copies are named
+            state.append(state_of(name))
         if body is None:
-            return table.names, None
-        return table.names, (body, tuple(state))
+            return names, None
+        return names, (body, tuple(state))
 
     def replay(self, template: _Template, names: list[str], ops: list[Op]) -> bool:
         """Add `template`'s ops and state under this block's names; False (nothing changed)
@@ -366,13 +371,14 @@ def recent(cache: dict, key, make, limit: int):
 
 
 @per_graph(limit=4)
-def _block_bodies(graph: Graph) -> list[tuple[list[Op], NameTable, int | None, frozenset]]:
+def _block_bodies(graph: Graph) -> list[tuple[list[Op], NameTable, int | None, tuple[str, ...]]]:
     """Each block of `graph` (stg/blocks.py) with the part of its sharding signature that its
     ops alone give -- the same for every sharding of the graph: its name table after its
-    ops, the ops by place (kind, phase, attributes, names; whether each gradient output has
-    contributions still to be summed), the names it makes. The ops by place are kept as a
-    number, equal for equal blocks (a long tuple is hashed afresh at each lookup); None: an
-    attribute is no key."""
+    ops; the ops by place (kind, phase, attributes, names; whether each gradient output has
+    contributions still to be summed) and the tensors they make; the names it reads that it
+    does not make, in table order (the rest of its signature is their state). The ops and
+    tensors are kept as a number, equal for equal blocks (a long tuple is hashed afresh at
+    each lookup); None: an attribute is no key."""
     found, numbers = [], {}
     for ops in blocks(graph.ops):
         table, body, made = NameTable(), [], set()
@@ -384,11 +390,12 @@ def _block_bodies(graph: Graph) -> list[tuple[list[Op], NameTable, int | None, f
             body.append((op.kind, op.phase, table.attrs(op.attrs), at(op.name), tuple(map(at, op.inputs)),
                          tuple(map(at, op.outputs)), summed))
             made.update(op.outputs)
+        shapes = tuple(signature_of(graph.tensors.get(name)) if name in made else None for name in table.names)
         try:
-            number = numbers.setdefault(tuple(body), len(numbers))
+            number = numbers.setdefault((tuple(body), shapes), len(numbers))
         except TypeError:
             number = None
-        found.append((ops, table, number, frozenset(made)))
+        found.append((ops, table, number, tuple(name for name in table.names if name not in made)))
     return found
 
 
