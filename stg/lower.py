@@ -479,15 +479,14 @@ class _ProgramBuilder:
         if key not in memo:
             into: dict[tuple, list[Edge]] = {}
             out: dict[tuple, list[Edge]] = {}
-            run = lambda op: _run(op, *key)  # noqa: E731
             for edge in self.pipeline.edges:  # in order, as each run lists them
-                readers = {run(op) for op in self.graph.consumers.get(edge.tensor, ()) if op.phase is not Phase.STEP}
-                for reader in readers:
+                for reader in {_run(op, *key) for op in self.graph.consumers.get(edge.tensor, ())
+                               if op.phase is not Phase.STEP}:
                     if reader[0] == edge.target:
                         into.setdefault(reader, []).append(edge)
                 maker = self.graph.producer.get(edge.tensor)
-                if maker is not None and maker.phase is not Phase.STEP and (made := run(maker))[0] == edge.source:
-                    out.setdefault(made, []).append(edge)
+                if maker is not None and maker.phase is not Phase.STEP and (run := _run(maker, *key))[0] == edge.source:
+                    out.setdefault(run, []).append(edge)
             memo[key] = into, out
         into, out = memo[key]
         return into.get((stage, kind), []), out.get((stage, kind), [])
