@@ -27,7 +27,7 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass, replace
 from itertools import groupby
-from typing import Callable, Mapping
+from typing import Callable, Iterator, Mapping
 
 import sympy
 
@@ -224,8 +224,11 @@ def _step_plans(sharded: ShardedGraph, stages: StagePlan, split_backward: bool) 
         # A reduction over pipeline stages (a tied embedding's) waits for the flush, as Megatron's
         # embedding all-reduce does: on the one comm chain it would otherwise go ahead of sends
         # that its peer stage needs before it can join (a deadlock).
-        made = {op.name: by for op in step if (by := collectives.get(op.name, (None,))[0]) is not None
-                and by.phase is not Phase.STEP}
+        made = {}  # a reduction of what a micro-batch computed -> the op that finishes it
+        for op in step:
+            by = collectives[op.name][0] if op.name in collectives else None
+            if by is not None and by.phase is not Phase.STEP:
+                made[op.name] = by
         ready = [op for op in step if op.name in made]
         by_run: dict[tuple, list[Op]] = {}
         for op in sorted(ready, key=lambda op: position[made[op.name].name]):
@@ -572,17 +575,25 @@ class _ProgramBuilder:
             known[alike] = tally, tuple(place[name] for name in tally.made)
         return tally
 
-    def buckets(self, ops: list[Op]) -> list[list[Op]]:
-        """PyTorch DDP's bucketing: consecutive collectives of one kind, up to bucket_bytes."""
-        buckets: list[list[Op]] = []
+    def _bucketed(self, ops: list[Op]) -> Iterator[tuple[Op, bool, int]]:
+        """PyTorch DDP's bucketing: consecutive collectives of one kind, up to bucket_bytes. Each
+        op with whether it opens a bucket and its bytes."""
         size, kind = 0, None
         for op in ops:
             this = (op.attrs["collective"], op.attrs["axes"])  # its coalescing unit's kind (_unit)
-            if not buckets or size >= self.bucket_bytes or this != kind:
-                buckets.append([])
+            opens = kind is None or size >= self.bucket_bytes or this != kind
+            if opens:
                 size, kind = 0, this
+            nbytes = self.comm_ev(op.bytes)
+            size += nbytes
+            yield op, opens, nbytes
+
+    def buckets(self, ops: list[Op]) -> list[list[Op]]:
+        buckets: list[list[Op]] = []
+        for op, opens, _ in self._bucketed(ops):
+            if opens:
+                buckets.append([])
             buckets[-1].append(op)
-            size += self.comm_ev(op.bytes)
         return buckets
 
     def _action_stats(self, action: Action, ops: list[Op], units: dict, found: Callable[[], dict], key: tuple):
@@ -732,16 +743,12 @@ class _ProgramBuilder:
             for bucket in self.buckets(ops):
                 self.collective(self._bucket_name("S", bucket), bucket, where)
             return
-        stats, size, kind = self.stats, 0, None
-        for op in ops:  # buckets() and collective() without nodes, fused: a plan's step sends hundreds
-            this = (op.attrs["collective"], op.attrs["axes"])
-            if kind is None or size >= self.bucket_bytes or this != kind:
-                size, kind, name = 0, this, this[0].name
-                stats.comm_count[name] += 1
-                self._count_node(NodeType.COMM_COLL_NODE, GroupHole(this[1], op.attrs.get("members")))
-            nbytes = self.comm_ev(op.bytes)
-            size += nbytes
-            stats.comm_bytes[name] += nbytes
+        for op, opens, nbytes in self._bucketed(ops):  # what collective() counts, without bucket lists
+            name = op.attrs["collective"].name
+            if opens:
+                self.stats.comm_count[name] += 1
+                self._count_node(NodeType.COMM_COLL_NODE, GroupHole(op.attrs["axes"], op.attrs.get("members")))
+            self.stats.comm_bytes[name] += nbytes
 
     def _optimizer(self, ops: list[Op], where: dict[str, int]) -> None:
         for op in self._optimizer_ops(ops):
