@@ -26,8 +26,8 @@ from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass, replace
-from itertools import groupby
-from typing import Callable, Iterator, Mapping
+from itertools import groupby, pairwise
+from typing import Callable, Mapping
 
 import sympy
 
@@ -150,9 +150,12 @@ def _segments(sharded: ShardedGraph) -> list[tuple[int, Phase, list[Op], list[tu
 
 def _kind(phase: Phase, split_backward: bool) -> Kind:
     """The action kind that runs a (non-step) op of `phase`."""
-    kind = {Phase.FORWARD: Kind.F, Phase.BACKWARD_INPUT: Kind.B}.get(phase, Kind.W)
-    # one autograd backward: input and weight gradients in program order
-    return Kind.B if kind is Kind.W and not split_backward else kind
+    return _KINDS[phase, split_backward]
+
+
+# one autograd backward (split_backward False): input and weight gradients in program order
+_KINDS = {(phase, split): {Phase.FORWARD: Kind.F, Phase.BACKWARD_INPUT: Kind.B}.get(phase, Kind.W if split else Kind.B)
+          for phase in Phase for split in (False, True)}
 
 
 def _run(op: Op, stages: StagePlan, split_backward: bool) -> tuple[int, Kind]:
@@ -237,6 +240,64 @@ def _step_plans(sharded: ShardedGraph, stages: StagePlan, split_backward: bool) 
                     and not collectives[op.name][1]]
         found[rank] = _StepPlan(by_run, made, deferred, frozenset(made) | {op.name for op in deferred})
     return found
+
+
+@dataclass(frozen=True)
+class _BucketSteps:
+    """A list of step collectives as the bucketing reads it (_ProgramBuilder._bucket_starts):
+    per op, its kind (collective name and axes), group (name, GroupHole) and byte expression,
+    each an index into the distinct ones, in order of first use; and per collective name how
+    many ops have each expression."""
+
+    ops: list[tuple[int, int, int]]
+    groups: list[tuple[str, GroupHole]]
+    exprs: list[sympy.Expr]
+    bytes: dict[str, Counter]
+
+
+@per_graph
+def _bucket_lists(sharded: ShardedGraph) -> dict[int, tuple[list[Op], _BucketSteps]]:
+    """_bucket_steps's answers, by the id of the op list (kept beside its answer)."""
+    return {}
+
+
+def _bucket_steps(sharded: ShardedGraph, ops: list[Op]) -> _BucketSteps:
+    """The _BucketSteps of `ops`: a list of one structure and stage cut, bucketed for every plan."""
+    memo = _bucket_lists(sharded)
+    found = memo.get(id(ops))
+    if found is not None and found[0] is ops:
+        return found[1]
+    units: dict = {}
+    groups: dict = {}
+    exprs: dict = {}
+    steps, nbytes = [], {}
+    for op in ops:
+        name, axes = op.attrs["collective"].name, op.attrs["axes"]
+        expr = exprs.setdefault(op.bytes, len(exprs))
+        steps.append((units.setdefault((name, axes), len(units)),
+                      groups.setdefault((name, GroupHole(axes, op.attrs.get("members"))), len(groups)), expr))
+        nbytes.setdefault(name, Counter())[expr] += 1
+    memo[id(ops)] = ops, _BucketSteps(steps, list(groups), list(exprs), nbytes)
+    return memo[id(ops)][1]
+
+
+@per_graph
+def _layer_lists(sharded: ShardedGraph) -> dict[int, tuple[list[Op], tuple]]:
+    """_layer_runs's answers, by the id of the run (kept beside its answer)."""
+    return {}
+
+
+def _layer_runs(sharded: ShardedGraph, ops: list[Op], step: bool) -> tuple[tuple[tuple, list[Op]], ...]:
+    """`ops` (a run of _stage_work, or with `step` a stage's optimizer ops) layer by layer, each
+    with the key its tally is kept by: an action runs a layer's ops of its kind whole, the step
+    those the cut leaves it. A run's are kept: a plan's actions meet it many times."""
+    if step:  # once per stage cut and stage
+        return tuple((("step layer", *(op.name for op in layer)), layer) for layer in blocks(ops))
+    memo = _layer_lists(sharded)
+    found = memo.get(id(ops))
+    if found is None or found[0] is not ops:
+        found = memo[id(ops)] = ops, tuple((("layer", layer[0].name, len(layer)), layer) for layer in blocks(ops))
+    return found[1]
 
 
 @per_graph
@@ -539,17 +600,17 @@ class _ProgramBuilder:
         layer's tally kept per structure: a layer's ops are the same on whichever stage the cut
         puts it, so a plan with another pp binds them."""
         known = tallies(self.sharded)
-        for layer_ops in blocks(ops):
-            # an action runs a layer's ops of its kind whole; the step those the cut leaves it
-            key = ("step layer", *(op.name for op in layer_ops)) if step else \
-                ("layer", layer_ops[0].name, len(layer_ops))
+        added: dict[int, list] = {}  # id of a tally's terms -> [tally, times] (the copies of a layer share them)
+        for key, layer_ops in _layer_runs(self.sharded, ops, step):
             if key not in known:
                 known[key] = self._layer_tally(layer_ops, units, known, step)
             layer = known[key]
-            self.terms.update(layer.terms)
-            self.stats.add(layer.counts)  # its node and collective counts (flops come from the terms)
-            self.holes |= layer.holes
+            added.setdefault(id(layer.terms), [layer, 0])[1] += 1
             where.update(dict.fromkeys(layer.made))
+        for layer, times in added.values():  # each distinct tally added once, `times` over
+            self.terms.update({term: n * times for term, n in layer.terms.items()})
+            self.stats.add(layer.counts, times)  # its node and collective counts (flops come from the terms)
+            self.holes |= layer.holes
 
     def _layer_tally(self, ops: list[Op], units: dict, known: dict, step: bool) -> ActionTally:
         """The tally of one layer's run of an action's ops (or of its optimizer ops). A run whose
@@ -575,26 +636,21 @@ class _ProgramBuilder:
             known[alike] = tally, tuple(place[name] for name in tally.made)
         return tally
 
-    def _bucketed(self, ops: list[Op]) -> Iterator[tuple[Op, bool, int]]:
-        """PyTorch DDP's bucketing: consecutive collectives of one kind, up to bucket_bytes. Each
-        op with whether it opens a bucket and its bytes."""
-        size, kind = 0, None
-        for op in ops:
-            this = (op.attrs["collective"], op.attrs["axes"])  # its coalescing unit's kind (_unit)
-            opens = kind is None or size >= self.bucket_bytes or this != kind
-            if opens:
-                size, kind = 0, this
-            nbytes = self.comm_ev(op.bytes)
-            size += nbytes
-            yield op, opens, nbytes
+    def _bucket_starts(self, ops: list[Op]) -> list[int]:
+        """PyTorch DDP's bucketing: consecutive collectives of one kind, up to bucket_bytes. The
+        place of each bucket's first op (a loop of integers: _bucket_steps)."""
+        steps = _bucket_steps(self.sharded, ops)
+        values, limit = [self.comm_ev(expr) for expr in steps.exprs], self.bucket_bytes
+        starts, size, kind = [], 0, -1
+        for place, (unit, _, expr) in enumerate(steps.ops):
+            if unit != kind or size >= limit:
+                starts.append(place)
+                size, kind = 0, unit
+            size += values[expr]
+        return starts
 
     def buckets(self, ops: list[Op]) -> list[list[Op]]:
-        buckets: list[list[Op]] = []
-        for op, opens, _ in self._bucketed(ops):
-            if opens:
-                buckets.append([])
-            buckets[-1].append(op)
-        return buckets
+        return [ops[start:end] for start, end in pairwise([*self._bucket_starts(ops), len(ops)])]
 
     def _action_stats(self, action: Action, ops: list[Op], units: dict, found: Callable[[], dict], key: tuple):
         """An action's stats (without nodes) and the tensors it makes. Its tally -- how many
@@ -743,12 +799,16 @@ class _ProgramBuilder:
             for bucket in self.buckets(ops):
                 self.collective(self._bucket_name("S", bucket), bucket, where)
             return
-        for op, opens, nbytes in self._bucketed(ops):  # what collective() counts, without bucket lists
-            name = op.attrs["collective"].name
-            if opens:
-                self.stats.comm_count[name] += 1
-                self._count_node(NodeType.COMM_COLL_NODE, GroupHole(op.attrs["axes"], op.attrs.get("members")))
-            self.stats.comm_bytes[name] += nbytes
+        # what collective() counts, without bucket lists
+        steps = _bucket_steps(self.sharded, ops)
+        opened = Counter(steps.ops[start][1] for start in self._bucket_starts(ops))
+        for hole, (name, group) in enumerate(steps.groups):
+            if opened[hole]:
+                self.stats.comm_count[name] += opened[hole]
+                self.stats.nodes[NodeType.COMM_COLL_NODE.name] += opened[hole]
+                self.holes.add(group)
+        for name, times in steps.bytes.items():
+            self.stats.comm_bytes[name] += sum(n * self.comm_ev(steps.exprs[expr]) for expr, n in times.items())
 
     def _optimizer(self, ops: list[Op], where: dict[str, int]) -> None:
         for op in self._optimizer_ops(ops):
