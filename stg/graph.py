@@ -226,6 +226,8 @@ class Graph:
 
     def verify(self) -> None:
         """Raise GraphError naming the op and tensor on the first broken invariant."""
+        if not self._broken():
+            return
         produced: set[str] = set()
         seen_ops: set[str] = set()
         tensors, free = self.tensors, (Role.INPUT, Role.WEIGHT, Role.OPTIMIZER_STATE)
@@ -252,6 +254,24 @@ class Graph:
         for weight in self.tensors_with(Role.WEIGHT):  # the model's: an optimizer produces the updated copies
             if weight.name not in produced and weight.name not in used:
                 raise GraphError(f"weight {weight.name} {weight} is never used by any op")
+
+    def _broken(self) -> bool:
+        """Whether verify() will raise, found with set operations (a sharded graph has tens of
+        thousands of ops): ops named once; each input a leaf of a free role or an earlier op's
+        output; each output a tensor of the graph, made once; each weight read or made."""
+        tensors, free = self.tensors, (Role.INPUT, Role.WEIGHT, Role.OPTIMIZER_STATE)
+        if len({op.name for op in self.ops}) != len(self.ops):
+            return True
+        available = {name for name, tensor in tensors.items() if tensor.role in free}
+        for op in self.ops:
+            if not available.issuperset(op.inputs):
+                return True
+            available.update(op.outputs)
+        producer = self.producer
+        if sum(len(op.outputs) for op in self.ops) != len(producer) or not producer.keys() <= tensors.keys():
+            return True
+        return any(name not in producer and name not in self.consumers
+                   for name, tensor in tensors.items() if tensor.role is Role.WEIGHT)
 
     def __str__(self) -> str:
         lines = []
