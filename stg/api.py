@@ -41,7 +41,6 @@ from stg.mesh import DeviceMesh, axis_symbol
 from stg.passes import held_leaves, passes_cached, structure_of, symbolic_passes, uncut_passes
 from stg.plan import Plan
 from stg.sharding import ShardedGraph, per_graph
-from stg.slice_check import check_slice
 from model_zoo.moe import CF, LOAD, E
 from stg.symbols import ATTN_FRACTION, B, S
 
@@ -531,6 +530,8 @@ def generate(
 ) -> dict:
     """Write OUT/workload.<rank>.et (for `ranks`, default all), OUT/workload.json and
     OUT/summary.json, stamping with `workers` processes; return the summary."""
+    from stg.slice_check import check_slice  # the replay and its chakra reader: only where a set is written
+
     workload = build(model, plan)
     check_slice(workload)
     summary = workload.summary()

@@ -6,30 +6,18 @@ that finds cross-rank deadlocks. The function ``validate`` is not re-exported he
 would shadow the submodule; use ``from stg.chakra.validate import validate``.
 """
 
-from stg.chakra.reader import (
-    Trace,
-    TraceFormatError,
-    attr_kind,
-    attr_value,
-    format_node,
-    iter_nodes,
-    node_attrs,
-    node_to_dict,
-    read_trace,
-    write_trace,
-)
-from stg.chakra.rank_graph import Problem
+from importlib import import_module
 
-__all__ = [
-    "Problem",
-    "Trace",
-    "TraceFormatError",
-    "attr_kind",
-    "attr_value",
-    "format_node",
-    "iter_nodes",
-    "node_attrs",
-    "node_to_dict",
-    "read_trace",
-    "write_trace",
-]
+# Imported on first use (PEP 562): a count or a trace written from the compact writer needs
+# none of the reader, its protobuf schema or the validator's graph
+_EXPORTS = {name: "stg.chakra.reader" for name in (
+    "Trace", "TraceFormatError", "attr_kind", "attr_value", "format_node", "iter_nodes", "node_attrs",
+    "node_to_dict", "read_trace", "write_trace")}
+_EXPORTS["Problem"] = "stg.chakra.rank_graph"
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str):
+    if name in _EXPORTS:
+        return getattr(import_module(_EXPORTS[name]), name)
+    raise AttributeError(f"module 'stg.chakra' has no attribute {name!r}")
