@@ -137,13 +137,16 @@ class Pipeline:
 
 
 @per_graph
-def _segments(sharded: ShardedGraph) -> list[tuple[int, Phase, list[Op], list[tuple]]]:
-    """The graph's ops in program order as runs of one layer and phase, each with its ops'
-    coalescing units: what a stage cut deals out whole (every cut of a structure reads them)."""
+def _segments(sharded: ShardedGraph) -> list[tuple[int, Phase, list[Op], dict[tuple, list[Op]]]]:
+    """The graph's ops in program order as runs of one layer and phase, each with its ops by
+    coalescing unit: what a stage cut deals out whole (every cut of a structure reads them)."""
     found = []
     for (layer, phase), ops in groupby(sharded.graph.ops, key=lambda op: (op.layer, op.phase)):
         ops = list(ops)
-        units = [(unit, op) for op in ops if (unit := _unit(op, sharded.graph)) is not None]
+        units: dict[tuple, list[Op]] = {}
+        for op in ops:
+            if (unit := _unit(op, sharded.graph)) is not None:
+                units.setdefault(unit, []).append(op)
         found.append((layer, phase, ops, units))
     return found
 
@@ -176,8 +179,8 @@ def _stage_work(sharded: ShardedGraph, stages: StagePlan, split_backward: bool) 
             step += ops
             continue
         runs.setdefault((stage, _kind(phase, split_backward)), []).extend(ops)
-        for unit, op in op_units:
-            units.setdefault(unit, []).append(op)
+        for unit, unit_ops in op_units.items():
+            units.setdefault(unit, []).extend(unit_ops)
     return work
 
 
@@ -270,14 +273,21 @@ def _bucket_steps(sharded: ShardedGraph, ops: list[Op]) -> _BucketSteps:
     units: dict = {}
     groups: dict = {}
     exprs: dict = {}
-    steps, nbytes = [], {}
+    steps, byte_exprs, uses = [], [], Counter()
     for op in ops:
-        name, axes = op.attrs["collective"].name, op.attrs["axes"]
-        expr = exprs.setdefault(op.bytes, len(exprs))
+        attrs = op.attrs
+        name, axes = attrs["collective"].name, attrs["axes"]
+        expr = exprs.setdefault(id(op.bytes), len(exprs))  # by identity: a block's copies share theirs
+        if expr == len(byte_exprs):
+            byte_exprs.append(op.bytes)
         steps.append((units.setdefault((name, axes), len(units)),
-                      groups.setdefault((name, GroupHole(axes, op.attrs.get("members"))), len(groups)), expr))
-        nbytes.setdefault(name, Counter())[expr] += 1
-    memo[id(ops)] = ops, _BucketSteps(steps, list(groups), list(exprs), nbytes)
+                      groups.setdefault((name, axes, attrs.get("members")), len(groups)), expr))
+        uses[name, expr] += 1
+    nbytes: dict[str, Counter] = {}
+    for (name, expr), n in uses.items():
+        nbytes.setdefault(name, Counter())[expr] = n
+    memo[id(ops)] = ops, _BucketSteps(steps, [(name, GroupHole(axes, members)) for name, axes, members in groups],
+                                      byte_exprs, nbytes)
     return memo[id(ops)][1]
 
 
