@@ -137,17 +137,21 @@ class Pipeline:
 
 
 @per_graph
-def _segments(sharded: ShardedGraph) -> list[tuple[int, Phase, list[Op], dict[tuple, list[Op]]]]:
-    """The graph's ops in program order as runs of one layer and phase, each with its ops by
-    coalescing unit: what a stage cut deals out whole (every cut of a structure reads them)."""
+def _segments(sharded: ShardedGraph, split_backward: bool) -> list[tuple[int, Kind | None, list[Op], dict]]:
+    """The graph's ops in program order as runs of one layer and action kind (None: the step),
+    each with its ops by coalescing unit: what a stage cut deals out whole (every cut of a
+    structure reads them). Without a split backward, a layer's input and weight gradients,
+    which alternate, are one run."""
     found = []
-    for (layer, phase), ops in groupby(sharded.graph.ops, key=lambda op: (op.layer, op.phase)):
+    step = Phase.STEP
+    key = lambda op: (op.layer, None if op.phase is step else _kind(op.phase, split_backward))  # noqa: E731
+    for (layer, kind), ops in groupby(sharded.graph.ops, key=key):
         ops = list(ops)
         units: dict[tuple, list[Op]] = {}
         for op in ops:
             if (unit := _unit(op, sharded.graph)) is not None:
                 units.setdefault(unit, []).append(op)
-        found.append((layer, phase, ops, units))
+        found.append((layer, kind, ops, units))
     return found
 
 
@@ -172,13 +176,13 @@ def _stage_work(sharded: ShardedGraph, stages: StagePlan, split_backward: bool) 
     program order, the parameter/gradient collectives per coalescing unit, and its step ops."""
     work = {rank: ({}, {}, []) for rank in range(stages.pp)}
     stage_of = {layer: stages.virtual_stage(layer) for layer in _layers(sharded)}
-    for layer, phase, ops, op_units in _segments(sharded):
+    for layer, kind, ops, op_units in _segments(sharded, split_backward):
         stage = stage_of[layer]
         runs, units, step = work[stages.rank_and_chunk(stage)[0]]
-        if phase is Phase.STEP:
+        if kind is None:
             step += ops
             continue
-        runs.setdefault((stage, _kind(phase, split_backward)), []).extend(ops)
+        runs.setdefault((stage, kind), []).extend(ops)
         for unit, unit_ops in op_units.items():
             units.setdefault(unit, []).extend(unit_ops)
     return work
