@@ -26,6 +26,7 @@ from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass, replace
+from functools import cached_property
 from itertools import groupby, pairwise
 from typing import Callable, Mapping
 
@@ -296,22 +297,32 @@ def _bucket_steps(sharded: ShardedGraph, ops: list[Op]) -> _BucketSteps:
 
 
 @per_graph
-def _layer_lists(sharded: ShardedGraph) -> dict[int, tuple[list[Op], tuple]]:
-    """_layer_runs's answers, by the id of the run (kept beside its answer)."""
+def _run_layers(sharded: ShardedGraph, stages: StagePlan, split_backward: bool) -> dict[tuple, tuple]:
+    """Per run of _stage_work, its ops layer by layer, each with the key its tally is kept by
+    (_add_layers): an action runs a layer's ops of its kind whole."""
+    pieces: dict[tuple, list[tuple[int, list[Op]]]] = {}
+    for layer, kind, ops, _ in _segments(sharded, split_backward):
+        if kind is None:
+            continue
+        run = pieces.setdefault((stages.virtual_stage(layer), kind), [])
+        if run and run[-1][0] == layer:  # a split backward's layer: its B (or W) segments, one after another
+            run[-1][1].extend(ops)
+        else:
+            run.append((layer, list(ops)))
+    return {run: tuple((("layer", ops[0].name, len(ops)), ops) for _, ops in layers) for run, layers in pieces.items()}
+
+
+def _step_layers(ops: list[Op]) -> tuple:
+    """A stage's optimizer ops layer by layer, keyed like _run_layers's: the step runs those the
+    cut leaves it."""
+    return tuple((("step layer", *(op.name for op in layer)), layer) for layer in blocks(ops))
+
+
+@per_graph
+def _crossing_made(sharded: ShardedGraph, stages: StagePlan, split_backward: bool) -> dict[tuple, tuple[str, ...]]:
+    """Per layer tally key (_run_layers), the cut's edge tensors that layer makes, by stage cut
+    and backward split (filled by _ProgramBuilder._add_layers)."""
     return {}
-
-
-def _layer_runs(sharded: ShardedGraph, ops: list[Op], step: bool) -> tuple[tuple[tuple, list[Op]], ...]:
-    """`ops` (a run of _stage_work, or with `step` a stage's optimizer ops) layer by layer, each
-    with the key its tally is kept by: an action runs a layer's ops of its kind whole, the step
-    those the cut leaves it. A run's are kept: a plan's actions meet it many times."""
-    if step:  # once per stage cut and stage
-        return tuple((("step layer", *(op.name for op in layer)), layer) for layer in blocks(ops))
-    memo = _layer_lists(sharded)
-    found = memo.get(id(ops))
-    if found is None or found[0] is not ops:
-        found = memo[id(ops)] = ops, tuple((("layer", layer[0].name, len(layer)), layer) for layer in blocks(ops))
-    return found[1]
 
 
 @per_graph
@@ -569,6 +580,10 @@ class _ProgramBuilder:
         into, out = memo[key]
         return into.get((stage, kind), []), out.get((stage, kind), [])
 
+    @cached_property
+    def _edge_tensors(self) -> frozenset[str]:
+        return frozenset(edge.tensor for edge in self.pipeline.edges)
+
     def received(self, stage: int, kind: Kind, where: dict):
         """The edges into virtual stage `stage` that its run of `kind` receives: of the tensors
         it reads, those its micro-batch does not hold yet (`where`, checked as each edge comes)."""
@@ -597,30 +612,37 @@ class _ProgramBuilder:
         for edge in self.sent(stage, kind):
             self.send(edge, microbatch, where)
 
-    def _tally_action(self, action: Action, ops: list[Op], units: dict, where: dict, final: bool) -> None:
+    def _tally_action(self, action: Action, units: dict, where: dict, final: bool) -> None:
         """What `action` adds without nodes, from its layers' tallies -- kept per structure: a
         layer's ops and units are the same on whichever stage the cut puts it, so a plan with
         another pp binds them -- and its own receives, sends and gradient buckets."""
         stage = virtual_stage(self.rank, action.chunk, self.pipeline.stages.pp)
         self.receive(stage, action.kind, action.microbatch, where)
-        self._add_layers(ops, units, where)
+        run_layers = _run_layers(self.sharded, self.pipeline.stages, self.pipeline.split_backward)
+        self._add_layers(run_layers.get((stage, action.kind), ()), units, where)
         for name, _ in self.flushes.get((stage, action.kind), ()) if final else ():  # in the run's order
             for bucket in self.flush_after[name]:
                 self.collective(self._bucket_name("S", bucket), bucket, where)
         self.send_made(stage, action.kind, action.microbatch, where)
 
-    def _add_layers(self, ops: list[Op], units: dict, where: dict, step: bool = False) -> None:
-        """Add what `ops` (an action's, or with `step` the optimizer's) add, layer by layer, each
-        layer's tally kept per structure: a layer's ops are the same on whichever stage the cut
-        puts it, so a plan with another pp binds them."""
+    def _add_layers(self, layers: tuple, units: dict, where: dict, step: bool = False) -> None:
+        """Add what an action's ops (or with `step` the optimizer's) add, given layer by layer
+        with their keys (_run_layers, _step_layers), each layer's tally kept per structure: a
+        layer's ops are the same on whichever stage the cut puts it, so a plan with another pp
+        binds them."""
         known = tallies(self.sharded)
         added: dict[int, list] = {}  # id of a tally's terms -> [tally, times] (the copies of a layer share them)
-        for key, layer_ops in _layer_runs(self.sharded, ops, step):
+        # of what a layer makes, its micro-batch's later actions only ask for the cut's edge tensors
+        # (whether to receive one): those are all `where` needs to hold
+        crossing = _crossing_made(self.sharded, self.pipeline.stages, self.pipeline.split_backward)
+        for key, layer_ops in layers:
             if key not in known:
                 known[key] = self._layer_tally(layer_ops, units, known, step)
             layer = known[key]
             added.setdefault(id(layer.terms), [layer, 0])[1] += 1
-            where.update(dict.fromkeys(layer.made))
+            if key not in crossing:
+                crossing[key] = tuple(name for name in layer.made if name in self._edge_tensors)
+            where.update(dict.fromkeys(crossing[key]))
         for layer, times in added.values():  # each distinct tally added once, `times` over
             self.terms.update({term: n * times for term, n in layer.terms.items()})
             self.stats.add(layer.counts, times)  # its node and collective counts (flops come from the terms)
@@ -666,7 +688,7 @@ class _ProgramBuilder:
     def buckets(self, ops: list[Op]) -> list[list[Op]]:
         return [ops[start:end] for start, end in pairwise([*self._bucket_starts(ops), len(ops)])]
 
-    def _action_stats(self, action: Action, ops: list[Op], units: dict, found: Callable[[], dict], key: tuple):
+    def _action_stats(self, action: Action, units: dict, found: Callable[[], dict], key: tuple):
         """An action's stats (without nodes) and the tensors it makes. Its tally -- how many
         times each expression is added to each field, and its node counts -- holds for every
         plan of this structure and stage cut (a final action's buckets are part of the key), so
@@ -676,7 +698,7 @@ class _ProgramBuilder:
         shared = (self.pipeline.stages, self.pipeline.split_backward, self.rank, key, flushes)
         if shared not in known:  # `found()`: the tensors its micro-batch's earlier actions made
             here = found()
-            known[shared] = self._tallied(lambda: self._tally_action(action, ops, units, here, key[2]), here)
+            known[shared] = self._tallied(lambda: self._tally_action(action, units, here, key[2]), here)
         tally = known[shared]
         self.holes |= tally.holes
         return tally.bind(self.ev, self.comm_ev), tally.made
@@ -847,7 +869,7 @@ class _ProgramBuilder:
         known = tallies(self.sharded)
         if key not in known:
             kept = self._optimizer_ops(ops)
-            known[key] = self._tallied(lambda: self._add_layers(kept, {}, {}, step=True), {})
+            known[key] = self._tallied(lambda: self._add_layers(_step_layers(kept), {}, {}, step=True), {})
         self._late_buckets({})
         self.holes |= known[key].holes
         self.stats.add(known[key].bind(self.ev, self.comm_ev))
@@ -873,7 +895,7 @@ class _ProgramBuilder:
             self.action_nodes(action, ops, units, where.setdefault(action.microbatch, {}), key)
         return where
 
-    def _count_actions(self, runs: dict, units: dict) -> None:
+    def _count_actions(self, units: dict) -> None:
         """Without nodes: the stats of every action, by key. A long pipeline runs a million
         actions of a few keys, and a micro-batch's keys follow from the chunks and kinds of its
         actions in order (and which of them is the last of its chunk and kind): each distinct
@@ -884,11 +906,10 @@ class _ProgramBuilder:
             history, earlier = (), []
             for action, is_last in zip(sequence, lasts):
                 stage = virtual_stage(self.rank, action.chunk, pp)
-                ops = runs.get((stage, action.kind), [])
                 key = self._key(stage, action.kind, is_last, history)
                 if key not in self.repeats:  # it finds what its micro-batch's earlier actions made
                     self.repeats[key] = self._action_stats(
-                        action, ops, units, lambda: dict.fromkeys(n for k in earlier for n in self.repeats[k][1]), key)
+                        action, units, lambda: dict.fromkeys(n for k in earlier for n in self.repeats[k][1]), key)
                 earlier.append(key)
                 history += ((stage, action.kind),)
                 times[key] += count
@@ -904,7 +925,7 @@ class _ProgramBuilder:
             for stats, times in self.repeat_stats.values():
                 self.stats.add(stats, times)
         else:
-            self._count_actions(runs, units)
+            self._count_actions(units)
             where = {}  # without nodes the step reads no producers
         final: dict[str, int] = {}
         for microbatch in sorted(where):
