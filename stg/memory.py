@@ -107,31 +107,35 @@ class _Index:
 @per_graph
 def _index(sharded: ShardedGraph) -> _Index:
     graph = sharded.graph
-    users = graph.consumers
-    tables = frozenset(op.inputs[0] for op in graph.ops if op.kind is OpKind.EMBEDDING_BAG)
+    users, producer, tensors = graph.consumers, graph.producer, graph.tensors
+    tables, casts, grads, made = set(), [], [], []
+    for op in graph.ops:  # one walk for the ops it reads
+        kind = op.kind
+        if op.phase is Phase.FORWARD:
+            made.append(op)
+        elif kind is OpKind.OPTIMIZER:
+            g = stored_gradient(sharded, op.inputs[0])
+            grads.append((op.layer, g, tensors[g].nbytes))
+        elif kind is OpKind.POINTWISE and op.phase is Phase.STEP and op.attrs["fn"] is Pointwise.CAST:
+            casts.append((op.layer, tensors[op.outputs[0]].nbytes))
+        if kind is OpKind.EMBEDDING_BAG:
+            tables.add(op.inputs[0])
     table_states = frozenset(name for op in graph.ops if op.attrs.get("weight") in tables for name in op.inputs
-                             if graph.tensors[name].role is Role.OPTIMIZER_STATE)
+                             if tensors[name].role is Role.OPTIMIZER_STATE) if tables else frozenset()
     leaves: defaultdict[tuple, Counter] = defaultdict(Counter)
-    producer = graph.producer
-    for name, t in graph.tensors.items():
+    for name, t in tensors.items():
         if name not in producer:
             group = (t.role, frozenset(op.layer for op in users.get(name, ())), name in tables, name in table_states)
             leaves[group][t.nbytes] += 1
-    casts = tuple((op.layer, graph.tensors[op.outputs[0]].nbytes) for op in graph.ops
-                  if op.phase is Phase.STEP and op.kind is OpKind.POINTWISE and op.attrs["fn"] is Pointwise.CAST)
-    grads = tuple((op.layer, g, graph.tensors[g].nbytes) for op in graph.ops if op.kind is OpKind.OPTIMIZER
-                  for g in (stored_gradient(sharded, op.inputs[0]),))
     saved: dict[int, dict] = {}
-    for name, readers in users.items():
-        made_by = producer.get(name)
-        if made_by is None or made_by.phase is not Phase.FORWARD:
-            continue
-        backward = [user for user in readers if user.phase in _BACKWARD]
-        if backward:
-            counts = saved.setdefault(made_by.layer, {}).setdefault(graph.tensors[name].memory_bytes, [0, 0])
-            counts[0] += 1
-            counts[1] += any(user.phase is Phase.BACKWARD_WEIGHT for user in backward)
-    return _Index(tuple((*group, tuple(sizes.items())) for group, sizes in leaves.items()), casts, grads,
+    for made_by in made:  # what the backward reads of what the forward makes, by the maker's layer
+        for name in made_by.outputs:
+            backward = [user for user in users.get(name, ()) if user.phase in _BACKWARD]
+            if backward:
+                counts = saved.setdefault(made_by.layer, {}).setdefault(tensors[name].memory_bytes, [0, 0])
+                counts[0] += 1
+                counts[1] += any(user.phase is Phase.BACKWARD_WEIGHT for user in backward)
+    return _Index(tuple((*group, tuple(sizes.items())) for group, sizes in leaves.items()), tuple(casts), tuple(grads),
                   {layer: tuple((nbytes, n, w) for nbytes, (n, w) in kept.items()) for layer, kept in saved.items()})
 
 
