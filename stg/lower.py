@@ -97,11 +97,6 @@ def _positions(sharded: ShardedGraph) -> dict[str, int]:
     return {op.name: n for n, op in enumerate(sharded.graph.ops)}
 
 
-@per_graph
-def _layers(sharded: ShardedGraph) -> frozenset[int]:
-    return frozenset(op.layer for op in sharded.graph.ops)
-
-
 def _padded(logical: str) -> bool:
     """Dimensions split unevenly by design: expert buffers and stacked embedding rows are
     padded up per rank; a rank's share of routed ids is a mean (model_zoo/moe.py, dlrm.py)."""
@@ -150,7 +145,7 @@ def _segments(sharded: ShardedGraph, split_backward: bool) -> list[tuple[int, Ki
         ops = list(ops)
         units: dict[tuple, list[Op]] = {}
         for op in ops:
-            if (unit := _unit(op, sharded.graph)) is not None:
+            if op.kind is OpKind.COLLECTIVE and (unit := _unit(op, sharded.graph)) is not None:
                 units.setdefault(unit, []).append(op)
         found.append((layer, kind, ops, units))
     return found
@@ -176,9 +171,11 @@ def _stage_work(sharded: ShardedGraph, stages: StagePlan, split_backward: bool) 
     """Per pipeline stage, its share of the graph: per (virtual stage, action kind) its ops in
     program order, the parameter/gradient collectives per coalescing unit, and its step ops."""
     work = {rank: ({}, {}, []) for rank in range(stages.pp)}
-    stage_of = {layer: stages.virtual_stage(layer) for layer in _layers(sharded)}
+    stage_of: dict[int, int] = {}
     for layer, kind, ops, op_units in _segments(sharded, split_backward):
-        stage = stage_of[layer]
+        stage = stage_of.get(layer)
+        if stage is None:
+            stage = stage_of[layer] = stages.virtual_stage(layer)
         runs, units, step = work[stages.rank_and_chunk(stage)[0]]
         if kind is None:
             step += ops
