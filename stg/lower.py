@@ -639,7 +639,8 @@ class _ProgramBuilder:
             added.setdefault(id(layer.terms), [layer, 0])[1] += 1
             if key not in crossing:
                 crossing[key] = tuple(name for name in layer.made if name in self._edge_tensors)
-            where.update(dict.fromkeys(crossing[key]))
+            if crossing[key]:
+                where.update(dict.fromkeys(crossing[key]))
         for layer, times in added.values():  # each distinct tally added once, `times` over
             self.terms.update({term: n * times for term, n in layer.terms.items()})
             self.stats.add(layer.counts, times)  # its node and collective counts (flops come from the terms)
@@ -686,10 +687,11 @@ class _ProgramBuilder:
         return [ops[start:end] for start, end in pairwise([*self._bucket_starts(ops), len(ops)])]
 
     def _action_stats(self, action: Action, units: dict, found: Callable[[], dict], key: tuple):
-        """An action's stats (without nodes) and the tensors it makes. Its tally -- how many
-        times each expression is added to each field, and its node counts -- holds for every
-        plan of this structure and stage cut (a final action's buckets are part of the key), so
-        a later plan binds the tally to its own numbers instead of running the ops again."""
+        """An action's stats (without nodes) and the tensors it makes that a later action of its
+        micro-batch may ask for (received, or the cut's edge tensors: _add_layers). Its tally --
+        how many times each expression is added to each field, and its node counts -- holds for
+        every plan of this structure and stage cut (a final action's buckets are part of the
+        key), so a later plan binds the tally to its own numbers instead of running the ops again."""
         flushes = self.flushes.get(key[:2], ()) if key[2] else ()
         known = tallies(self.sharded)
         shared = (self.pipeline.stages, self.pipeline.split_backward, self.rank, key, flushes)
