@@ -261,17 +261,14 @@ class _BucketSteps:
 
 
 @per_graph
-def _bucket_lists(sharded: ShardedGraph) -> dict[int, tuple[list[Op], _BucketSteps]]:
-    """_bucket_steps's answers, by the id of the op list (kept beside its answer)."""
+def _bucket_lists(sharded: ShardedGraph, stages: StagePlan, split_backward: bool) -> dict[int, tuple]:
+    """_bucket_steps's answers for the step lists of a stage cut, by the id of the list (kept
+    beside its answer): a list is bucketed for every plan of the structure and cut."""
     return {}
 
 
-def _bucket_steps(sharded: ShardedGraph, ops: list[Op]) -> _BucketSteps:
-    """The _BucketSteps of `ops`: a list of one structure and stage cut, bucketed for every plan."""
-    memo = _bucket_lists(sharded)
-    found = memo.get(id(ops))
-    if found is not None and found[0] is ops:
-        return found[1]
+def _bucket_steps(ops: list[Op]) -> _BucketSteps:
+    """The _BucketSteps of `ops`."""
     units: dict = {}
     groups: dict = {}
     exprs: dict = {}
@@ -288,9 +285,7 @@ def _bucket_steps(sharded: ShardedGraph, ops: list[Op]) -> _BucketSteps:
     nbytes: dict[str, Counter] = {}
     for (name, expr), n in uses.items():
         nbytes.setdefault(name, Counter())[expr] = n
-    memo[id(ops)] = ops, _BucketSteps(steps, [(name, GroupHole(axes, members)) for name, axes, members in groups],
-                                      byte_exprs, nbytes)
-    return memo[id(ops)][1]
+    return _BucketSteps(steps, [(name, GroupHole(axes, members)) for name, axes, members in groups], byte_exprs, nbytes)
 
 
 @per_graph
@@ -670,10 +665,18 @@ class _ProgramBuilder:
             known[alike] = tally, tuple(place[name] for name in tally.made)
         return tally
 
+    def _steps_of(self, ops: list[Op]) -> _BucketSteps:
+        """_bucket_steps of a step list of this plan's cut (_step_plans'), once per list."""
+        memo = _bucket_lists(self.sharded, self.pipeline.stages, self.pipeline.split_backward)
+        found = memo.get(id(ops))
+        if found is None or found[0] is not ops:
+            found = memo[id(ops)] = ops, _bucket_steps(ops)
+        return found[1]
+
     def _bucket_starts(self, ops: list[Op]) -> list[int]:
         """PyTorch DDP's bucketing: consecutive collectives of one kind, up to bucket_bytes. The
         place of each bucket's first op (a loop of integers: _bucket_steps)."""
-        steps = _bucket_steps(self.sharded, ops)
+        steps = self._steps_of(ops)
         values, limit = [self.comm_ev(expr) for expr in steps.exprs], self.bucket_bytes
         starts, size, kind = [], 0, -1
         for place, (unit, _, expr) in enumerate(steps.ops):
@@ -835,7 +838,7 @@ class _ProgramBuilder:
                 self.collective(self._bucket_name("S", bucket), bucket, where)
             return
         # what collective() counts, without bucket lists
-        steps = _bucket_steps(self.sharded, ops)
+        steps = self._steps_of(ops)
         opened = Counter(steps.ops[start][1] for start in self._bucket_starts(ops))
         for hole, (name, group) in enumerate(steps.groups):
             if opened[hole]:
