@@ -225,53 +225,33 @@ class Graph:
         return sympy.Add(*(w.numel for w in self.weights))
 
     def verify(self) -> None:
-        """Raise GraphError naming the op and tensor on the first broken invariant."""
-        if not self._broken():
-            return
-        produced: set[str] = set()
-        seen_ops: set[str] = set()
+        """Raise GraphError naming the op and tensor on the first broken invariant. A sharded
+        graph has tens of thousands of ops: an op's inputs are checked as one set, and named
+        one by one only when that check fails."""
         tensors, free = self.tensors, (Role.INPUT, Role.WEIGHT, Role.OPTIMIZER_STATE)
+        produced: set[str] = set()
+        available = {name for name, tensor in tensors.items() if tensor.role in free}  # and, as it goes, produced
+        seen_ops: set[str] = set()
         for op in self.ops:
             if op.name in seen_ops:
                 raise GraphError(f"op {op.name}: name used twice")
             seen_ops.add(op.name)
-            for name in op.inputs:
-                if name in produced:  # most are: a produced name is a tensor of the graph
-                    continue
-                if name not in tensors:
-                    raise GraphError(f"op {op.name}: input {name} is not a tensor of the graph")
-                if tensors[name].role not in free:
-                    raise GraphError(
-                        f"op {op.name}: input {name} is used before it is produced (cycle or misordered ops)"
-                    )
+            if not available.issuperset(op.inputs):
+                missing = next(name for name in op.inputs if name not in available)
+                if missing not in tensors:
+                    raise GraphError(f"op {op.name}: input {missing} is not a tensor of the graph")
+                raise GraphError(f"op {op.name}: input {missing} is used before it is produced (cycle or misordered ops)")
             for name in op.outputs:
                 if name not in tensors:
                     raise GraphError(f"op {op.name}: output {name} is not a tensor of the graph")
                 if name in produced:
                     raise GraphError(f"op {op.name}: output {name} is produced twice")
                 produced.add(name)
-        used = {name for op in self.ops for name in op.inputs}
+            available.update(op.outputs)
+        used = self.consumers  # the later passes read it too
         for weight in self.tensors_with(Role.WEIGHT):  # the model's: an optimizer produces the updated copies
             if weight.name not in produced and weight.name not in used:
                 raise GraphError(f"weight {weight.name} {weight} is never used by any op")
-
-    def _broken(self) -> bool:
-        """Whether verify() will raise, found with set operations (a sharded graph has tens of
-        thousands of ops): ops named once; each input a leaf of a free role or an earlier op's
-        output; each output a tensor of the graph, made once; each weight read or made."""
-        tensors, free = self.tensors, (Role.INPUT, Role.WEIGHT, Role.OPTIMIZER_STATE)
-        if len({op.name for op in self.ops}) != len(self.ops):
-            return True
-        available = {name for name, tensor in tensors.items() if tensor.role in free}
-        for op in self.ops:
-            if not available.issuperset(op.inputs):
-                return True
-            available.update(op.outputs)
-        producer = self.producer
-        if sum(len(op.outputs) for op in self.ops) != len(producer) or not producer.keys() <= tensors.keys():
-            return True
-        return any(name not in producer and name not in self.consumers
-                   for name, tensor in tensors.items() if tensor.role is Role.WEIGHT)
 
     def __str__(self) -> str:
         lines = []

@@ -169,20 +169,30 @@ def _run(op: Op, stages: StagePlan, split_backward: bool) -> tuple[int, Kind]:
 @per_graph
 def _stage_work(sharded: ShardedGraph, stages: StagePlan, split_backward: bool) -> dict[int, tuple]:
     """Per pipeline stage, its share of the graph: per (virtual stage, action kind) its ops in
-    program order, the parameter/gradient collectives per coalescing unit, and its step ops."""
-    work = {rank: ({}, {}, []) for rank in range(stages.pp)}
+    program order, the parameter/gradient collectives per coalescing unit, its step ops, and
+    per (virtual stage, action kind) its ops layer by layer, each with the key its tally is
+    kept by (_add_layers: an action runs a layer's ops of its kind whole)."""
+    work = {rank: ({}, {}, [], {}) for rank in range(stages.pp)}
     stage_of: dict[int, int] = {}
     for layer, kind, ops, op_units in _segments(sharded, split_backward):
         stage = stage_of.get(layer)
         if stage is None:
             stage = stage_of[layer] = stages.virtual_stage(layer)
-        runs, units, step = work[stages.rank_and_chunk(stage)[0]]
+        runs, units, step, layers = work[stages.rank_and_chunk(stage)[0]]
         if kind is None:
             step += ops
             continue
         runs.setdefault((stage, kind), []).extend(ops)
         for unit, unit_ops in op_units.items():
             units.setdefault(unit, []).extend(unit_ops)
+        pieces = layers.setdefault((stage, kind), [])
+        if pieces and pieces[-1][0] == layer:  # a split backward's layer: its B (or W) segments, one after another
+            pieces[-1][1].extend(ops)
+        else:
+            pieces.append((layer, list(ops)))
+    for _, _, _, layers in work.values():
+        for run, pieces in layers.items():
+            layers[run] = tuple((("layer", ops[0].name, len(ops)), ops) for _, ops in pieces)
     return work
 
 
@@ -228,7 +238,7 @@ def _step_collectives(sharded: ShardedGraph) -> dict[str, tuple[Op | None, bool]
 def _step_plans(sharded: ShardedGraph, stages: StagePlan, split_backward: bool) -> dict[int, _StepPlan]:
     """Per pipeline stage, its _StepPlan."""
     position, collectives, found = _positions(sharded), _step_collectives(sharded), {}
-    for rank, (_, _, step) in _stage_work(sharded, stages, split_backward).items():
+    for rank, (_, _, step, _) in _stage_work(sharded, stages, split_backward).items():
         # A reduction over pipeline stages (a tied embedding's) waits for the flush, as Megatron's
         # embedding all-reduce does: on the one comm chain it would otherwise go ahead of sends
         # that its peer stage needs before it can join (a deadlock).
@@ -288,31 +298,15 @@ def _bucket_steps(ops: list[Op]) -> _BucketSteps:
     return _BucketSteps(steps, [(name, GroupHole(axes, members)) for name, axes, members in groups], byte_exprs, nbytes)
 
 
-@per_graph
-def _run_layers(sharded: ShardedGraph, stages: StagePlan, split_backward: bool) -> dict[tuple, tuple]:
-    """Per run of _stage_work, its ops layer by layer, each with the key its tally is kept by
-    (_add_layers): an action runs a layer's ops of its kind whole."""
-    pieces: dict[tuple, list[tuple[int, list[Op]]]] = {}
-    for layer, kind, ops, _ in _segments(sharded, split_backward):
-        if kind is None:
-            continue
-        run = pieces.setdefault((stages.virtual_stage(layer), kind), [])
-        if run and run[-1][0] == layer:  # a split backward's layer: its B (or W) segments, one after another
-            run[-1][1].extend(ops)
-        else:
-            run.append((layer, list(ops)))
-    return {run: tuple((("layer", ops[0].name, len(ops)), ops) for _, ops in layers) for run, layers in pieces.items()}
-
-
 def _step_layers(ops: list[Op]) -> tuple:
-    """A stage's optimizer ops layer by layer, keyed like _run_layers's: the step runs those the
+    """A stage's optimizer ops layer by layer, keyed like _stage_work's: the step runs those the
     cut leaves it."""
     return tuple((("step layer", *(op.name for op in layer)), layer) for layer in blocks(ops))
 
 
 @per_graph
 def _crossing_made(sharded: ShardedGraph, stages: StagePlan, split_backward: bool) -> dict[tuple, tuple[str, ...]]:
-    """Per layer tally key (_run_layers), the cut's edge tensors that layer makes, by stage cut
+    """Per layer tally key (_stage_work), the cut's edge tensors that layer makes, by stage cut
     and backward split (filled by _ProgramBuilder._add_layers)."""
     return {}
 
@@ -610,8 +604,8 @@ class _ProgramBuilder:
         another pp binds them -- and its own receives, sends and gradient buckets."""
         stage = virtual_stage(self.rank, action.chunk, self.pipeline.stages.pp)
         self.receive(stage, action.kind, action.microbatch, where)
-        run_layers = _run_layers(self.sharded, self.pipeline.stages, self.pipeline.split_backward)
-        self._add_layers(run_layers.get((stage, action.kind), ()), units, where)
+        layers = _stage_work(self.sharded, self.pipeline.stages, self.pipeline.split_backward)[self.rank][3]
+        self._add_layers(layers.get((stage, action.kind), ()), units, where)
         for name, _ in self.flushes.get((stage, action.kind), ()) if final else ():  # in the run's order
             for bucket in self.flush_after[name]:
                 self.collective(self._bucket_name("S", bucket), bucket, where)
@@ -619,7 +613,7 @@ class _ProgramBuilder:
 
     def _add_layers(self, layers: tuple, units: dict, where: dict, step: bool = False) -> None:
         """Add what an action's ops (or with `step` the optimizer's) add, given layer by layer
-        with their keys (_run_layers, _step_layers), each layer's tally kept per structure: a
+        with their keys (_stage_work, _step_layers), each layer's tally kept per structure: a
         layer's ops are the same on whichever stage the cut puts it, so a plan with another pp
         binds them."""
         known = tallies(self.sharded)
@@ -920,7 +914,7 @@ class _ProgramBuilder:
 
     def build(self) -> list[TraceNode]:
         stages = self.pipeline.stages
-        runs, units, step = _stage_work(self.sharded, stages, self.pipeline.split_backward)[self.rank]
+        runs, units, step, _ = _stage_work(self.sharded, stages, self.pipeline.split_backward)[self.rank]
         self.plan_gradient_buckets()
         if self.keep_nodes:
             where = self._run_actions(self.pipeline.schedule[self.rank], runs, units)

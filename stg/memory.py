@@ -108,11 +108,17 @@ class _Index:
 def _index(sharded: ShardedGraph) -> _Index:
     graph = sharded.graph
     users, producer, tensors = graph.consumers, graph.producer, graph.tensors
-    tables, casts, grads, made = set(), [], [], []
+    tables, casts, grads = set(), [], []
+    saved: dict[int, dict] = {}  # what the backward reads of what the forward makes, by the maker's layer
     for op in graph.ops:  # one walk for the ops it reads
         kind = op.kind
         if op.phase is Phase.FORWARD:
-            made.append(op)
+            for name in op.outputs:
+                backward = [user for user in users.get(name, ()) if user.phase in _BACKWARD]
+                if backward:
+                    counts = saved.setdefault(op.layer, {}).setdefault(tensors[name].memory_bytes, [0, 0])
+                    counts[0] += 1
+                    counts[1] += any(user.phase is Phase.BACKWARD_WEIGHT for user in backward)
         elif kind is OpKind.OPTIMIZER:
             g = stored_gradient(sharded, op.inputs[0])
             grads.append((op.layer, g, tensors[g].nbytes))
@@ -127,14 +133,6 @@ def _index(sharded: ShardedGraph) -> _Index:
         if name not in producer:
             group = (t.role, frozenset(op.layer for op in users.get(name, ())), name in tables, name in table_states)
             leaves[group][t.nbytes] += 1
-    saved: dict[int, dict] = {}
-    for made_by in made:  # what the backward reads of what the forward makes, by the maker's layer
-        for name in made_by.outputs:
-            backward = [user for user in users.get(name, ()) if user.phase in _BACKWARD]
-            if backward:
-                counts = saved.setdefault(made_by.layer, {}).setdefault(tensors[name].memory_bytes, [0, 0])
-                counts[0] += 1
-                counts[1] += any(user.phase is Phase.BACKWARD_WEIGHT for user in backward)
     return _Index(tuple((*group, tuple(sizes.items())) for group, sizes in leaves.items()), tuple(casts), tuple(grads),
                   {layer: tuple((nbytes, n, w) for nbytes, (n, w) in kept.items()) for layer, kept in saved.items()})
 
