@@ -298,10 +298,10 @@ class _Backward:
                 base, suffix = self.derived[name]
                 self.derived[rename[name]] = (rename[base], suffix)
         for op in template.ops:
-            g.add_costed(op.renamed(rename[op.name], tuple(rename[i] for i in op.inputs),
-                                    tuple(rename[o] for o in op.outputs), op.layer + shift,
-                                    renamed_attrs(op.attrs, rename)),
-                         [g.tensors[out].renamed(rename[out]) for out in op.outputs])
+            g.add_costed([op.renamed(rename[op.name], tuple(rename[i] for i in op.inputs),
+                                     tuple(rename[o] for o in op.outputs), op.layer + shift,
+                                     renamed_attrs(op.attrs, rename))],
+                         [(rename[out], g.tensors[out].renamed(rename[out])) for out in op.outputs])
         for name, parts in template.contributions.items():
             self.contributions[rename[name]] = [rename[p] for p in parts]
         for name, offset in template.layers.items():

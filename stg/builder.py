@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from itertools import islice
-from typing import Any, Mapping, Sequence
+from typing import Any, Iterable, Mapping, Sequence
 
 import sympy
 
@@ -284,12 +284,12 @@ class GraphBuilder:
         """Whether a tensor or an op has this name."""
         return name in self.tensors or name in self._op_names
 
-    def add_costed(self, op: Op, outputs: Sequence[Tensor]) -> None:
-        """An op whose costs are known (a repeated block's copy of an op already derived),
-        its outputs registered as they are: no checks, no sympy."""
-        self.tensors.update((t.name, t) for t in outputs)
-        self.ops.append(op)
-        self._op_names.add(op.name)
+    def add_costed(self, ops: Sequence[Op], outputs: Iterable[tuple[str, Tensor]]) -> None:
+        """Ops whose costs are known (a repeated block's copies of ops already derived), and
+        their outputs by name, registered as they are: no checks, no sympy."""
+        self.tensors.update(outputs)
+        self.ops.extend(ops)
+        self._op_names.update(op.name for op in ops)
 
     def mark(self) -> tuple[int, int]:
         """How many ops and tensors the graph has: what is added after a mark is a block."""

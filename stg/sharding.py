@@ -14,7 +14,8 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass, field
-from itertools import islice
+from itertools import accumulate, islice, repeat
+from operator import attrgetter
 from typing import Mapping, Sequence
 
 from stg.blocks import NameTable, blocks, renaming, signature_of
@@ -140,8 +141,12 @@ class _Sharder:
         for op in ops:
             self.shard_op(op)
         if key is not None:
-            template = self.templates[key] = _Template(len(self.templates), names, self.g.ops[first_op:],
-                                                       self.changes[first_change:])
+            made = tuple(out for op in self.g.ops[first_op:] for out in op.outputs)
+            template = self.templates[key] = _Template(
+                len(self.templates), names, self.g.ops[first_op:], self.changes[first_change:], made,
+                tuple(map(self.layouts.__getitem__, made)), tuple(map(self.g.tensors.__getitem__, made)),
+                tuple((place, self.global_tensors[name], *self.derived[name])
+                      for place, name in enumerate(made) if name in self.derived))
             self.origins.update((op.name, (template.serial, place)) for place, op in enumerate(template.ops))
 
     def shard_op(self, op: Op) -> None:
@@ -185,28 +190,27 @@ class _Sharder:
 
     def replay(self, template: _Template, names: list[str], ops: list[Op]) -> bool:
         """Add `template`'s ops and state under this block's names; False (nothing changed)
-        when a name it would make exists already."""
+        when a name it would make exists already. Thousands of ops per structure: the names
+        are mapped list by list, and the sharder's tables updated a block at a time."""
         rename = renaming(template.names, names, template.made, self.derived)
         at = rename.__getitem__
-        layouts = self.layouts
-        if any(at(name) in layouts for name in template.made):
+        made = list(map(at, template.made))
+        if not self.layouts.keys().isdisjoint(made):
             return False
-        layer, sources = ops[0].layer, iter(ops)
-        g, global_tensors, derived, source_tensors = self.g, self.global_tensors, self.derived, self.src.tensors
-        for op, copy in template.steps:  # per op: thousands per structure, kept lean
-            attrs = dict(op.attrs) if copy else dict(next(sources).attrs)
-            outs = tuple(map(at, op.outputs))
-            for out, new in zip(op.outputs, outs):
-                if copy:
-                    global_tensors[new] = global_tensors[out].renamed(new)
-                    base, suffix = derived[out]
-                    derived[new] = (at(base), suffix)
-                else:
-                    global_tensors[new] = source_tensors[new]
-                layouts[new] = layouts[out]
-            g.add_costed(op.renamed(at(op.name), tuple(map(at, op.inputs)), outs, layer, attrs),
-                         [g.tensors[out].renamed(new) for out, new in zip(op.outputs, outs)])
-        self.origins.update(zip(map(at, template.op_names), template.places))
+        self.layouts.update(zip(made, template.layouts))
+        # a source op's outputs are the source graph's tensors; a copy's (a collective's or a
+        # slice's) its template's renamed, written over in place so that the order is kept
+        self.global_tensors.update(zip(made, map(self.src.tensors.get, made)))
+        copied = [made[place] for place in template.copied_places]
+        self.global_tensors.update(zip(copied, map(Tensor.renamed, template.copied_globals, copied)))
+        self.derived.update(zip(copied, zip(map(at, template.copied_bases), template.copied_suffixes)))
+        op_names, read = list(map(at, template.op_names)), list(map(at, template.reads))
+        sources = map(dict, map(attrgetter("attrs"), ops))  # a source op's attributes are its own (names in them)
+        attrs = [next(sources) if own is None else dict(own) for own in template.own_attrs]
+        self.g.add_costed(list(map(Op.renamed, template.ops, op_names, map(tuple, map(read.__getitem__, template.inputs)),
+                                   map(tuple, map(made.__getitem__, template.outputs)), repeat(ops[0].layer), attrs)),
+                          zip(made, map(Tensor.renamed, template.locals, made)))
+        self.origins.update(zip(op_names, template.places))
         for change in template.changes:
             if change[0] == "memo":
                 _, (name, layout, group), result = change
@@ -295,32 +299,69 @@ class _Sharder:
 @dataclass(frozen=True)
 class _Template:
     """How one block was sharded: the names its signature lists, the ops it added (sources
-    and collectives) and its writes to the sharder's memo and rebound copies."""
+    and collectives) and its writes to the sharder's memo and rebound copies; and per name
+    its ops make, in order, the sharder's layout and local tensor of it, and for a copy's
+    (ShardedGraph's `derived`) its global tensor, base name and suffix."""
 
     serial: int  # its place among the sharder's templates
     names: list[str]
     ops: list[Op]
     changes: list[tuple]
+    made: tuple[str, ...]
+    layouts: tuple[Layout, ...]
+    locals: tuple[Tensor, ...]
+    copied: tuple[tuple[int, Tensor, str, str], ...]  # (place in `made`, global tensor, base, suffix)
 
     @functools.cached_property
-    def made(self) -> tuple[str, ...]:
-        """The names its ops make, in order."""
-        return tuple(out for op in self.ops for out in op.outputs)
+    def copied_places(self) -> tuple[int, ...]:
+        return tuple(place for place, _, _, _ in self.copied)
 
     @functools.cached_property
-    def steps(self) -> tuple[tuple[Op, bool], ...]:
-        """Its ops, each with whether the sharding pass added it (a collective or a slice: its
-        attributes are its own, not a source op's)."""
-        return tuple((op, op.kind in (OpKind.COLLECTIVE, OpKind.SLICE)) for op in self.ops)
+    def copied_globals(self) -> tuple[Tensor, ...]:
+        return tuple(tensor for _, tensor, _, _ in self.copied)
+
+    @functools.cached_property
+    def copied_bases(self) -> tuple[str, ...]:
+        return tuple(base for _, _, base, _ in self.copied)
+
+    @functools.cached_property
+    def copied_suffixes(self) -> tuple[str, ...]:
+        return tuple(suffix for _, _, _, suffix in self.copied)
+
+    @functools.cached_property
+    def own_attrs(self) -> tuple[Mapping | None, ...]:
+        """Per op, the attributes of an op the sharding pass added (a collective or a slice);
+        None for a source op's, which each copy takes from its own source op."""
+        return tuple(op.attrs if op.kind in (OpKind.COLLECTIVE, OpKind.SLICE) else None for op in self.ops)
 
     @functools.cached_property
     def op_names(self) -> tuple[str, ...]:
         return tuple(op.name for op in self.ops)
 
     @functools.cached_property
+    def reads(self) -> tuple[str, ...]:
+        """Every op's inputs, one after another (`inputs` slices them per op)."""
+        return tuple(name for op in self.ops for name in op.inputs)
+
+    @functools.cached_property
+    def inputs(self) -> tuple[slice, ...]:
+        return _slices(len(op.inputs) for op in self.ops)
+
+    @functools.cached_property
+    def outputs(self) -> tuple[slice, ...]:
+        """Per op, its outputs' places in `made`."""
+        return _slices(len(op.outputs) for op in self.ops)
+
+    @functools.cached_property
     def places(self) -> tuple[tuple[int, int], ...]:
         """Each op's ShardedGraph.origins entry."""
         return tuple((self.serial, place) for place in range(len(self.ops)))
+
+
+def _slices(lengths) -> tuple[slice, ...]:
+    """Consecutive slices of these lengths."""
+    ends = list(accumulate(lengths))
+    return tuple(map(slice, [0, *ends[:-1]], ends))
 
 
 def local_leaf(spec: ShardingSpec, tensor: Tensor) -> Tensor:
