@@ -118,9 +118,14 @@ class _Sharder:
         self.g.tensors[tensor.name] = _shaped(tensor, tensor.name, layout.local_shape(tensor.shape))
 
     def run(self, templates: bool = True) -> ShardedGraph:
+        alike: dict[tuple, tuple[Layout, Tensor]] = {}  # the leaves of a block's copies differ in name only
         for tensor in self.src.tensors.values():
             if tensor.name not in self.src.producer:
-                self.define(tensor, self.spec.leaf_layout(tensor))
+                layout, local = alike.get(tensor.signature) or alike.setdefault(
+                    tensor.signature, (self.spec.leaf_layout(tensor), local_leaf(self.spec, tensor)))
+                self.global_tensors[tensor.name] = tensor
+                self.layouts[tensor.name] = layout
+                self.g.tensors[tensor.name] = local.renamed(tensor.name)
         for block in _block_bodies(self.src):
             if templates:
                 self.shard_block(*block)
