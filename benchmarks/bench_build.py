@@ -4,11 +4,12 @@
    peak RSS, for the issue's three plans.
 2. stg.evaluate over PLANS distinct llama3-405b plans (tp, pp, cp, micro-batch, ZeRO,
    recompute, dp varied) in one process: plans/s, with how many distinct structures (each
-   pays the symbolic passes once) they hold.
+   pays the symbolic passes once) they hold, and the time split between a structure's first
+   plan, a new stage cut's and the rest.
 3. Side by side, plans whose structure is cached: the summary with the nodes lowered (what
    generate and count pay) and without (what evaluate pays), and the ratio.
 
-    python benchmarks/bench_build.py [--plans 24]
+    python benchmarks/bench_build.py [--plans 48]
 """
 
 from __future__ import annotations
@@ -57,13 +58,28 @@ def evaluate_rate(count: int) -> None:
     model = load_model("llama3-405b")
     model.graph
     chosen = plans(count)
-    structures = len({structure_order(stg.Plan.from_dict(p)) for p in chosen})
+    # one plan at a time in the order stg.evaluate runs them (grouped by structure), each timed
+    # and put down as the first plan of its structure, the first of a new stage cut of a known
+    # structure, or one whose structure and cut were seen: where the time goes
+    ordered = sorted(chosen, key=lambda p: structure_order(stg.Plan.from_dict(p)))
+    kinds, seen, rows = {"new structure": [], "new stage cut": [], "seen structure and cut": []}, set(), []
     start = time.perf_counter()
-    rows = list(evaluate(model, chosen))
+    for plan in ordered:
+        began = time.perf_counter()
+        rows += evaluate(model, [plan])
+        structure = structure_order(stg.Plan.from_dict(plan))
+        cut = (structure, plan["pp"])
+        kind = "new structure" if structure not in seen else "new stage cut" if cut not in seen else "seen structure and cut"
+        kinds[kind].append(time.perf_counter() - began)
+        seen |= {structure, cut}
     seconds = time.perf_counter() - start
     errors = sum("error" in row for row in rows)
-    print(f"  {count} plans ({structures} structures, {errors} refused) in {seconds:.1f} s: "
+    print(f"  {count} plans ({len(kinds['new structure'])} structures, {errors} refused) in {seconds:.1f} s: "
           f"{count / seconds:.2f} plans/s")
+    for kind, times in kinds.items():
+        if times:
+            print(f"    {kind:24s} {len(times):5d} plans, {sum(times):6.2f} s ({sum(times) / seconds:4.0%}), "
+                  f"{sum(times) / len(times) * 1e3:7.1f} ms each")
     # side by side on plans whose structure is cached: summaries with and without nodes
     warm = [p for p, row in zip(chosen, rows) if "error" not in row][:8]
     for plan in warm:
