@@ -112,20 +112,21 @@ class _Sharder:
     def tensor(self, name: str) -> Tensor:
         return self.global_tensors[name]
 
-    def define(self, tensor: Tensor, layout: Layout) -> None:
+    def define(self, tensor: Tensor, layout: Layout, local: Tensor | None = None) -> None:
+        """`tensor` laid out as `layout`; `local`: one rank's part, when known."""
         self.global_tensors[tensor.name] = tensor
         self.layouts[tensor.name] = layout
-        self.g.tensors[tensor.name] = _shaped(tensor, tensor.name, layout.local_shape(tensor.shape))
+        self.g.tensors[tensor.name] = local or _shaped(tensor, tensor.name, layout.local_shape(tensor.shape))
 
     def run(self, templates: bool = True) -> ShardedGraph:
         alike: dict[tuple, tuple[Layout, Tensor]] = {}  # the leaves of a block's copies differ in name only
         for tensor in self.src.tensors.values():
             if tensor.name not in self.src.producer:
-                layout, local = alike.get(tensor.signature) or alike.setdefault(
-                    tensor.signature, (self.spec.leaf_layout(tensor), local_leaf(self.spec, tensor)))
-                self.global_tensors[tensor.name] = tensor
-                self.layouts[tensor.name] = layout
-                self.g.tensors[tensor.name] = local.renamed(tensor.name)
+                key = tensor.signature
+                if key not in alike:
+                    alike[key] = self.spec.leaf_layout(tensor), local_leaf(self.spec, tensor)
+                layout, local = alike[key]
+                self.define(tensor, layout, local.renamed(tensor.name))
         for block in _block_bodies(self.src):
             if templates:
                 self.shard_block(*block)
@@ -150,8 +151,8 @@ class _Sharder:
             template = self.templates[key] = _Template(
                 len(self.templates), names, self.g.ops[first_op:], self.changes[first_change:], made,
                 tuple(map(self.layouts.__getitem__, made)), tuple(map(self.g.tensors.__getitem__, made)),
-                tuple((place, self.global_tensors[name], *self.derived[name])
-                      for place, name in enumerate(made) if name in self.derived))
+                _columns([(place, self.global_tensors[name], *self.derived[name])
+                          for place, name in enumerate(made) if name in self.derived], 4))
             self.origins.update((op.name, (template.serial, place)) for place, op in enumerate(template.ops))
 
     def shard_op(self, op: Op) -> None:
@@ -206,15 +207,17 @@ class _Sharder:
         # a source op's outputs are the source graph's tensors; a copy's (a collective's or a
         # slice's) its template's renamed, written over in place so that the order is kept
         self.global_tensors.update(zip(made, map(self.src.tensors.get, made)))
-        copied = [made[place] for place in template.copied_places]
-        self.global_tensors.update(zip(copied, map(Tensor.renamed, template.copied_globals, copied)))
-        self.derived.update(zip(copied, zip(map(at, template.copied_bases), template.copied_suffixes)))
+        places, globals_, bases, suffixes = template.copied
+        copied = [made[place] for place in places]
+        self.global_tensors.update(zip(copied, map(Tensor.renamed, globals_, copied)))
+        self.derived.update(zip(copied, zip(map(at, bases), suffixes)))
         op_names, read = list(map(at, template.op_names)), list(map(at, template.reads))
+        inputs = map(tuple, map(read.__getitem__, template.inputs))
+        outputs = map(tuple, map(made.__getitem__, template.outputs))
         sources = map(dict, map(attrgetter("attrs"), ops))  # a source op's attributes are its own (names in them)
         attrs = [next(sources) if own is None else dict(own) for own in template.own_attrs]
-        self.g.add_costed(list(map(Op.renamed, template.ops, op_names, map(tuple, map(read.__getitem__, template.inputs)),
-                                   map(tuple, map(made.__getitem__, template.outputs)), repeat(ops[0].layer), attrs)),
-                          zip(made, map(Tensor.renamed, template.locals, made)))
+        copies = list(map(Op.renamed, template.ops, op_names, inputs, outputs, repeat(ops[0].layer), attrs))
+        self.g.add_costed(copies, zip(made, map(Tensor.renamed, template.locals, made)))
         self.origins.update(zip(op_names, template.places))
         for change in template.changes:
             if change[0] == "memo":
@@ -315,23 +318,8 @@ class _Template:
     made: tuple[str, ...]
     layouts: tuple[Layout, ...]
     locals: tuple[Tensor, ...]
-    copied: tuple[tuple[int, Tensor, str, str], ...]  # (place in `made`, global tensor, base, suffix)
-
-    @functools.cached_property
-    def copied_places(self) -> tuple[int, ...]:
-        return tuple(place for place, _, _, _ in self.copied)
-
-    @functools.cached_property
-    def copied_globals(self) -> tuple[Tensor, ...]:
-        return tuple(tensor for _, tensor, _, _ in self.copied)
-
-    @functools.cached_property
-    def copied_bases(self) -> tuple[str, ...]:
-        return tuple(base for _, _, base, _ in self.copied)
-
-    @functools.cached_property
-    def copied_suffixes(self) -> tuple[str, ...]:
-        return tuple(suffix for _, _, _, suffix in self.copied)
+    # of the names a copy makes: their places in `made`, global tensors, base names and suffixes
+    copied: tuple[tuple[int, ...], tuple[Tensor, ...], tuple[str, ...], tuple[str, ...]]
 
     @functools.cached_property
     def own_attrs(self) -> tuple[Mapping | None, ...]:
@@ -361,6 +349,11 @@ class _Template:
     def places(self) -> tuple[tuple[int, int], ...]:
         """Each op's ShardedGraph.origins entry."""
         return tuple((self.serial, place) for place in range(len(self.ops)))
+
+
+def _columns(rows: list[tuple], width: int) -> tuple[tuple, ...]:
+    """`rows` as `width` columns."""
+    return tuple(map(tuple, zip(*rows))) if rows else ((),) * width
 
 
 def _slices(lengths) -> tuple[slice, ...]:
