@@ -79,7 +79,8 @@ def test_a_replayed_block_is_the_block_made_afresh(name, monkeypatch, tmp_path):
     """Autodiff and sharding replay a block's work under the next block's names when their
     signatures match (stg/blocks.py). Over every strategy of the digest matrix, with 8 blocks
     so that blocks repeat, each pass's graph is the one that running every op gives: the
-    same ops in the same order, names, local and global shapes, layouts."""
+    same ops in the same order, names, local and global shapes, layouts; and it passes
+    Graph.verify (shard() itself no longer walks its result to verify it)."""
     import stg.api
     import stg.passes
     from stg.autodiff import _Backward
@@ -111,6 +112,7 @@ def test_a_replayed_block_is_the_block_made_afresh(name, monkeypatch, tmp_path):
     def both_sharded(graph, spec):
         templated = shard(graph, spec)
         assert _equal(templated, shard(graph, spec, templates=False))
+        templated.graph.verify()
         compared.append("shard")
         split.extend(spec.mesh_axes)
         return templated
