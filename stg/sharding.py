@@ -147,9 +147,10 @@ class _Sharder:
         for op in ops:
             self.shard_op(op)
         if key is not None:
-            made = tuple(out for op in self.g.ops[first_op:] for out in op.outputs)
+            added = self.g.ops[first_op:]
+            made = tuple(out for op in added for out in op.outputs)
             template = self.templates[key] = _Template(
-                len(self.templates), names, self.g.ops[first_op:], self.changes[first_change:], made,
+                len(self.templates), names, added, self.changes[first_change:], made,
                 tuple(map(self.layouts.__getitem__, made)), tuple(map(self.g.tensors.__getitem__, made)),
                 _columns([(place, self.global_tensors[name], *self.derived[name])
                           for place, name in enumerate(made) if name in self.derived], 4))
@@ -338,6 +339,7 @@ class _Template:
 
     @functools.cached_property
     def inputs(self) -> tuple[slice, ...]:
+        """Per op, its inputs' places in `reads`."""
         return _slices(len(op.inputs) for op in self.ops)
 
     @functools.cached_property
