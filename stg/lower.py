@@ -391,9 +391,10 @@ class _ProgramBuilder:
             self.comm_ids.add(node.id)
         return node.id
 
-    def _count_node(self, kind: NodeType, *holes) -> None:
-        """A node counted but not built (keep_nodes=False): its producer id is None."""
-        self.stats.nodes[kind.name] += 1
+    def _count_node(self, kind: NodeType, *holes, times: int = 1) -> None:
+        """A node (or `times` alike ones) counted but not built (keep_nodes=False): its producer
+        id is None."""
+        self.stats.nodes[kind.name] += times
         self.holes.update(holes)
 
     def _count(self, field: str, key: str | None, expr, comm: bool = False, value: int | None = None) -> int:
@@ -837,8 +838,7 @@ class _ProgramBuilder:
         for hole, (name, group) in enumerate(steps.groups):
             if opened[hole]:
                 self.stats.comm_count[name] += opened[hole]
-                self.stats.nodes[NodeType.COMM_COLL_NODE.name] += opened[hole]
-                self.holes.add(group)
+                self._count_node(NodeType.COMM_COLL_NODE, group, times=opened[hole])
         for name, times in steps.bytes.items():
             self.stats.comm_bytes[name] += sum(n * self.comm_ev(steps.exprs[expr]) for expr, n in times.items())
 
