@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import signal
+from contextlib import closing
 from dataclasses import replace
 from pathlib import Path
 from typing import Callable, Mapping, Sequence
@@ -19,6 +19,7 @@ from stg.chakra.writer import Skeleton, StreamShape, build_skeleton, metadata_re
 from stg.errors import OutputError
 from stg.groups import GroupIds
 from stg.outdir import commit_output, prepare_output, prepare_range
+from stg.workers import forked_map
 
 Progress = Callable[[int, int], None]
 
@@ -78,29 +79,6 @@ def _write_atomic(path: Path, owner: int, *chunks) -> None:
 _FORKED: Stamper | None = None  # the parent's stamper, inherited by forked workers
 
 
-_STOPS = {signal.SIGINT, signal.SIGTERM}
-
-
-def _quiet_worker() -> None:
-    """Ctrl-C reaches the whole process group: the parent alone handles it (and ends the pool
-    with SIGTERM, which ends a worker without a word). The parent forks with both signals
-    blocked, so one that lands before this runs waits for these handlers."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, signal.SIG_DFL)
-    signal.pthread_sigmask(signal.SIG_UNBLOCK, _STOPS)
-
-
-def worker_pool(workers: int):
-    """A pool of `workers` forked processes that stay quiet on Ctrl-C (the parent reports it)."""
-    import multiprocessing
-
-    blocked = signal.pthread_sigmask(signal.SIG_BLOCK, _STOPS)
-    try:
-        return multiprocessing.get_context("fork").Pool(workers, initializer=_quiet_worker)
-    finally:
-        signal.pthread_sigmask(signal.SIG_SETMASK, blocked)  # a pending signal reaches the parent now
-
-
 def _write_chunk(job: tuple[str, int, int]) -> int:
     folder, start, stop = job
     return _FORKED.write(Path(folder), range(start, stop))
@@ -139,32 +117,27 @@ def write_trace_set(out: Path, workload, summary: Mapping, progress: Progress | 
                 stamper.rank_bytes(representative)
         done = 0
         jobs = [(str(folder), c.start, c.stop) for c in split_ranks(ranks, max(1, workers) * 8)]
-        if workers > 1 and len(jobs) > 1:
-            _FORKED = stamper
-            with worker_pool(workers) as pool:
-                for count in pool.imap(_write_chunk, jobs):
-                    done += count
-                    if progress:
-                        progress(done, len(ranks))
-            _FORKED = None
-        else:
-            for job in jobs:
-                done += stamper.write(Path(job[0]), range(job[1], job[2]))
+        _FORKED = stamper
+        with closing(forked_map(_write_chunk, jobs, workers)) as written:  # the workers end with the block
+            for _, count in written:
+                done += count
                 if progress:
                     progress(done, len(ranks))
         if whole:
             commit_output(folder, out)
-    except OSError as err:
+    except OSError as err:  # here or in a worker
         _discard(folder, whole, stamper)
         raise OutputError(f"output {out}: write failed ({err.strerror})") from None
     except BaseException:
         _discard(folder, whole, stamper)
         raise
+    finally:
+        _FORKED = None
 
 
 def _discard(folder: Path, whole: bool, stamper: Stamper) -> None:
     """After a failure: a whole set's temporary folder, or a range's unfinished files (the
-    workers have stopped by now: the pool is terminated before the exception gets here)."""
+    workers have stopped by now: they end with forked_map's block, before the exception gets here)."""
     if whole:
         shutil.rmtree(folder, ignore_errors=True)
         return
@@ -210,11 +183,8 @@ def lower_counted(jobs: Sequence[Callable], workers: int) -> tuple[list, list[Co
     global _JOBS
     _JOBS = jobs
     try:
-        if workers < 2 or len(jobs) < 2:
-            done = [_count_class(index) for index in range(len(jobs))]
-        else:
-            with worker_pool(min(workers, len(jobs))) as pool:
-                done = pool.map(_count_class, range(len(jobs)), chunksize=1)
+        with closing(forked_map(_count_class, range(len(jobs)), workers)) as counted:
+            done = [result for _, result in sorted(counted, key=lambda pair: pair[0])]
     finally:
         _JOBS = ()
     return [program for program, _ in done], [counted for _, counted in done]

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import time
 from collections import Counter
-from contextlib import nullcontext
+from contextlib import closing
 from itertools import groupby
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -26,7 +26,6 @@ from model_zoo import Model, load_model
 from model_zoo.dlrm import DLRMConfig
 from stg.api import MemoryLimitError, build, collector_paused, generate
 from stg.device import register_device
-from stg.emit import worker_pool
 from stg.errors import OutputError, PlanError, StgError
 from stg.evaluation import structure_order
 from stg.explore.cost import Estimate, estimate
@@ -34,6 +33,7 @@ from stg.explore.network import Network, load_network
 from stg.explore.probe import folded_timings, may_fold, plan_timings, probe_counts
 from stg.explore.space import Cluster, Job, Space, plans, reason, recommendation_plans, resolve
 from stg.plan import Plan
+from stg.workers import forked_map
 
 GIB = 2**30
 PLAN_KEYS = ("dp", "tp", "pp", "cp", "ep", "sp", "schedule", "vpp", "zero", "recompute", "micro_batch",
@@ -169,8 +169,8 @@ def explore(model: Model | str, cluster: Cluster, job: Job, space: Space = Space
         # finds none), so the collector stays paused for the whole search, workers too (forked
         # paused): its young collections after each plan rescanned everything the plan had
         # cached (6 % of the 1T space's time)
-        with collector_paused(), worker_pool(workers) if workers > 1 else nullcontext() as pool:
-            for results in pool.imap_unordered(_evaluate_chunk, chunks) if pool else map(_evaluate_chunk, chunks):
+        with collector_paused(), closing(forked_map(_evaluate_chunk, chunks, workers)) as evaluated:
+            for _, results in evaluated:
                 for row in results:
                     if isinstance(row, Row):
                         rows.append(row)
