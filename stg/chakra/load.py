@@ -14,7 +14,7 @@ import re
 from array import array
 from collections import Counter, defaultdict
 from collections.abc import Callable, Mapping
-from concurrent.futures import ProcessPoolExecutor, as_completed
+from contextlib import closing
 from dataclasses import dataclass, field
 from itertools import compress
 from pathlib import Path
@@ -25,9 +25,9 @@ from google.protobuf.message import DecodeError, Message
 
 from stg.chakra import et_def_pb2 as pb
 from stg.chakra.reader import TraceFormatError, iter_node_records
-
 from stg.chakra.rank_graph import (ALL_RANKS, COLL, COMP, RECV, SEND, CommKey, Problem, RankGraph, coll_name,
                                    group_label, type_name)
+from stg.workers import forked_map
 
 TAG_LIMIT = 500_000_000
 GROUP_ALIAS_MODULUS = 500  # ASTRA-sim matches collectives on the group id modulo 500
@@ -303,22 +303,16 @@ def _load_ranks(paths: list[tuple[int, Path]], n_ranks: int, groups: dict[int, t
                 progress: Progress | None,
                 durations: bool = False) -> tuple[list[RankGraph], list[Problem], list[array | None]]:
     """Load every rank, in worker processes when the set is big enough to repay starting them."""
-    jobs = _worker_count(paths)
     loaded: dict[int, tuple[RankGraph | None, list[Problem], array | None]] = {}
-    if jobs <= 1:
-        for done, (rank, path) in enumerate(paths, start=1):
-            loaded[rank] = _load_rank(rank, path, n_ranks, groups, durations)
+
+    def load(item: tuple[int, Path]):
+        return _load_rank(*item, n_ranks, groups, durations)
+
+    with closing(forked_map(load, paths, _worker_count(paths))) as results:
+        for done, (index, result) in enumerate(results, start=1):
+            loaded[paths[index][0]] = result
             if progress is not None:
                 progress(done, len(paths))
-    else:
-        # fork: workers inherit the imported modules and need no re-import of __main__
-        with ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("fork")) as pool:
-            futures = {pool.submit(_load_rank, rank, path, n_ranks, groups, durations): rank
-                       for rank, path in paths}
-            for done, future in enumerate(as_completed(futures), start=1):
-                loaded[futures[future]] = future.result()
-                if progress is not None:
-                    progress(done, len(paths))
     graphs = [graph for rank, _ in paths if (graph := loaded[rank][0]) is not None]
     return (graphs, [problem for rank, _ in paths for problem in loaded[rank][1]],
             [loaded[rank][2] for rank, _ in paths if loaded[rank][0] is not None])
