@@ -65,7 +65,7 @@ def test_a_killed_worker_is_an_error_not_a_hang():
     started = time.monotonic()
     with pytest.raises(WorkerError, match="killed by SIGKILL .*out of memory"):
         list(forked_map(_killed_on_three, range(10), 2))
-    assert time.monotonic() - started < 4 and multiprocessing.active_children() == []
+    assert time.monotonic() - started < 20 and multiprocessing.active_children() == []
 
 
 def test_a_worker_ended_by_sigterm_alone_is_reported_after_a_moment():
@@ -74,7 +74,7 @@ def test_a_worker_ended_by_sigterm_alone_is_reported_after_a_moment():
     started = time.monotonic()
     with pytest.raises(WorkerError, match="killed by SIGTERM"):
         list(forked_map(_terminated_on_three, range(10), 2))
-    assert 1 <= time.monotonic() - started < 4 and multiprocessing.active_children() == []
+    assert 1 <= time.monotonic() - started < 20 and multiprocessing.active_children() == []
 
 
 def _slow(x):
@@ -86,7 +86,7 @@ def test_leaving_the_loop_early_ends_the_workers():
     started = time.monotonic()
     with closing(forked_map(_slow, range(100), 2)) as results:
         next(results)
-    assert multiprocessing.active_children() == [] and time.monotonic() - started < 2
+    assert multiprocessing.active_children() == [] and time.monotonic() - started < 5
 
 
 def test_sigterm_to_the_whole_group_ends_the_parent_as_its_signal():
