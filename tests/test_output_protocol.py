@@ -162,3 +162,26 @@ def test_a_failed_range_removes_its_unfinished_files_and_no_one_elses(tmp_path, 
         generate(TINY, Plan(dp=8, global_batch=8, seq=32), out, ranks=range(0, 4))
     names = sorted(p.name for p in out.iterdir())
     assert names == [".workload.7.et.partial-1", "summary.json", "workload.0.et", "workload.1.et", "workload.json"]
+
+
+@pytest.mark.parametrize("ranks", [None, range(0, 8)])
+def test_a_write_that_fails_in_a_worker_is_the_same_error_and_leaves_nothing(tmp_path, monkeypatch, ranks):
+    """With --workers the ranks are written in forked processes: a full disk there is the same
+    one-line error as in the parent, and the set's temporary folder (or a range's unfinished
+    files) is gone once every worker has stopped."""
+    out = tmp_path / "out"
+    replace = Path.replace
+
+    def full_disk(self, target):  # forked workers inherit the patch
+        if self.name.startswith(".workload.5."):
+            raise OSError(28, "No space left on device")
+        return replace(self, target)
+
+    monkeypatch.setattr(Path, "replace", full_disk)
+    with pytest.raises(Exception, match="write failed \\(No space left on device\\)"):
+        generate(TINY, Plan(dp=16, global_batch=16, seq=32), out, ranks=ranks, workers=2)
+    if ranks is None:
+        assert list(tmp_path.iterdir()) == []  # no OUT, no temporary folder
+    else:  # the range's finished files may stay, its unfinished ones not
+        finished = {f"workload.{rank}.et" for rank in ranks if rank != 5}
+        assert {p.name for p in out.iterdir()} - finished == {"summary.json", "workload.json"}
