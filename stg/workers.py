@@ -49,31 +49,35 @@ def forked_map(function: Callable[[Any], Any], items: Sequence, workers: int) ->
         finally:
             signal.pthread_sigmask(signal.SIG_SETMASK, blocked)  # a pending signal reaches the parent now
         waiting = iter(range(len(items)))
-        busy = [pipe for pipe in processes if _hand(pipe, waiting)]
+
+        def hand(pipe) -> bool:
+            """Send the worker at `pipe` its next item's index; False (and the worker told to
+            stop) when there is none."""
+            index = next(waiting, None)
+            try:
+                pipe.send(index)
+            except ConnectionError:
+                _died(processes[pipe])
+            return index is not None
+
+        busy = [pipe for pipe in processes if hand(pipe)]
         while busy:
             for pipe in wait(busy):
                 try:
                     index, failed, value = pipe.recv()
-                except EOFError:
+                except (EOFError, ConnectionError):  # closed, or reset: it died with our index unread
                     _died(processes[pipe])
                 if failed:
                     raise value
-                if not _hand(pipe, waiting):
+                if not hand(pipe):
                     busy.remove(pipe)
                 yield index, value
     finally:
-        for process in processes.values():
+        for pipe, process in processes.items():
             if process.exitcode is None:
                 process.kill()
             process.join()
-
-
-def _hand(pipe, waiting: Iterator[int]) -> bool:
-    """Send the worker at `pipe` its next item's index; False (and the worker told to stop)
-    when there is none."""
-    index = next(waiting, None)
-    pipe.send(index)
-    return index is not None
+            pipe.close()
 
 
 def _serve(function: Callable, items: Sequence, pipe) -> None:

@@ -89,10 +89,24 @@ def test_leaving_the_loop_early_ends_the_workers():
     assert multiprocessing.active_children() == [] and time.monotonic() - started < 5
 
 
+def _slow_pid(_):
+    time.sleep(0.2)
+    return os.getpid()
+
+
+def _gone(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    return False
+
+
 def test_sigterm_to_the_whole_group_ends_the_parent_as_its_signal():
     """The CI hang's shape: SIGTERM reaches the workers and the parent at once (here sent to each,
-    the test's own process group being pytest's). The parent, with a handler that raises as the
-    CLI's does, stops with its own signal, not a worker error, and leaves no worker behind."""
+    the test's own process group being pytest's), the parent seeing its workers die first. The
+    parent, with a handler that raises as the CLI's does, stops with its own signal, not a
+    worker error, and leaves no worker behind."""
     class Stopped(BaseException):
         pass
 
@@ -100,17 +114,22 @@ def test_sigterm_to_the_whole_group_ends_the_parent_as_its_signal():
         raise Stopped(number)
 
     previous = signal.signal(signal.SIGTERM, stop)
-    results = forked_map(_slow, range(100), 2)
+    results = forked_map(_slow_pid, range(100), 2)
+    timer = threading.Timer(0.3, os.kill, (os.getpid(), signal.SIGTERM))
     try:
-        next(results)
+        workers = set()
+        while len(workers) < 2:  # each worker is handed an item at once
+            workers.add(next(results)[1])
         with pytest.raises(Stopped):
-            for worker in multiprocessing.active_children():
-                os.kill(worker.pid, signal.SIGTERM)
-            # the parent's own signal comes after it has seen the workers die
-            threading.Timer(0.3, os.kill, (os.getpid(), signal.SIGTERM)).start()
+            for pid in workers:
+                os.kill(pid, signal.SIGTERM)
+            timer.start()  # the parent's own signal, after it has seen the workers die
             for _ in results:
                 pass
     finally:
+        timer.cancel()
+        if timer.ident is not None:  # started: its signal is sent or never will be
+            timer.join()
         results.close()
         signal.signal(signal.SIGTERM, previous)
-    assert multiprocessing.active_children() == []
+    assert all(_gone(pid) for pid in workers)
