@@ -12,6 +12,15 @@ distributed optimizer shards over dp x cp).
            micro-batch (DeepSpeed ZeRO-2), accumulated as shards.
   stage 3: parameters split too: all-gathered before each layer's forward and again
            before its backward, freed after use (FSDP; 3 Psi of traffic).
+
+With a pipeline (pp > 1), stages 2 and 3 store gradients and parameters as stage 1 does.
+torch.distributed.pipelining runs every backward but a stage's last with FSDP's resharding and
+gradient sync off (stage.py, backward_maybe_with_nosync) and TorchTitan turns
+reshard_after_forward off under pp: the parameters are gathered once, kept whole through the
+micro-batches, and the whole gradients reduce-scattered once after the last backward -- stage
+1's traffic and peak memory (its gathers come after the optimizer, where Megatron's distributed
+optimizer puts them; FSDP issues them at the next step's first forward). DeepSpeed's pipeline
+engine refuses ZeRO-2/3 outright; no framework reduces per micro-batch inside a pipeline.
 """
 
 from __future__ import annotations
@@ -26,10 +35,11 @@ def layouts(plan: Plan, params: Mapping[str, tuple[str, ...]], in_play: tuple[st
     # the data-parallel axes; an expert's weights are split on ep already, so their flat
     # shards span dp (and cp) only: the expert-data-parallel group
     axes = tuple(a for a in ("dp", "ep", "cp", "local") if a in in_play)
+    stage = min(plan.zero, 1) if "pp" in in_play else plan.zero  # a pipeline's: see above
     return {
-        "params": LayoutRules(params, axes if plan.zero >= 3 else ()),
-        "states": LayoutRules(params, axes if plan.zero >= 1 else ()),
+        "params": LayoutRules(params, axes if stage >= 3 else ()),
+        "states": LayoutRules(params, axes if stage >= 1 else ()),
         # CONSTRAIN anchors: gradients as stored, and parameters as stored after the step
-        "grad": LayoutRules(params, axes) if plan.zero >= 2 else None,
-        "param": LayoutRules(params, axes if plan.zero >= 3 else ()),
+        "grad": LayoutRules(params, axes) if stage >= 2 else None,
+        "param": LayoutRules(params, axes if stage >= 3 else ()),
     }

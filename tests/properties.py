@@ -83,7 +83,9 @@ def check_weights(workload: Workload) -> None:
     forward = workload.model.graph
     last = workload.model.layers + 1
     expected = 0
-    zero3 = workload.plan.zero == 3
+    # a pipeline keeps ZeRO-3's parameters whole through the step (torch.distributed.pipelining
+    # with FSDP; TorchTitan's reshard_after_forward = not pp_enabled)
+    zero3 = workload.plan.zero == 3 and pp == 1
     for w in _weights(workload):
         # ZeRO-3 shards dense weights over all their data-parallel ranks, ep included
         expert = "expert" in w.dims  # with etp = tp also split on their MLP dimension over tp

@@ -118,7 +118,7 @@ TIMING_CASES = {  # beyond the digest matrix: stages 1 and 2 of a 4-stage pipeli
     "gpt-tied-pp-dp1": (GPT, dict(pp=2, global_batch=1)),
     "pp4-tp-zero1": (DEEP, dict(pp=4, tp=2, dp=2, zero=1, global_batch=4)),
     "pp4-interleaved": (DEEP, dict(pp=4, vpp=2, schedule="interleaved", global_batch=4)),
-    "pp4-zbh1-zero3": (DEEP, dict(pp=4, dp=2, zero=3, schedule="zb-h1", global_batch=4)),
+    "pp4-zbh1-tp": (DEEP, dict(pp=4, tp=2, dp=2, zero=1, schedule="zb-h1", global_batch=4)),
     "pp4-recompute-full": (DEEP, dict(pp=4, tp=2, recompute="full", global_batch=4)),
 }
 

@@ -82,3 +82,34 @@ def test_zero2_scatters_every_micro_batch_zero1_once(tiny_llama):
     # ZeRO-1: one reduce-scatter per gradient bucket per step; the tiny model's gradients
     # (well under --bucket-mb 25) fill one bucket, however many micro-batches
     assert counts[1] == 1
+
+
+def test_a_pipeline_reduces_and_gathers_once_per_step_at_every_stage(tiny_llama, tmp_path):
+    """With pp > 1, ZeRO-2 and ZeRO-3 move what ZeRO-1 moves: torch.distributed.pipelining runs
+    each backward but a stage's last with FSDP's gradient sync and resharding off, and then
+    reduce-scatters once (stage.py, backward_maybe_with_nosync); TorchTitan keeps the parameters
+    gathered through the micro-batches under pp (reshard_after_forward = not pp_enabled). So per
+    step one gradient bucket and one gather, however many micro-batches and whatever the stage,
+    and the set is ZeRO-1's byte for byte (the plan in summary.json aside); without pp, ZeRO-2
+    still reduce-scatters per micro-batch and ZeRO-3 gathers per layer."""
+    import json
+
+    from stg.api import generate
+
+    tiny_llama["layers"] = 4
+    counts, sets = {}, {}
+    for zero in (1, 2, 3):
+        for microbatches in (2, 4):
+            plan = Plan(dp=2, pp=2, zero=zero, global_batch=2 * microbatches, seq=32)
+            for rank_class in build(tiny_llama, plan).summary()["rank_classes"]:
+                comm = rank_class["comm_count"]
+                counts[zero, microbatches, rank_class["class"]] = comm.get("REDUCE_SCATTER"), comm.get("ALL_GATHER")
+        out = tmp_path / f"zero{zero}"
+        generate(tiny_llama, Plan(dp=2, pp=2, zero=zero, global_batch=4, seq=32), out)
+        summary = json.loads((out / "summary.json").read_text())
+        summary["plan"].pop("zero")
+        sets[zero] = {p.name: p.read_bytes() for p in out.iterdir() if p.name != "summary.json"}, summary
+    assert set(counts.values()) == {(1, 1)}, counts
+    assert sets[2] == sets[1] and sets[3] == sets[1]
+    unpiped = build(tiny_llama, Plan(dp=2, zero=3, global_batch=4, seq=32)).summary()["rank_classes"][0]["comm_count"]
+    assert unpiped["REDUCE_SCATTER"] == 2 * (4 + 2)  # per micro-batch, per unit (embedding, 4 blocks, head)

@@ -42,7 +42,7 @@ def explore(
     cp: str = typer.Option("1", help="Context-parallel degrees."),
     ep: Optional[str] = typer.Option(None, help="Expert-parallel degrees (MoE models). [default: powers of 2 up to the experts]"),
     sp: str = typer.Option("true", help="Sequence parallelism with tp > 1: true, false or both (true,false)."),
-    zero: str = typer.Option("1", help="ZeRO stages, e.g. 0,1,3."),
+    zero: str = typer.Option("1", help="ZeRO stages, e.g. 0,1,3 (with pp > 1, 2 and 3 act as 1: see stg generate --help)."),
     recompute: str = typer.Option("none,selective,full", help="Activation recomputation: none, selective, full."),
     micro_batch: str = typer.Option("1,2", help="Micro-batch sizes."),
     schedule: str = typer.Option("1f1b,interleaved", help="Pipeline schedules (with pp > 1): gpipe, 1f1b, interleaved, zb-h1."),

@@ -64,7 +64,9 @@ the small 1,024-wide layer at pp 24 and m = 1.5 pp within 0.35 %, at m = pp / 2 
 ZB-H1 with ZeRO-3 was 1 % off at m = 1.5 pp on that layer, and an interleaved pipeline of
 m = pp (a single round of its micro-batch groups) 0.8-6.8 % off, so those keep m >= 2 pp and
 m1 >= 6 p2.
-tests/test_explore.py holds both shortcuts to the replay of the whole plan.
+tests/test_explore.py holds both shortcuts to the replay of the whole plan. (The pipelines
+with ZeRO-3 above were measured while ZeRO-3 under pp still gathered and reduced per
+micro-batch; a pipeline now stores as ZeRO-1 does, parallelism/zero.py.)
 """
 
 from __future__ import annotations
