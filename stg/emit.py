@@ -183,8 +183,8 @@ def lower_counted(jobs: Sequence[Callable], workers: int) -> tuple[list, list[Co
     global _JOBS
     _JOBS = jobs
     try:
-        with closing(forked_map(_count_class, range(len(jobs)), workers)) as counted:
-            done = [result for _, result in sorted(counted, key=lambda pair: pair[0])]
+        with closing(forked_map(_count_class, range(len(jobs)), workers)) as finished:
+            done = [result for _, result in sorted(finished, key=lambda pair: pair[0])]
     finally:
         _JOBS = ()
     return [program for program, _ in done], [counted for _, counted in done]
