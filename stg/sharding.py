@@ -124,7 +124,8 @@ class _Sharder:
             if tensor.name not in self.src.producer:
                 key = tensor.signature
                 if key not in alike:
-                    alike[key] = self.spec.leaf_layout(tensor), local_leaf(self.spec, tensor)
+                    layout = self.spec.leaf_layout(tensor)
+                    alike[key] = layout, _shaped(tensor, tensor.name, layout.local_shape(tensor.shape))
                 layout, local = alike[key]
                 self.define(tensor, layout, local.renamed(tensor.name))
         for block in _block_bodies(self.src):

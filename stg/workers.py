@@ -93,7 +93,7 @@ def _serve(function: Callable, items: Sequence, pipe) -> None:
             except Exception as error:
                 reply = index, True, error
             pipe.send(reply)
-    except (EOFError, BrokenPipeError):  # the parent has gone
+    except (EOFError, ConnectionError):  # the parent has gone
         pass
 
 
@@ -102,9 +102,9 @@ def _died(process) -> None:
     same signal was most likely sent to this process too (to the whole group); its handler
     gets a moment to act (raising out of the sleep) before this reports the death itself."""
     process.join()
-    code = process.exitcode
-    if code is not None and code < 0 and -code in _STOPS:
+    code = process.exitcode  # set once joined: negative for a signal's number
+    if -code in _STOPS:
         time.sleep(1)
-    how = f"was killed by {signal.Signals(-code).name}" if code is not None and code < 0 else f"exited ({code})"
+    how = f"was killed by {signal.Signals(-code).name}" if code < 0 else f"exited ({code})"
     hint = " (out of memory? try fewer workers)" if code == -signal.SIGKILL else ""
     raise WorkerError(f"a worker process {how} before finishing its part{hint}")

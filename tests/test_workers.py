@@ -77,21 +77,16 @@ def test_a_worker_ended_by_sigterm_alone_is_reported_after_a_moment():
     assert 1 <= time.monotonic() - started < 20 and multiprocessing.active_children() == []
 
 
-def _slow(x):
+def _slow_pid(_):
     time.sleep(0.2)
-    return x
+    return os.getpid()
 
 
 def test_leaving_the_loop_early_ends_the_workers():
     started = time.monotonic()
-    with closing(forked_map(_slow, range(100), 2)) as results:
+    with closing(forked_map(_slow_pid, range(100), 2)) as results:
         next(results)
     assert multiprocessing.active_children() == [] and time.monotonic() - started < 5
-
-
-def _slow_pid(_):
-    time.sleep(0.2)
-    return os.getpid()
 
 
 def _gone(pid: int) -> bool:
