@@ -59,17 +59,18 @@ def evaluate_rate(count: int) -> None:
     model.graph
     chosen = plans(count)
     # one plan at a time in the order stg.evaluate runs them (grouped by structure), each timed
-    # and put down as the first plan of its structure, the first of a new stage cut of a known
-    # structure, or one whose structure and cut were seen: where the time goes
+    # and put down as the first plan of its structure, the first of a known structure with new
+    # unit degrees or a new stage cut, or one whose structure, unit degrees and cut were seen:
+    # where the time goes
     ordered = sorted(chosen, key=lambda p: structure_order(stg.Plan.from_dict(p)))
-    kinds, seen, rows = {"new structure": [], "new stage cut": [], "seen structure and cut": []}, set(), []
+    kinds, seen, rows = {"new structure": [], "new units or stage cut": [], "seen structure and cut": []}, set(), []
     start = time.perf_counter()
     for plan in ordered:
         began = time.perf_counter()
         rows += evaluate(model, [plan])
-        structure = structure_order(stg.Plan.from_dict(plan))
-        cut = (structure, plan["pp"])
-        kind = "new structure" if structure not in seen else "new stage cut" if cut not in seen else "seen structure and cut"
+        structure, bound, pp = structure_order(stg.Plan.from_dict(plan))
+        cut = (structure, bound, pp)
+        kind = "new structure" if structure not in seen else "new units or stage cut" if cut not in seen else "seen structure and cut"
         kinds[kind].append(time.perf_counter() - began)
         seen |= {structure, cut}
     seconds = time.perf_counter() - start

@@ -24,8 +24,11 @@ STRATEGIES: dict[str, Callable[[Plan], dict[str, dict[str, tuple[str, ...]]]]] =
 }
 
 
-def sharding_spec(plan: Plan) -> ShardingSpec:
-    in_play = tuple(axis for axis, size in plan.mesh().axes if size > 1)
+def sharding_spec(plan: Plan, widened: frozenset[str] = frozenset()) -> ShardingSpec:
+    """The plan's spec; `widened`: mesh axes taken in play even where the plan's degree on
+    them is 1, so that its structure is the one plans with degrees above 1 share (stg/passes.py,
+    unit_bound)."""
+    in_play = tuple(axis for axis, size in plan.mesh().axes if size > 1 or axis in widened)
     merged: dict[str, dict[str, tuple[str, ...]]] = {"data": {}, "params": {}, "residual": {}, "pooled": {}}
     for strategy in STRATEGIES.values():
         for target, split in strategy(plan).items():

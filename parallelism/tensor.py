@@ -19,6 +19,8 @@ from stg.plan import Plan
 
 def rules(plan: Plan) -> dict[str, dict[str, tuple[str, ...]]]:
     split = {"params": {"kv_heads": ("tp",), "heads": ("tp",), "mlp": ("tp",), "vocab": ("tp",)}}
-    if plan.sp:
+    # at tp=1 the split is moot (tp is out of play, its rules dropped) unless tp is widened
+    # (sharding_spec): then the structure is that of tp > 1 with sp, Megatron's default
+    if plan.sp or plan.tp == 1:
         split["residual"] = {"seq": ("tp",)}
     return split

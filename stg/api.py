@@ -33,18 +33,22 @@ from stg.graph import OpKind, Phase
 from stg.limits import MAX_EMBEDDING_RANKS, MAX_NODES
 from parallelism.pipeline import cut, layer_crossings, stage_plan
 from stg.chakra.writer import fixed_varint, rank_width
-from stg.lower import Evaluator, Pipeline, check_divisibility, lower
+from stg.lower import VIEWS, Evaluator, Pipeline, check_divisibility, lower
 from stg.program import GroupHole, RankHole, RankProgram
 from stg.schedule import SPLIT_BACKWARD, Order, order
 from stg.memory import Memory, memory
 from stg.mesh import DeviceMesh, axis_symbol
-from stg.passes import held_leaves, passes_cached, structure_of, symbolic_passes, uncut_passes
+from stg.passes import held_leaves, passes_cached, structure_of, symbolic_passes, uncut_passes, unit_bound
 from stg.plan import Plan
 from stg.sharding import ShardedGraph, per_graph
 from model_zoo.moe import CF, LOAD, E
 from stg.symbols import ATTN_FRACTION, B, S
 
 from stg import __version__
+
+# the data, context and tensor axes: a transformer's plan without nodes shares the structure of
+# plans of degree above 1 on them (unit_bound); expert and pipeline degrees keep their own
+_WIDENED = frozenset({"dp", "cp", "tp"})
 
 
 @dataclass(frozen=True)
@@ -274,7 +278,11 @@ def _build(model, plan, memory_limit: int | None, nodes: bool, timing: bool,
         raise PlanError(f"fp8: applies to transformer models, not {model.name} (family {model.family})")
     options = GraphOptions(plan.flash_attention, embeddings.groups if embeddings else None, plan.fp8,
                            plan.fp8_param_gather)
-    structure = structure_of(model, plan, options, stages)
+    # without nodes, a plan shares the structure of plans whose degrees are above 1 where its
+    # are 1 (unit_bound): it prints nothing that names an op
+    units = frozenset(axis for axis, size in mesh.axes if size == 1 and axis in _WIDENED) \
+        if not nodes and not timing and isinstance(model.config, TransformerConfig) else frozenset()
+    structure = structure_of(model, plan, options, stages, units)
     bindings = {
         **model.config.sizes(vocab_multiple=plan.make_vocab_divisible_by * plan.tp),
         B: plan.micro_batch * plan.data_ranks,
@@ -310,6 +318,7 @@ def _build(model, plan, memory_limit: int | None, nodes: bool, timing: bool,
     pipeline = _pipeline(model, plan, sharded, stages)
     memories = _memories(sharded, plan, pipeline.stages, pipeline.order, variants, evaluators, shared)
     _refuse_over(memory_limit, memories)  # before the costly lowering
+    sharded = unit_bound(structure, units) if units else sharded
     device, bucket_bytes = device_spec(plan.device), int(plan.bucket_mb * 2**20)
     # timing: a stage repeats the actions another stage ran, in this plan or in one that
     # differs only in its micro-batch count (a folded plan's probes, stg/explore/probe.py)
@@ -406,8 +415,8 @@ def _routes_tokens(sharded: ShardedGraph) -> bool:
 
 @per_graph
 def _work_ops(sharded: ShardedGraph) -> int:
-    """Ops of one micro-batch (all but the step's)."""
-    return sum(1 for op in sharded.graph.ops if op.phase is not Phase.STEP)
+    """Ops of one micro-batch that make a node (all but the step's and views)."""
+    return sum(1 for op in sharded.graph.ops if op.phase is not Phase.STEP and op.kind not in VIEWS)
 
 
 @per_graph

@@ -23,20 +23,28 @@ from stg.plan import Plan
 # only in these share the symbolic passes; of a degree only whether it is above 1 matters. pp
 # splits no tensor (only a tied model's stage cut is structure, which its passes key on).
 _DEGREES = ("tp", "cp", "ep", "etp", "local_world_size")
+_WIDENED = ("tp", "cp")
 _BINDINGS = ("dp", "pp", "vpp", "schedule", "layers_per_stage", "micro_batch", "global_batch", "seq", "bucket_mb",
              "device", "capacity_factor", "expert_skew", "make_vocab_divisible_by")
 
 
-def structure_order(plan) -> str:
-    """A sort key that puts plans sharing a structure next to each other."""
+def structure_order(plan) -> tuple:
+    """A sort key that puts plans sharing a structure next to each other, and within it those
+    that bind it alike (which of its degrees are 1) and share a stage cut (pp): (structure,
+    degrees above 1, pp)."""
     if not isinstance(plan, Plan):
-        return ""  # checked (and refused) when its turn comes
+        return "", (), 0  # checked (and refused) when its turn comes
     fields = plan.to_dict()
     for name in _BINDINGS:
         fields.pop(name, None)
     for name in _DEGREES:
         fields[name] = fields.get(name, 1) > 1
-    return repr(sorted(fields.items()))
+    # plans of tp and cp 1 share the structure of those above 1 (stg/passes.py, unit_bound),
+    # which at tp=1 is that of sequence parallelism, tp's default
+    for name in _WIDENED:
+        fields.pop(name, None)
+    fields["sp"] = plan.sp or plan.tp == 1
+    return repr(sorted(fields.items())), tuple(getattr(plan, name) > 1 for name in _WIDENED), plan.pp
 
 
 def evaluate(model: Model | str | Path | Mapping, plans: Iterable[Plan | Mapping]) -> Iterator[dict]:

@@ -196,13 +196,13 @@ def _stage_work(sharded: ShardedGraph, stages: StagePlan, split_backward: bool) 
     return work
 
 
-_VIEWS = (OpKind.SLICE, OpKind.CONSTRAIN)  # ops that make no node: their output is their input
+VIEWS = (OpKind.SLICE, OpKind.CONSTRAIN)  # ops that make no node: their output is their input
 
 
 def _made_by(graph, tensor: str) -> Op | None:
     """The op that computes `tensor`, looking through views."""
     op = graph.producer.get(tensor)
-    while op is not None and op.kind in _VIEWS:
+    while op is not None and op.kind in VIEWS:
         op = graph.producer.get(op.inputs[0])
     return op
 
@@ -230,7 +230,7 @@ def _step_collectives(sharded: ShardedGraph) -> dict[str, tuple[Op | None, bool]
     for op in graph.ops:
         if op.phase is Phase.STEP and op.kind is OpKind.COLLECTIVE:
             made = None if "pp" in op.attrs["axes"] else _made_by(graph, op.inputs[0])
-            found[op.name] = made, any(user.kind not in _VIEWS for user in graph.consumers.get(op.outputs[0], ()))
+            found[op.name] = made, any(user.kind not in VIEWS for user in graph.consumers.get(op.outputs[0], ()))
     return found
 
 
@@ -495,7 +495,7 @@ class _ProgramBuilder:
         return f"{label} {members[0].name}{extra}"
 
     def op(self, op: Op, label: str, where: dict[str, int]) -> None:
-        if op.kind in _VIEWS:
+        if op.kind in VIEWS:
             self.alias[op.outputs[0]] = op.inputs[0]  # a view: no node, same producer
         elif op.kind is OpKind.COLLECTIVE:
             self.collective(f"{label} {op.name}", [op], where)
@@ -758,7 +758,7 @@ class _ProgramBuilder:
         a stage that only repeats templates of another stage, or of another plan, runs none."""
         if run not in self.viewed:
             self.viewed.add(run)
-            self.alias.update((op.outputs[0], op.inputs[0]) for op in ops if op.kind in _VIEWS)
+            self.alias.update((op.outputs[0], op.inputs[0]) for op in ops if op.kind in VIEWS)
 
     def _read_later(self, run: tuple, ops: list[Op], last: bool) -> frozenset[str]:
         """The tensors `ops` (the run of one virtual stage and action kind) make that collectives
@@ -776,7 +776,7 @@ class _ProgramBuilder:
             def read(tensor: str) -> bool:
                 return any(user.kind is OpKind.COLLECTIVE and user.name not in names
                            and (last or user.phase is not Phase.STEP)
-                           or user.kind in _VIEWS and read(user.outputs[0])
+                           or user.kind in VIEWS and read(user.outputs[0])
                            for user in consumers.get(tensor, ()))
             memo[key] = frozenset(t for op in ops for t in op.outputs if read(t))
         self.later[run, last] = memo[key]

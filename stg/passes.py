@@ -12,7 +12,7 @@ from model_zoo import GraphOptions, Model
 from parallelism import sharding_spec
 from parallelism.pipeline import retie, tie_copies, tie_gradients, tie_pattern, untie
 from stg.autodiff import training_graph
-from stg.graph import DType, Graph, Role
+from stg.graph import DType, Graph, OpKind, Role
 from stg.plan import OPTIMIZERS, Plan
 from stg.recompute import recompute
 from stg.sharding import ShardedGraph, local_leaf, recent, shard
@@ -74,19 +74,22 @@ def _hashable(structure: Structure) -> bool:
     return True
 
 
-def structure_of(model: Model, plan: Plan, options: GraphOptions, stages) -> Structure:
-    """The structure of `plan` on `model`; `stages` (its cut) only when the cut unties weights."""
+def structure_of(model: Model, plan: Plan, options: GraphOptions, stages,
+                 widened: frozenset[str] = frozenset()) -> Structure:
+    """The structure of `plan` on `model`; `stages` (its cut) only when the cut unties weights;
+    `widened`: mesh axes in play even at degree 1 (sharding_spec; bind with unit_bound)."""
     if stages is not None and not tie_copies(model.forward_graph(options), stages):
         stages = None
     return Structure(model.config, options, stages, plan.grad_dtype, plan.optimizer, plan.recompute,
-                     sharding_spec(plan))
+                     sharding_spec(plan, widened))
 
 
 _TRAINING: dict[tuple, tuple[Graph, dict]] = {}  # differentiated graphs, shared across shardings
 _RECOMPUTED: dict[tuple, Graph] = {}  # and with their recomputation (the graphs sharding reads)
 _CACHE: dict[tuple, ShardedGraph] = {}
 _UNTIED: dict[tuple, tuple[ShardedGraph, dict]] = {}  # a tied model's, per tie pattern (Structure.passes)
-_BOUNDS: dict[tuple, ShardedGraph] = {}  # a tied model's without a cut (build's memory bound)
+_BOUNDS: dict[tuple, ShardedGraph] = {}
+_UNIT_BOUND: dict[tuple, ShardedGraph] = {}  # unit_bound's, per structure and unit axes  # a tied model's without a cut (build's memory bound)
 _HELD: dict[tuple, Counter] = {}  # held_leaves, per structure
 _HELD_ROLES = (Role.WEIGHT, Role.OPTIMIZER_STATE)
 _CACHE_SIZE = 16  # sharded graphs of the largest models hold tens of thousands of ops
@@ -137,3 +140,33 @@ def uncut_passes(structure: Structure) -> ShardedGraph | None:
     uncut = replace(structure, stages=None)
     key = uncut.key()
     return _CACHE[key] if key in _CACHE else _cached(_BOUNDS, key, uncut.passes)
+
+
+def unit_bound(structure: Structure, units: frozenset[str]) -> ShardedGraph:
+    """The structure's passes as a plan runs them whose degree is 1 on each of `units`, axes
+    the structure has in play (widened: plans of degree 1 and above share one structure, and
+    with it the passes and the analyses of memory, checks and pipeline cut, which hold alike
+    at degree 1). A collective over those axes alone moves nothing and becomes a view (no
+    node, no bytes: Megatron's mappings return their input when the group has one rank);
+    another leaves them out of its group. Every tensor keeps its name and size."""
+    sharded = symbolic_passes(structure)
+
+    def bind() -> ShardedGraph:
+        graph, ops, changed = sharded.graph, [], {}
+        for op in graph.ops:
+            if op.kind is OpKind.COLLECTIVE and not units.isdisjoint(op.attrs["axes"]):
+                axes = tuple(axis for axis in op.attrs["axes"] if axis not in units)
+                op = changed[op.name] = replace(op, kind=OpKind.CONSTRAIN) if not axes else \
+                    replace(op, attrs={**op.attrs, "axes": axes})
+            ops.append(op)
+        bound = Graph(graph.tensors, tuple(ops))
+        # its producers and consumers are the structure's with the changed ops swapped in
+        # (the maps of tens of thousands of ops, shared by every plan of the structure)
+        producer, consumers = dict(graph.producer), dict(graph.consumers)
+        for op in changed.values():
+            producer.update(dict.fromkeys(op.outputs, op))
+            for name in set(op.inputs):
+                consumers[name] = tuple(changed.get(user.name, user) for user in consumers[name])
+        bound.__dict__.update(producer=producer, consumers=consumers)
+        return replace(sharded, graph=bound, mesh_axes=tuple(axis for axis in sharded.mesh_axes if axis not in units))
+    return _cached(_UNIT_BOUND, (structure.key(), units), bind) if _hashable(structure) else bind()

@@ -5,7 +5,7 @@ import json
 import pytest
 
 from stg import Plan, evaluate
-from test_digests import GPT, PLANS, LLAMA, model_of
+from test_digests import DEEPSEEK, GPT, MIXTRAL, PLANS, LLAMA, model_of
 from stg.api import build, generate
 
 
@@ -47,6 +47,34 @@ def test_copies_of_a_layer_are_tallied_once(monkeypatch):
         build({**LLAMA, "name": f"deep-{layers}", "layers": layers}, {"tp": 2, "dp": 2, "seq": 32}, nodes=False)
         counts.append(len(runs))
     assert counts[0] == counts[1] > 0
+
+
+def test_plans_of_degree_1_share_the_structure_of_degrees_above_1(monkeypatch):
+    """Without nodes, a transformer's plan of tp, cp or dp 1 binds the structure of plans above
+    1 on them (stg/passes.py, unit_bound): a collective over a group of one rank moves
+    nothing, so the plan's stats, groups and memory are those of its own structure --
+    compared with its lowering with nodes, which keeps its own, for every pair of degrees,
+    pipeline schedules, ZeRO stages and mixture-of-experts models -- and the sixteen plans of
+    one model run the symbolic passes once."""
+    from stg.passes import Structure
+
+    passes, original = [], Structure.passes
+    monkeypatch.setattr(Structure, "passes", lambda self: passes.append(1) or original(self))
+    plans = [dict(tp=tp, cp=cp, dp=dp, pp=pp, zero=1, recompute="selective", global_batch=2 * dp, seq=32,
+                  **({"schedule": "zb-h1"} if pp > 1 and dp > 1 else {}))
+             for tp in (1, 2) for cp in (1, 2) for dp in (1, 2) for pp in (1, 2)]
+    model = {**LLAMA, "name": "unit-degrees"}  # its own structures, not the other tests' cached ones
+    for plan in plans:
+        assert build(model, plan, nodes=False).summary() == build(model, plan).summary(), plan
+    passes.clear()
+    rows = list(evaluate({**LLAMA, "name": "unit-degrees-2"}, plans))
+    assert len(passes) == 1 and all("error" not in row for row in rows)
+    for model, plan in ((MIXTRAL, dict(dp=2, ep=2, zero=3, global_batch=2)),
+                        (MIXTRAL, dict(dp=2, ep=2, cp=2, global_batch=2, expert_skew=1.0)),
+                        (DEEPSEEK, dict(dp=2, ep=2, pp=2, global_batch=4)),
+                        (GPT, dict(pp=2, dp=2, zero=1, recompute="full", global_batch=8))):
+        plan = {"seq": 32, **plan}
+        assert build(model, plan, nodes=False).summary() == build(model, plan).summary(), plan
 
 
 def test_invalid_plans_say_why():

@@ -225,7 +225,7 @@ def test_workers_do_not_change_the_result():
     candidates = [row.plan for row in alone.rows]
     chunks = _chunks(candidates, 2)
     assert sorted(map(id, sum(chunks, []))) == sorted(map(id, candidates))
-    assert all(len({structure_order(plan) for plan in chunk}) == 1 for chunk in chunks)
+    assert all(len({structure_order(plan)[:2] for plan in chunk}) == 1 for chunk in chunks)
     work = [sum(map(_work, chunk)) for chunk in chunks]
     assert work == sorted(work, reverse=True)
     with pytest.raises(PlanError, match="workers: must be a positive integer"):

@@ -122,7 +122,7 @@ def _chunks(candidates: list[Plan], workers: int) -> list[list[Plan]]:
     weighed = [(plan, _work(plan)) for plan in ordered]
     limit = sum(work for _, work in weighed) / (8 * workers)
     chunks: list[tuple[int, list[Plan]]] = []  # (work, plans)
-    for _, group in groupby(weighed, key=lambda pair: structure_order(pair[0])):
+    for _, group in groupby(weighed, key=lambda pair: structure_order(pair[0])[:2]):
         current, total = [], 0
         for plan, work in group:
             # cut only between plans that differ in more than their batch sizes: a tied
