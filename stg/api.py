@@ -278,10 +278,10 @@ def _build(model, plan, memory_limit: int | None, nodes: bool, timing: bool,
         raise PlanError(f"fp8: applies to transformer models, not {model.name} (family {model.family})")
     options = GraphOptions(plan.flash_attention, embeddings.groups if embeddings else None, plan.fp8,
                            plan.fp8_param_gather)
-    # without nodes, a plan shares the structure of plans whose degrees are above 1 where its
-    # are 1 (unit_bound): it prints nothing that names an op
+    # without nodes (or lowered for timing only), a plan shares the structure of plans whose
+    # degrees are above 1 where its are 1 (unit_bound): it writes nothing that names an op
     units = frozenset(axis for axis, size in mesh.axes if size == 1 and axis in _WIDENED) \
-        if not nodes and not timing and isinstance(model.config, TransformerConfig) else frozenset()
+        if (timing or not nodes) and isinstance(model.config, TransformerConfig) else frozenset()
     structure = structure_of(model, plan, options, stages, units)
     bindings = {
         **model.config.sizes(vocab_multiple=plan.make_vocab_divisible_by * plan.tp),
