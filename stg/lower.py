@@ -92,11 +92,6 @@ def check_divisibility(sharded: ShardedGraph, bindings: Mapping[sympy.Symbol, in
             raise LayoutError(f"{split} does not divide {logical} dimension {size}={value} of tensor {name}")
 
 
-@per_graph
-def _positions(sharded: ShardedGraph) -> dict[str, int]:
-    return {op.name: n for n, op in enumerate(sharded.graph.ops)}
-
-
 def _padded(logical: str) -> bool:
     """Dimensions split unevenly by design: expert buffers and stacked embedding rows are
     padded up per rank; a rank's share of routed ids is a mean (model_zoo/moe.py, dlrm.py)."""
@@ -222,52 +217,85 @@ class _StepPlan:
 
 
 @per_graph
-def _step_collectives(sharded: ShardedGraph) -> dict[str, tuple[Op | None, bool]]:
-    """Each step collective: the op that computes what it moves (looking through views; None
-    for one over pp) and whether a step op other than a view reads it -- the same for every
-    stage cut, which only deals them out (_step_plans)."""
-    graph, found = sharded.graph, {}
+def _step_collectives(sharded: ShardedGraph) -> tuple[list[tuple[Op, Op]], list[Op]]:
+    """The step's collectives as every stage cut deals them out (_step_plans): the reductions
+    of what a micro-batch computed, each with the op that finishes it (looking through views;
+    none for one over pp), in the order those ops run; and the rest that no step op but a
+    view reads (the new parameters' gathers), in program order."""
+    graph = sharded.graph
+    reductions, deferred = [], []
     for op in graph.ops:
         if op.phase is Phase.STEP and op.kind is OpKind.COLLECTIVE:
             made = None if "pp" in op.attrs["axes"] else _made_by(graph, op.inputs[0])
-            found[op.name] = made, any(user.kind not in VIEWS for user in graph.consumers.get(op.outputs[0], ()))
-    return found
+            if made is not None and made.phase is not Phase.STEP:
+                reductions.append((op, made))
+            elif not any(user.kind not in VIEWS for user in graph.consumers.get(op.outputs[0], ())):
+                deferred.append(op)
+    position = {op.name: n for n, op in enumerate(graph.ops)}
+    reductions.sort(key=lambda pair: position[pair[1].name])
+    return reductions, deferred
 
 
 @per_graph
 def _step_plans(sharded: ShardedGraph, stages: StagePlan, split_backward: bool) -> dict[int, _StepPlan]:
-    """Per pipeline stage, its _StepPlan."""
-    position, collectives, found = _positions(sharded), _step_collectives(sharded), {}
-    for rank, (_, _, step, _) in _stage_work(sharded, stages, split_backward).items():
-        # A reduction over pipeline stages (a tied embedding's) waits for the flush, as Megatron's
-        # embedding all-reduce does: on the one comm chain it would otherwise go ahead of sends
-        # that its peer stage needs before it can join (a deadlock).
-        made = {}  # a reduction of what a micro-batch computed -> the op that finishes it
-        for op in step:
-            by = collectives[op.name][0] if op.name in collectives else None
-            if by is not None and by.phase is not Phase.STEP:
-                made[op.name] = by
-        ready = [op for op in step if op.name in made]
-        by_run: dict[tuple, list[Op]] = {}
-        for op in sorted(ready, key=lambda op: position[made[op.name].name]):
-            by_run.setdefault(_run(made[op.name], stages, split_backward), []).append(op)
-        deferred = [op for op in step if op.name in collectives and op.name not in made
-                    and not collectives[op.name][1]]
-        found[rank] = _StepPlan(by_run, made, deferred, frozenset(made) | {op.name for op in deferred})
-    return found
+    """Per pipeline stage, its _StepPlan: the step collectives of the layers the cut gives it."""
+    # A reduction over pipeline stages (a tied embedding's) waits for the flush, as Megatron's
+    # embedding all-reduce does: on the one comm chain it would otherwise go ahead of sends
+    # that its peer stage needs before it can join (a deadlock).
+    reductions, deferred = _step_collectives(sharded)
+    rank_of: dict[int, int] = {}
+
+    def rank(layer: int) -> int:
+        if layer not in rank_of:
+            rank_of[layer] = stages.rank_and_chunk(stages.virtual_stage(layer))[0]
+        return rank_of[layer]
+    by_run: dict[int, dict[tuple, list[Op]]] = {r: {} for r in range(stages.pp)}
+    made: dict[int, dict[str, Op]] = {r: {} for r in range(stages.pp)}
+    for op, by in reductions:  # a step op is its layer's stage's (_stage_work)
+        r = rank(op.layer)
+        made[r][op.name] = by
+        by_run[r].setdefault(_run(by, stages, split_backward), []).append(op)
+    later: dict[int, list[Op]] = {r: [] for r in range(stages.pp)}
+    for op in deferred:
+        later[rank(op.layer)].append(op)
+    return {r: _StepPlan(by_run[r], made[r], later[r], frozenset(made[r]) | {op.name for op in later[r]})
+            for r in range(stages.pp)}
 
 
 @dataclass(frozen=True)
 class _BucketSteps:
     """A list of step collectives as the bucketing reads it (_ProgramBuilder._bucket_starts):
-    per op, its kind (collective name and axes), group (name, GroupHole) and byte expression,
-    each an index into the distinct ones, in order of first use; and per collective name how
-    many ops have each expression."""
+    per op, its kind (collective name and axes), group and byte expression, each an index into
+    the graph's distinct ones (_step_kinds); and per collective name how many ops have each
+    expression."""
 
     ops: list[tuple[int, int, int]]
     groups: list[tuple[str, GroupHole]]
     exprs: list[sympy.Expr]
     bytes: dict[str, Counter]
+
+
+@per_graph
+def _step_kinds(sharded: ShardedGraph) -> tuple[dict[str, tuple[int, int, int]], list[str], list, list]:
+    """Each step collective's (kind, group, byte expression) as indices into the graph's
+    distinct ones -- kinds (by collective name and axes, with each kind's collective name),
+    groups (name, GroupHole) and expressions (by identity: a block's copies share theirs) --
+    found once for the lists that every cut and plan buckets."""
+    kinds: dict[tuple, int] = {}
+    groups: dict[tuple, int] = {}
+    exprs: dict[int, int] = {}
+    found, expr_list = {}, []
+    for op in sharded.graph.ops:
+        if op.phase is Phase.STEP and op.kind is OpKind.COLLECTIVE:
+            attrs = op.attrs
+            name, axes = attrs["collective"].name, attrs["axes"]
+            expr = exprs.setdefault(id(op.bytes), len(exprs))
+            if expr == len(expr_list):
+                expr_list.append(op.bytes)
+            found[op.name] = (kinds.setdefault((name, axes), len(kinds)),
+                              groups.setdefault((name, axes, attrs.get("members")), len(groups)), expr)
+    return (found, [name for name, _ in kinds], [(name, GroupHole(axes, members)) for name, axes, members in groups],
+            expr_list)
 
 
 @per_graph
@@ -277,25 +305,14 @@ def _bucket_lists(sharded: ShardedGraph, stages: StagePlan, split_backward: bool
     return {}
 
 
-def _bucket_steps(ops: list[Op]) -> _BucketSteps:
-    """The _BucketSteps of `ops`."""
-    units: dict = {}
-    groups: dict = {}
-    exprs: dict = {}
-    steps, byte_exprs, uses = [], [], Counter()
-    for op in ops:
-        attrs = op.attrs
-        name, axes = attrs["collective"].name, attrs["axes"]
-        expr = exprs.setdefault(id(op.bytes), len(exprs))  # by identity: a block's copies share theirs
-        if expr == len(byte_exprs):
-            byte_exprs.append(op.bytes)
-        steps.append((units.setdefault((name, axes), len(units)),
-                      groups.setdefault((name, axes, attrs.get("members")), len(groups)), expr))
-        uses[name, expr] += 1
+def _bucket_steps(sharded: ShardedGraph, ops: list[Op]) -> _BucketSteps:
+    """The _BucketSteps of `ops`, step collectives of `sharded`."""
+    found, names, groups, exprs = _step_kinds(sharded)
+    steps = [found[op.name] for op in ops]
     nbytes: dict[str, Counter] = {}
-    for (name, expr), n in uses.items():
-        nbytes.setdefault(name, Counter())[expr] = n
-    return _BucketSteps(steps, [(name, GroupHole(axes, members)) for name, axes, members in groups], byte_exprs, nbytes)
+    for (kind, expr), n in Counter((kind, expr) for kind, _, expr in steps).items():
+        nbytes.setdefault(names[kind], Counter())[expr] += n
+    return _BucketSteps(steps, groups, exprs, nbytes)
 
 
 def _step_layers(ops: list[Op]) -> tuple:
@@ -665,7 +682,7 @@ class _ProgramBuilder:
         memo = _bucket_lists(self.sharded, self.pipeline.stages, self.pipeline.split_backward)
         found = memo.get(id(ops))
         if found is None or found[0] is not ops:
-            found = memo[id(ops)] = ops, _bucket_steps(ops)
+            found = memo[id(ops)] = ops, _bucket_steps(self.sharded, ops)
         return found[1]
 
     def _bucket_starts(self, ops: list[Op]) -> list[int]:
@@ -835,10 +852,10 @@ class _ProgramBuilder:
         # what collective() counts, without bucket lists
         steps = self._steps_of(ops)
         opened = Counter(steps.ops[start][1] for start in self._bucket_starts(ops))
-        for hole, (name, group) in enumerate(steps.groups):
-            if opened[hole]:
-                self.stats.comm_count[name] += opened[hole]
-                self._count_node(NodeType.COMM_COLL_NODE, group, times=opened[hole])
+        for hole, times in opened.items():
+            name, group = steps.groups[hole]
+            self.stats.comm_count[name] += times
+            self._count_node(NodeType.COMM_COLL_NODE, group, times=times)
         for name, times in steps.bytes.items():
             self.stats.comm_bytes[name] += sum(n * self.comm_ev(steps.exprs[expr]) for expr, n in times.items())
 
