@@ -129,15 +129,18 @@ class Pipeline:
 
 @per_graph
 def _segments(sharded: ShardedGraph, split_backward: bool) -> list[tuple[int, Kind | None, list[Op], dict]]:
-    """The graph's ops in program order as runs of one layer and action kind (None: the step),
-    each with its ops by coalescing unit: what a stage cut deals out whole (every cut of a
-    structure reads them). Without a split backward, a layer's input and weight gradients,
-    which alternate, are one run."""
+    """The graph's ops in program order as runs of one layer and action kind (None: the step,
+    whose runs hold the optimizer's ops: _step_plans deals out its collectives), each with its
+    ops by coalescing unit: what a stage cut deals out whole (every cut of a structure reads
+    them). Without a split backward, a layer's input and weight gradients, which alternate,
+    are one run."""
     found = []
     step = Phase.STEP
+    reductions, deferred = _step_collectives(sharded)
+    apart = {op.name for op, _ in reductions} | {op.name for op in deferred}
     key = lambda op: (op.layer, None if op.phase is step else _kind(op.phase, split_backward))  # noqa: E731
     for (layer, kind), ops in groupby(sharded.graph.ops, key=key):
-        ops = list(ops)
+        ops = list(ops) if kind is not None else [op for op in ops if op.name not in apart]
         units: dict[tuple, list[Op]] = {}
         for op in ops:
             if op.kind is OpKind.COLLECTIVE and (unit := _unit(op, sharded.graph)) is not None:
@@ -164,7 +167,7 @@ def _run(op: Op, stages: StagePlan, split_backward: bool) -> tuple[int, Kind]:
 @per_graph
 def _stage_work(sharded: ShardedGraph, stages: StagePlan, split_backward: bool) -> dict[int, tuple]:
     """Per pipeline stage, its share of the graph: per (virtual stage, action kind) its ops in
-    program order, the parameter/gradient collectives per coalescing unit, its step ops, and
+    program order, the parameter/gradient collectives per coalescing unit, its optimizer's ops, and
     per (virtual stage, action kind) its ops layer by layer, each with the key its tally is
     kept by (_add_layers: an action runs a layer's ops of its kind whole)."""
     work = {rank: ({}, {}, [], {}) for rank in range(stages.pp)}
@@ -213,7 +216,6 @@ class _StepPlan:
     reductions: Mapping[tuple, list[Op]]  # by run ((virtual stage, action kind) of _stage_work)
     made: Mapping[str, Op]  # a reduction -> the op that finishes its gradient
     deferred: list[Op]
-    skipped: frozenset[str]  # the reductions and the deferred: what the optimizer does not run
 
 
 @per_graph
@@ -258,8 +260,7 @@ def _step_plans(sharded: ShardedGraph, stages: StagePlan, split_backward: bool) 
     later: dict[int, list[Op]] = {r: [] for r in range(stages.pp)}
     for op in deferred:
         later[rank(op.layer)].append(op)
-    return {r: _StepPlan(by_run[r], made[r], later[r], frozenset(made[r]) | {op.name for op in later[r]})
-            for r in range(stages.pp)}
+    return {r: _StepPlan(by_run[r], made[r], later[r]) for r in range(stages.pp)}
 
 
 @dataclass(frozen=True)
@@ -316,9 +317,9 @@ def _bucket_steps(sharded: ShardedGraph, ops: list[Op]) -> _BucketSteps:
 
 
 def _step_layers(ops: list[Op]) -> tuple:
-    """A stage's optimizer ops layer by layer, keyed like _stage_work's: the step runs those the
-    cut leaves it."""
-    return tuple((("step layer", *(op.name for op in layer)), layer) for layer in blocks(ops))
+    """A stage's optimizer ops layer by layer, keyed like _stage_work's (a run of one layer's ops
+    in program order is its first and how many): the step runs those the cut leaves it."""
+    return tuple((("step layer", layer[0].name, len(layer)), layer) for layer in blocks(ops))
 
 
 @per_graph
@@ -860,13 +861,8 @@ class _ProgramBuilder:
             self.stats.comm_bytes[name] += sum(n * self.comm_ev(steps.exprs[expr]) for expr, n in times.items())
 
     def _optimizer(self, ops: list[Op], where: dict[str, int]) -> None:
-        for op in self._optimizer_ops(ops):
+        for op in ops:
             self.op(op, "S", where)
-
-    def _optimizer_ops(self, ops: list[Op]) -> list[Op]:
-        """The step's ops that the optimizer runs: all but the buckets and gathers."""
-        skipped = self._step_plan().skipped
-        return [op for op in ops if op.name not in skipped]
 
     def _gathers(self, where: dict[str, int]) -> None:
         self._step_buckets(self._step_plan().deferred, where)
@@ -881,8 +877,7 @@ class _ProgramBuilder:
         key = ("step", self.pipeline.stages, self.pipeline.split_backward, self.rank)
         known = tallies(self.sharded)
         if key not in known:
-            kept = self._optimizer_ops(ops)
-            known[key] = self._tallied(lambda: self._add_layers(_step_layers(kept), {}, {}, step=True), {})
+            known[key] = self._tallied(lambda: self._add_layers(_step_layers(ops), {}, {}, step=True), {})
         self._late_buckets({})
         self.holes |= known[key].holes
         self.stats.add(known[key].bind(self.ev, self.comm_ev))
