@@ -189,6 +189,12 @@ class Op:
         copy.__dict__.update(self.__dict__, name=name, inputs=inputs, outputs=outputs, layer=layer, attrs=attrs)
         return copy
 
+    def changed(self, **fields) -> "Op":
+        """This op with other `fields`, without the dataclass's __init__ (as renamed)."""
+        copy = object.__new__(Op)
+        copy.__dict__.update(self.__dict__, **fields)
+        return copy
+
     def label(self) -> str:
         """The op's printed head, e.g. `einsum[bsh,hf->bsf]`."""
         detail = self.attrs.get("spec") or self.attrs.get("fn") or self.attrs.get("norm") or self.attrs.get("tag")

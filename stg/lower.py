@@ -138,8 +138,8 @@ def _segments(sharded: ShardedGraph, split_backward: bool) -> list[tuple[int, Ki
     step = Phase.STEP
     reductions, deferred = _step_collectives(sharded)
     apart = {op.name for op, _ in reductions} | {op.name for op in deferred}
-    key = lambda op: (op.layer, None if op.phase is step else _kind(op.phase, split_backward))  # noqa: E731
-    for (layer, kind), ops in groupby(sharded.graph.ops, key=key):
+    kinds = {phase: None if phase is step else _kind(phase, split_backward) for phase in Phase}
+    for (layer, kind), ops in groupby(sharded.graph.ops, key=lambda op: (op.layer, kinds[op.phase])):
         ops = list(ops) if kind is not None else [op for op in ops if op.name not in apart]
         units: dict[tuple, list[Op]] = {}
         for op in ops:

@@ -61,9 +61,12 @@ class Structure:
         return tie_gradients(retie(sharded, theirs, ties), ties, self.stages)
 
     def key(self) -> tuple:
-        # the spec holds dicts: its printed form is the key (built in a fixed order)
-        return (self.config, self.options, self.stages, self.grad_dtype, self.optimizer, self.recompute,
-                repr(self.spec))
+        # the spec holds dicts: its printed form is the key (built in a fixed order), printed
+        # once (every plan asks for it several times)
+        if "_key" not in self.__dict__:
+            self.__dict__["_key"] = (self.config, self.options, self.stages, self.grad_dtype, self.optimizer,
+                                     self.recompute, repr(self.spec))
+        return self.__dict__["_key"]
 
 
 def _hashable(structure: Structure) -> bool:
@@ -156,8 +159,8 @@ def unit_bound(structure: Structure, units: frozenset[str]) -> ShardedGraph:
         for op in graph.ops:
             if op.kind is OpKind.COLLECTIVE and not units.isdisjoint(op.attrs["axes"]):
                 axes = tuple(axis for axis in op.attrs["axes"] if axis not in units)
-                op = changed[op.name] = replace(op, kind=OpKind.CONSTRAIN) if not axes else \
-                    replace(op, attrs={**op.attrs, "axes": axes})
+                op = changed[op.name] = op.changed(kind=OpKind.CONSTRAIN) if not axes else \
+                    op.changed(attrs={**op.attrs, "axes": axes})
             ops.append(op)
         bound = Graph(graph.tensors, tuple(ops))
         # its producers and consumers are the structure's with the changed ops swapped in
