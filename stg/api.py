@@ -46,9 +46,9 @@ from stg.symbols import ATTN_FRACTION, B, S
 
 from stg import __version__
 
-# the data, context and tensor axes: a transformer's plan without nodes shares the structure of
-# plans of degree above 1 on them (unit_bound); expert and pipeline degrees keep their own
-_WIDENED = frozenset({"dp", "cp", "tp"})
+# the data, context, tensor and expert axes: a transformer's plan without nodes shares the
+# structure of plans of degree above 1 on them (unit_bound); the pipeline degree keeps its own
+_WIDENED = frozenset({"dp", "cp", "tp", "ep"})
 
 
 @dataclass(frozen=True)

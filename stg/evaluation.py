@@ -23,7 +23,7 @@ from stg.plan import Plan
 # only in these share the symbolic passes; of a degree only whether it is above 1 matters. pp
 # splits no tensor (only a tied model's stage cut is structure, which its passes key on).
 _DEGREES = ("tp", "cp", "ep", "etp", "local_world_size")
-_WIDENED = ("tp", "cp")
+_WIDENED = ("tp", "cp", "ep")
 _BINDINGS = ("dp", "pp", "vpp", "schedule", "layers_per_stage", "micro_batch", "global_batch", "seq", "bucket_mb",
              "device", "capacity_factor", "expert_skew", "make_vocab_divisible_by")
 
@@ -39,7 +39,7 @@ def structure_order(plan) -> tuple:
         fields.pop(name, None)
     for name in _DEGREES:
         fields[name] = fields.get(name, 1) > 1
-    # plans of tp and cp 1 share the structure of those above 1 (stg/passes.py, unit_bound),
+    # plans of tp, cp and ep 1 share the structure of those above 1 (stg/passes.py, unit_bound),
     # which at tp=1 is that of sequence parallelism, tp's default
     for name in _WIDENED:
         fields.pop(name, None)

@@ -50,7 +50,7 @@ def test_copies_of_a_layer_are_tallied_once(monkeypatch):
 
 
 def test_plans_of_degree_1_share_the_structure_of_degrees_above_1(monkeypatch):
-    """Without nodes, a transformer's plan of tp, cp or dp 1 binds the structure of plans above
+    """Without nodes, a transformer's plan of tp, cp, ep or dp 1 binds the structure of plans above
     1 on them (stg/passes.py, unit_bound): a collective over a group of one rank moves
     nothing, so the plan's stats, groups and memory are those of its own structure --
     compared with its lowering with nodes, which keeps its own, for every pair of degrees,
@@ -69,9 +69,14 @@ def test_plans_of_degree_1_share_the_structure_of_degrees_above_1(monkeypatch):
     passes.clear()
     rows = list(evaluate({**LLAMA, "name": "unit-degrees-2"}, plans))
     assert len(passes) == 1 and all("error" not in row for row in rows)
+    passes.clear()
+    rows = list(evaluate({**MIXTRAL, "name": "unit-experts"}, [dict(dp=2, ep=ep, global_batch=2, seq=32) for ep in (1, 2)]))
+    assert len(passes) == 1 and all("error" not in row for row in rows)
     for model, plan in ((MIXTRAL, dict(dp=2, ep=2, zero=3, global_batch=2)),
                         (MIXTRAL, dict(dp=2, ep=2, cp=2, global_batch=2, expert_skew=1.0)),
                         (DEEPSEEK, dict(dp=2, ep=2, pp=2, global_batch=4)),
+                        (MIXTRAL, dict(dp=2, tp=2, zero=1, global_batch=2)),
+                        (DEEPSEEK, dict(dp=2, pp=2, zero=1, global_batch=4)),
                         (GPT, dict(pp=2, dp=2, zero=1, recompute="full", global_batch=8))):
         plan = {"seq": 32, **plan}
         assert build(model, plan, nodes=False).summary() == build(model, plan).summary(), plan
