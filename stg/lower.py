@@ -27,7 +27,9 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass, replace
 from functools import cached_property
+from bisect import bisect_right
 from itertools import groupby, pairwise
+from operator import attrgetter
 from typing import Callable, Mapping
 
 import sympy
@@ -44,7 +46,7 @@ from stg.program import (ClassStats, GroupHole, NodeType, RankHole, RankProgram,
 from stg.repeats import ActionNodes, ActionTally, add_to, tallies
 from stg.schedule import Action, Kind, Order, order, virtual_stage
 from stg.shapes import moved_here, shape_of
-from stg.sharding import ShardedGraph, per_graph
+from stg.sharding import ShardedGraph, op_places, per_graph
 
 
 class Evaluator:
@@ -134,18 +136,35 @@ def _segments(sharded: ShardedGraph, split_backward: bool) -> list[tuple[int, Ki
     ops by coalescing unit: what a stage cut deals out whole (every cut of a structure reads
     them). Without a split backward, a layer's input and weight gradients, which alternate,
     are one run."""
-    found = []
-    step = Phase.STEP
+    found, graph = [], sharded.graph
     reductions, deferred = _step_collectives(sharded)
     apart = {op.name for op, _ in reductions} | {op.name for op in deferred}
-    kinds = {phase: None if phase is step else _kind(phase, split_backward) for phase in Phase}
-    for (layer, kind), ops in groupby(sharded.graph.ops, key=lambda op: (op.layer, kinds[op.phase])):
-        ops = list(ops) if kind is not None else [op for op in ops if op.name not in apart]
+    for start, end, layer, kind, collectives in _segment_places(sharded.skeleton, split_backward):
+        ops = list(graph.ops[start:end]) if kind is not None else \
+            [op for op in graph.ops[start:end] if op.name not in apart]
         units: dict[tuple, list[Op]] = {}
-        for op in ops:
-            if op.kind is OpKind.COLLECTIVE and (unit := _unit(op, sharded.graph)) is not None:
+        for place in collectives:
+            op = graph.ops[place]
+            if op.kind is OpKind.COLLECTIVE and op.name not in apart and (unit := _unit(op, graph)) is not None:
                 units.setdefault(unit, []).append(op)
         found.append((layer, kind, ops, units))
+    return found
+
+
+@per_graph
+def _segment_places(skeleton: ShardedGraph, split_backward: bool) -> list[tuple[int, int, int, Kind | None, list[int]]]:
+    """_segments's runs by place (start, end, layer, kind, and the places of the collectives
+    among them): the same in every graph bound from the skeleton."""
+    ops, step = skeleton.graph.ops, Phase.STEP
+    kinds = {phase: None if phase is step else _kind(phase, split_backward) for phase in Phase}
+    found, start = [], 0
+    for (layer, kind), run in groupby(ops, key=lambda op: (op.layer, kinds[op.phase])):
+        end = start + sum(1 for _ in run)
+        found.append((start, end, layer, kind, []))
+        start = end
+    ends = [end for _, end, _, _, _ in found]
+    for place in op_places(skeleton).collectives:
+        found[bisect_right(ends, place)][4].append(place)
     return found
 
 
@@ -224,17 +243,17 @@ def _step_collectives(sharded: ShardedGraph) -> tuple[list[tuple[Op, Op]], list[
     of what a micro-batch computed, each with the op that finishes it (looking through views;
     none for one over pp), in the order those ops run; and the rest that no step op but a
     view reads (the new parameters' gathers), in program order."""
-    graph = sharded.graph
+    graph, places = sharded.graph, op_places(sharded.skeleton)
     reductions, deferred = [], []
-    for op in graph.ops:
-        if op.phase is Phase.STEP and op.kind is OpKind.COLLECTIVE:
+    for place in places.step_collectives:
+        op = graph.ops[place]
+        if op.kind is OpKind.COLLECTIVE:  # not bound to a view
             made = None if "pp" in op.attrs["axes"] else _made_by(graph, op.inputs[0])
             if made is not None and made.phase is not Phase.STEP:
                 reductions.append((op, made))
             elif not any(user.kind not in VIEWS for user in graph.consumers.get(op.outputs[0], ())):
                 deferred.append(op)
-    position = {op.name: n for n, op in enumerate(graph.ops)}
-    reductions.sort(key=lambda pair: position[pair[1].name])
+    reductions.sort(key=lambda pair: places.place[pair[1].name])
     return reductions, deferred
 
 
@@ -244,7 +263,6 @@ def _step_plans(sharded: ShardedGraph, stages: StagePlan, split_backward: bool) 
     # A reduction over pipeline stages (a tied embedding's) waits for the flush, as Megatron's
     # embedding all-reduce does: on the one comm chain it would otherwise go ahead of sends
     # that its peer stage needs before it can join (a deadlock).
-    reductions, deferred = _step_collectives(sharded)
     rank_of: dict[int, int] = {}
 
     def rank(layer: int) -> int:
@@ -253,14 +271,27 @@ def _step_plans(sharded: ShardedGraph, stages: StagePlan, split_backward: bool) 
         return rank_of[layer]
     by_run: dict[int, dict[tuple, list[Op]]] = {r: {} for r in range(stages.pp)}
     made: dict[int, dict[str, Op]] = {r: {} for r in range(stages.pp)}
-    for op, by in reductions:  # a step op is its layer's stage's (_stage_work)
-        r = rank(op.layer)
-        made[r][op.name] = by
-        by_run[r].setdefault(_run(by, stages, split_backward), []).append(op)
+    for layer, by_layer, kind, ops, made_by in _reduction_runs(sharded, split_backward):
+        r = rank(layer)  # a step op is its layer's stage's (_stage_work)
+        made[r].update(made_by)
+        by_run[r].setdefault((stages.virtual_stage(by_layer), kind), []).extend(ops)
     later: dict[int, list[Op]] = {r: [] for r in range(stages.pp)}
-    for op in deferred:
+    for op in _step_collectives(sharded)[1]:
         later[rank(op.layer)].append(op)
     return {r: _StepPlan(by_run[r], made[r], later[r]) for r in range(stages.pp)}
+
+
+@per_graph
+def _reduction_runs(sharded: ShardedGraph, split_backward: bool) -> list[tuple[int, int, Kind, list[Op], dict]]:
+    """_step_collectives's reductions in runs of one layer whose ops are finished by ops of one
+    layer and action kind: (the layer, the finishing layer, its kind, the reductions, each's
+    finishing op), what a stage cut deals out whole (_step_plans)."""
+    runs = []
+    for (layer, by_layer, kind), pairs in groupby(_step_collectives(sharded)[0], key=lambda pair: (
+            pair[0].layer, pair[1].layer, _kind(pair[1].phase, split_backward))):
+        pairs = list(pairs)
+        runs.append((layer, by_layer, kind, [op for op, _ in pairs], {op.name: by for op, by in pairs}))
+    return runs
 
 
 @dataclass(frozen=True)
@@ -285,9 +316,9 @@ def _step_kinds(sharded: ShardedGraph) -> tuple[dict[str, tuple[int, int, int]],
     kinds: dict[tuple, int] = {}
     groups: dict[tuple, int] = {}
     exprs: dict[int, int] = {}
-    found, expr_list = {}, []
-    for op in sharded.graph.ops:
-        if op.phase is Phase.STEP and op.kind is OpKind.COLLECTIVE:
+    found, expr_list, ops = {}, [], sharded.graph.ops
+    for place in op_places(sharded.skeleton).step_collectives:
+        if (op := ops[place]).kind is OpKind.COLLECTIVE:  # not bound to a view
             attrs = op.attrs
             name, axes = attrs["collective"].name, attrs["axes"]
             expr = exprs.setdefault(id(op.bytes), len(exprs))
@@ -343,6 +374,7 @@ def _reads_later(sharded: ShardedGraph) -> dict:
 
 
 _TYPE_NAMES = {kind: kind.name for kind in NodeType}
+_NAME = attrgetter("name")
 
 
 class _ProgramBuilder:
@@ -660,7 +692,7 @@ class _ProgramBuilder:
         copies of a block) adds what that one adds, and makes its tensors under its own names:
         it is not run again."""
         origins = self.sharded.origins
-        alike = ("alike", step, tuple(origins.get(op.name) for op in ops))
+        alike = ("alike", step, tuple(map(origins.get, map(_NAME, ops))))
         if alike in known:
             tally, places = known[alike]
             return replace(tally, made=tuple(ops[i].outputs[j] for i, j in places))

@@ -15,7 +15,7 @@ from stg.autodiff import training_graph
 from stg.graph import DType, Graph, OpKind, Role
 from stg.plan import OPTIMIZERS, Plan
 from stg.recompute import recompute
-from stg.sharding import ShardedGraph, local_leaf, recent, shard
+from stg.sharding import ShardedGraph, local_leaf, op_places, recent, shard
 
 
 @dataclass(frozen=True)
@@ -155,21 +155,22 @@ def unit_bound(structure: Structure, units: frozenset[str]) -> ShardedGraph:
     sharded = symbolic_passes(structure)
 
     def bind() -> ShardedGraph:
-        graph, ops, changed = sharded.graph, [], {}
-        for op in graph.ops:
-            if op.kind is OpKind.COLLECTIVE and not units.isdisjoint(op.attrs["axes"]):
+        graph, changed = sharded.graph, {}
+        ops = list(graph.ops)
+        for place in op_places(sharded).collectives:
+            op = ops[place]
+            if not units.isdisjoint(op.attrs["axes"]):
                 axes = tuple(axis for axis in op.attrs["axes"] if axis not in units)
-                op = changed[op.name] = op.changed(kind=OpKind.CONSTRAIN) if not axes else \
+                ops[place] = changed[op.name] = op.changed(kind=OpKind.CONSTRAIN) if not axes else \
                     op.changed(attrs={**op.attrs, "axes": axes})
-            ops.append(op)
         bound = Graph(graph.tensors, tuple(ops))
         # its producers and consumers are the structure's with the changed ops swapped in
         # (the maps of tens of thousands of ops, shared by every plan of the structure)
         producer, consumers = dict(graph.producer), dict(graph.consumers)
-        for op in changed.values():
-            producer.update(dict.fromkeys(op.outputs, op))
-            for name in set(op.inputs):
-                consumers[name] = tuple(changed.get(user.name, user) for user in consumers[name])
+        producer.update((name, op) for op in changed.values() for name in op.outputs)
+        for name in {name for op in changed.values() for name in op.inputs}:  # each read tensor once
+            consumers[name] = tuple(changed.get(user.name, user) for user in consumers[name])
         bound.__dict__.update(producer=producer, consumers=consumers)
-        return replace(sharded, graph=bound, mesh_axes=tuple(axis for axis in sharded.mesh_axes if axis not in units))
+        return replace(sharded, graph=bound, mesh_axes=tuple(axis for axis in sharded.mesh_axes if axis not in units),
+                       base=sharded)
     return _cached(_UNIT_BOUND, (structure.key(), units), bind) if _hashable(structure) else bind()

@@ -88,9 +88,18 @@ class ShardedGraph:
     # op -> (its block's template, its place in it): two ops of one origin are one op of two
     # copies of a block, alike up to names (what a lowering may tally once for both)
     origins: Mapping[str, tuple[int, int]] = field(default_factory=dict)
+    # the graph whose ops this one has place by place -- the same names, layers and phases,
+    # some collectives bound to fewer axes or to views (stg/passes.py, unit_bound) -- or None
+    base: ShardedGraph | None = None
 
     def describe(self, tensor: str) -> str:
         return self.layouts[tensor].describe(self.global_tensors[tensor].shape)
+
+    @property
+    def skeleton(self) -> ShardedGraph:
+        """The graph that what depends only on the ops' places, names, layers and phases is
+        found on once, for every graph bound from it."""
+        return self if self.base is None else self.base
 
 
 class _Sharder:
@@ -398,6 +407,25 @@ def per_graph(fn=None, *, limit: int = 8):
             hit = memo[key] = (sharded, fn(sharded, *args))
         return hit[1]
     return wrapper
+
+
+@dataclass(frozen=True)
+class OpPlaces:
+    """Where a graph's ops stand: each op's place by name, and the places of its collectives
+    (of its step's apart), which a graph bound from it (ShardedGraph.base) keeps or turns
+    into views."""
+
+    place: Mapping[str, int]
+    collectives: tuple[int, ...]
+    step_collectives: tuple[int, ...]
+
+
+@per_graph
+def op_places(skeleton: ShardedGraph) -> OpPlaces:
+    ops = skeleton.graph.ops
+    collectives = tuple(n for n, op in enumerate(ops) if op.kind is OpKind.COLLECTIVE)
+    return OpPlaces({op.name: n for n, op in enumerate(ops)}, collectives,
+                    tuple(n for n in collectives if ops[n].phase is Phase.STEP))
 
 
 def recent(cache: dict, key, make, limit: int):
