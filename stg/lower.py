@@ -25,7 +25,7 @@ Collectives that move parameters or gradients are coalesced, as frameworks do:
 from __future__ import annotations
 
 from collections import Counter
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from functools import cached_property
 from bisect import bisect_right
 from itertools import groupby, pairwise
@@ -299,12 +299,14 @@ class _BucketSteps:
     """A list of step collectives as the bucketing reads it (_ProgramBuilder._bucket_starts):
     per op, its kind (collective name and axes), group and byte expression, each an index into
     the graph's distinct ones (_step_kinds); and per collective name how many ops have each
-    expression."""
+    expression. `opened` keeps, per values of the expressions and bucket size, the groups
+    its buckets open (a plan's sizes cut the buckets; plans of one size share them)."""
 
     ops: list[tuple[int, int, int]]
     groups: list[tuple[str, GroupHole]]
     exprs: list[sympy.Expr]
     bytes: dict[str, Counter]
+    opened: dict[tuple, Counter] = field(default_factory=dict)
 
 
 @per_graph
@@ -884,7 +886,10 @@ class _ProgramBuilder:
             return
         # what collective() counts, without bucket lists
         steps = self._steps_of(ops)
-        opened = Counter(steps.ops[start][1] for start in self._bucket_starts(ops))
+        key = (tuple(map(self.comm_ev, steps.exprs)), self.bucket_bytes)
+        opened = steps.opened.get(key)
+        if opened is None:
+            opened = steps.opened[key] = Counter(steps.ops[start][1] for start in self._bucket_starts(ops))
         for hole, times in opened.items():
             name, group = steps.groups[hole]
             self.stats.comm_count[name] += times
