@@ -24,10 +24,10 @@ Collectives that move parameters or gradients are coalesced, as frameworks do:
 
 from __future__ import annotations
 
+from bisect import bisect_right
 from collections import Counter
 from dataclasses import dataclass, field, replace
 from functools import cached_property
-from bisect import bisect_right
 from itertools import groupby, pairwise
 from operator import attrgetter
 from typing import Callable, Mapping

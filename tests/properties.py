@@ -19,8 +19,6 @@
 
 from __future__ import annotations
 
-import math
-
 import sympy
 
 from stg.api import Workload, build

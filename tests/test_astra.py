@@ -74,9 +74,10 @@ def _cost(net, ctype, size, members, world):
 def test_ring_all_to_all_relays_around_the_ring():
     # ASTRA-sim's ring all-to-all: n(n-1)/2 messages of S/n, one after the other
     S, n = 8 * 10**6, 4  # tier 0: 1e5 B/us, 2 us a step
-    assert _cost(TWO, pb.ALL_TO_ALL, S, range(4), 16) == pytest.approx(6 * 2 + 6 * (S / 4) / 1e5)
+    messages = n * (n - 1) // 2
+    assert _cost(TWO, pb.ALL_TO_ALL, S, range(n), 16) == pytest.approx(messages * 2 + messages * (S / n) / 1e5)
     direct = network_from_dict({"tiers": [{"size": None, "bandwidth_gbps": 100, "latency_us": 2, "efficiency": 1}]})
-    assert _cost(direct, pb.ALL_TO_ALL, S, range(4), 4) == pytest.approx(3 * 2 + 3 * (S / 4) / 1e5)
+    assert _cost(direct, pb.ALL_TO_ALL, S, range(n), n) == pytest.approx((n - 1) * 2 + (n - 1) * (S / n) / 1e5)
 
 
 def test_collective_over_every_rank_runs_tier_by_tier():
