@@ -44,6 +44,8 @@ def structure_order(plan) -> tuple:
     for name in _WIDENED:
         fields.pop(name, None)
     fields["sp"] = plan.sp or plan.tp == 1
+    if plan.pp > 1:  # ZeRO-2/3 under a pipeline store what ZeRO-1 stores (parallelism/zero.py)
+        fields["zero"] = min(plan.zero, 1)
     return repr(sorted(fields.items())), tuple(getattr(plan, name) > 1 for name in _WIDENED), plan.pp
 
 

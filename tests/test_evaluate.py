@@ -82,6 +82,25 @@ def test_plans_of_degree_1_share_the_structure_of_degrees_above_1(monkeypatch):
         assert build(model, plan, nodes=False).summary() == build(model, plan).summary(), plan
 
 
+def test_zero_2_and_3_under_a_pipeline_are_grouped_with_zero_1(monkeypatch):
+    """Under a pipeline ZeRO-2/3 store what ZeRO-1 stores (parallelism/zero.py, as
+    torch.distributed.pipelining and TorchTitan run FSDP under pp), so they are one structure
+    with zero 1's: evaluate groups them with it and runs the passes once; without a pipeline
+    each stage is its own."""
+    from stg.evaluation import structure_order
+    from stg.passes import Structure
+
+    def group(**fields):
+        return structure_order(Plan(dp=2, global_batch=4, seq=32, **fields))[0]
+    assert group(zero=3, pp=2) == group(zero=2, pp=2) == group(zero=1, pp=2) == group(zero=1)
+    assert len({group(zero=1), group(zero=2), group(zero=3)}) == 3
+    passes, original = [], Structure.passes
+    monkeypatch.setattr(Structure, "passes", lambda self: passes.append(1) or original(self))
+    rows = list(evaluate({**LLAMA, "name": "zero-under-pp"},
+                         [dict(dp=2, pp=2, zero=zero, global_batch=4, seq=32) for zero in (1, 2, 3)]))
+    assert len(passes) == 1 and all("error" not in row for row in rows)
+
+
 def test_invalid_plans_say_why():
     rows = list(evaluate(LLAMA, [Plan(tp=3, global_batch=1, seq=32), Plan(dp=2, global_batch=2, seq=32)]))
     assert "tp=3 does not divide" in rows[0]["error"] and "error" not in rows[1]
