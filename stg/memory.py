@@ -160,9 +160,33 @@ def _stage_share(sharded: ShardedGraph, stages, rank: int) -> tuple:
                 leaves[(role, table, table_state, nbytes)] += count
         casts = Counter(nbytes for layer in mine for nbytes in index.by_layer[layer][1])
         grads = Counter({g: nbytes for layer in mine for g, nbytes in index.by_layer[layer][2]}.values())
-        saved = [(layer, index.saved[layer]) for layer in mine if layer in index.saved]
-        shares[rank] = tuple(leaves.items()), tuple(casts.items()), tuple(grads.items()), saved
+        shares[rank] = (tuple(leaves.items()), tuple(casts.items()), tuple(grads.items()),
+                        _saved(index, sorted(layer for layer in mine if layer in index.saved), stages))
     return shares[rank]
+
+
+@dataclass(frozen=True)
+class _Saved:
+    """A stage's saved tensors by pattern (what one layer keeps: the copies of a block keep
+    alike ones, sized once per plan): the distinct patterns, each layer's pattern in layer
+    order, and per pattern how many of its layers each chunk holds."""
+
+    patterns: tuple[tuple[tuple[sympy.Expr, int, int], ...], ...]
+    layers: tuple[tuple[int, int], ...]  # (layer, its pattern's place)
+    chunks: tuple[tuple[tuple[int, int], ...], ...]  # per pattern: (chunk, layers)
+
+
+def _saved(index: _Index, layers: list[int], stages) -> _Saved:
+    places: dict[tuple, int] = {}
+    chunks: list[Counter] = []
+    found = []
+    for layer in layers:
+        place = places.setdefault(index.saved[layer], len(places))
+        if place == len(chunks):
+            chunks.append(Counter())
+        chunks[place][0 if stages is None else stages.rank_and_chunk(stages.virtual_stage(layer))[1]] += 1
+        found.append((layer, place))
+    return _Saved(tuple(places), tuple(found), tuple(tuple(sorted(counts.items())) for counts in chunks))
 
 
 def memory(sharded: ShardedGraph, evaluate: Evaluator, stages=None, in_flight=None, rank: int = 0) -> Memory:
@@ -183,36 +207,28 @@ def memory(sharded: ShardedGraph, evaluate: Evaluator, stages=None, in_flight=No
     gradients = sum(n * evaluate(nbytes) for nbytes, n in grads)
     # saved tensors per block: freed after the backward's B pass, or kept until its W pass;
     # the copies of a block keep alike tensors, whose sizes are found once
-    by_layer: Counter = Counter()
-    until_w: Counter = Counter()
-    sized: dict[tuple, tuple[int, int, bool]] = {}  # kept -> (bytes, bytes a W pass reads, read by one)
-    for layer, kept in saved:
-        if kept not in sized:
-            sizes = [(n, read_by_w, evaluate(nbytes)) for nbytes, n, read_by_w in kept]
-            sized[kept] = (sum(n * size for n, _, size in sizes), sum(w * size for _, w, size in sizes),
-                           any(w for _, w, _ in sizes))
-        total, late, read_by_w = sized[kept]
-        by_layer[layer] += total
-        if read_by_w:
-            until_w[layer] += late
+    sized = []  # per pattern: (its bytes, the bytes a W pass reads)
+    for kept in saved.patterns:
+        sizes = [(n, read_by_w, evaluate(nbytes)) for nbytes, n, read_by_w in kept]
+        sized.append((sum(n * size for n, _, size in sizes), sum(w * size for _, w, size in sizes)))
+    by_layer = {layer: sized[place][0] for layer, place in saved.layers}
     if in_flight is None:
         activations = sum(by_layer.values())
     else:
-        activations = _peak(in_flight, by_layer, until_w, stages)
-    return Memory(weights, gradients, states, activations, dict(sorted(by_layer.items())), *embedding)
+        activations = _peak(in_flight, saved, sized)
+    return Memory(weights, gradients, states, activations, by_layer, *embedding)
 
 
-def _peak(in_flight, by_layer: Counter, until_w: Counter, stages) -> int:
+def _peak(in_flight, saved: _Saved, sized: list[tuple[int, int]]) -> int:
     """Most bytes held while running the schedule: a forward adds its chunk's saved tensors,
     its B pass frees those only B reads, its W pass the rest; at each point of `in_flight`
     (stg.schedule.StageDigest) a chunk holds all its saved bytes for each micro-batch between
     F and B, and those W reads for each between B and W."""
-    def per_chunk(counter: Counter) -> Counter:
-        chunks: Counter = Counter()
-        for layer, size in counter.items():
-            chunks[0 if stages is None else stages.rank_and_chunk(stages.virtual_stage(layer))[1]] += size
-        return chunks
-
-    totals, lates = per_chunk(by_layer), per_chunk(until_w)
+    totals: Counter = Counter()
+    lates: Counter = Counter()
+    for (total, late), chunks in zip(sized, saved.chunks):
+        for chunk, layers in chunks:
+            totals[chunk] += layers * total
+            lates[chunk] += layers * late
     weights = [size for c in range(len(in_flight[0]) // 2) for size in (totals[c], lates[c])]
     return max(sum(w * n for w, n in zip(weights, point) if n) for point in in_flight)
