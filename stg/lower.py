@@ -43,7 +43,7 @@ from parallelism.pipeline import Edge, StagePlan
 from stg.blocks import blocks
 from stg.program import (ClassStats, GroupHole, NodeType, RankHole, RankProgram, ReplayChunks, TraceNode,
                          merged_runs, replay_nodes)
-from stg.repeats import ActionNodes, ActionTally, add_to, tallies
+from stg.repeats import ActionNodes, ActionTally, add_to, combined, tallies
 from stg.schedule import Action, Kind, Order, order, virtual_stage
 from stg.shapes import moved_here, shape_of
 from stg.sharding import ShardedGraph, op_places, per_graph
@@ -409,7 +409,6 @@ class _ProgramBuilder:
         self.stats = ClassStats()
         self.keep_nodes = keep_nodes
         self.holes: set = set()  # without nodes, the holes they would have had
-        self.repeats: dict[tuple, tuple[ClassStats, tuple[str, ...]]] = {}  # without nodes: per action key
         self.terms: Counter | None = None  # the tally of the action being run, without nodes
         self.op_costs: dict[str, tuple[int, int, float, str]] = {}
         self.comm_ids: set[int] = set()  # nodes that are not COMP
@@ -736,21 +735,19 @@ class _ProgramBuilder:
     def buckets(self, ops: list[Op]) -> list[list[Op]]:
         return [ops[start:end] for start, end in pairwise([*self._bucket_starts(ops), len(ops)])]
 
-    def _action_stats(self, action: Action, units: dict, found: Callable[[], dict], key: tuple):
-        """An action's stats (without nodes) and the tensors it makes that a later action of its
-        micro-batch may ask for (received, or the cut's edge tensors: _add_layers). Its tally --
-        how many times each expression is added to each field, and its node counts -- holds for
-        every plan of this structure and stage cut (a final action's buckets are part of the
-        key), so a later plan binds the tally to its own numbers instead of running the ops again."""
+    def _action_tally(self, action: Action, units: dict, found: Callable[[], dict], key: tuple) -> ActionTally:
+        """An action's tally without nodes -- how many times each expression is added to each
+        field, its node counts, and the tensors it makes that a later action of its micro-batch
+        may ask for (received, or the cut's edge tensors: _add_layers) -- which holds for every
+        plan of this structure and stage cut (a final action's buckets are part of the key), so a
+        later plan binds it to its own numbers instead of running the ops again."""
         flushes = self.flushes.get(key[:2], ()) if key[2] else ()
         known = tallies(self.sharded)
         shared = (self.pipeline.stages, self.pipeline.split_backward, self.rank, key, flushes)
         if shared not in known:  # `found()`: the tensors its micro-batch's earlier actions made
             here = found()
             known[shared] = self._tallied(lambda: self._tally_action(action, units, here, key[2]), here)
-        tally = known[shared]
-        self.holes |= tally.holes
-        return tally.bind(self.ev, self.comm_ev), tally.made
+        return known[shared]
 
     def _tallied(self, run, where: dict) -> ActionTally:
         """What `run()` adds, recorded apart from the class's running stats: the terms, node
@@ -941,25 +938,38 @@ class _ProgramBuilder:
         return where
 
     def _count_actions(self, units: dict) -> None:
-        """Without nodes: the stats of every action, by key. A long pipeline runs a million
-        actions of a few keys, and a micro-batch's keys follow from the chunks and kinds of its
-        actions in order (and which of them is the last of its chunk and kind): each distinct
-        sequence (the stage's walks, stg.schedule.StageDigest) is walked once."""
+        """Without nodes: the stats of every action, from one tally of the stage's actions kept
+        per structure, stage cut, schedule and gradient buckets (_stage_tally): a further plan
+        binds it once."""
+        pipeline = self.pipeline
+        key = ("stage", pipeline.order, self.rank, pipeline.stages, pipeline.split_backward, tuple(self.flushes.items()))
+        known = tallies(self.sharded)
+        if key not in known:
+            known[key] = self._stage_tally(units)
+        self.holes |= known[key].holes
+        self.stats.add(known[key].bind(self.ev, self.comm_ev))
+
+    def _stage_tally(self, units: dict) -> ActionTally:
+        """The stage's actions' tallies, each added as often as the schedule runs its key. A
+        long pipeline runs a million actions of a few keys, and a micro-batch's keys follow from
+        the chunks and kinds of its actions in order (and which of them is the last of its chunk
+        and kind): each distinct sequence (the stage's walks, stg.schedule.StageDigest) is
+        walked once."""
         pp = self.pipeline.stages.pp
         times: Counter = Counter()
+        found: dict[tuple, ActionTally] = {}
         for sequence, lasts, count in self.pipeline.order.digest(self.rank).walks:
             history, earlier = (), []
             for action, is_last in zip(sequence, lasts):
                 stage = virtual_stage(self.rank, action.chunk, pp)
                 key = self._key(stage, action.kind, is_last, history)
-                if key not in self.repeats:  # it finds what its micro-batch's earlier actions made
-                    self.repeats[key] = self._action_stats(
-                        action, units, lambda: dict.fromkeys(n for k in earlier for n in self.repeats[k][1]), key)
+                if key not in found:  # it finds what its micro-batch's earlier actions made
+                    found[key] = self._action_tally(
+                        action, units, lambda: dict.fromkeys(n for k in earlier for n in found[k].made), key)
                 earlier.append(key)
                 history += ((stage, action.kind),)
                 times[key] += count
-        for key, count in times.items():  # one add per key
-            self.stats.add(self.repeats[key][0], count)
+        return combined((found[key], count) for key, count in times.items())
 
     def build(self) -> list[TraceNode]:
         stages = self.pipeline.stages

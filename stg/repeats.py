@@ -10,7 +10,7 @@ from collections import Counter
 from dataclasses import dataclass, replace
 from functools import cache, cached_property
 from itertools import islice
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Iterable
 
 import numpy as np
 
@@ -37,6 +37,18 @@ class ActionTally:
         for (field, key, comm, expr), times in self.terms.items():
             add_to(stats, field, key, times * (comm_evaluate if comm else evaluate)(expr))
         return stats
+
+
+def combined(parts: Iterable[tuple[ActionTally, int]]) -> ActionTally:
+    """One tally that adds what each (tally, times) of `parts` adds, `times` over (a stage's
+    actions: the terms they share are bound once)."""
+    terms: Counter = Counter()
+    counts, holes = ClassStats(), set()
+    for tally, times in parts:
+        terms.update({term: n * times for term, n in tally.terms.items()})
+        counts.add(tally.counts, times)
+        holes |= tally.holes
+    return ActionTally(terms, counts, frozenset(holes), ())
 
 
 def add_to(stats: ClassStats, field: str, key: str | None, value: int) -> None:
