@@ -22,27 +22,39 @@ class _NotCompiled(Exception):
     pass
 
 
-def _source(expr: sympy.Basic, names: dict[sympy.Symbol, str]) -> str:
+def _quotient(above: int | Fraction, below: int | Fraction) -> int | Fraction:
+    """above / below, exactly: an int where it divides (most sizes do: a Fraction costs its
+    gcd), else a Fraction."""
+    if type(above) is int and type(below) is int:
+        whole, rest = divmod(above, below)
+        if not rest:
+            return whole
+    return Fraction(above, below)
+
+
+def _source(expr: sympy.Basic, names: dict[sympy.Symbol, str], constants: dict[str, Fraction]) -> str:
     if expr.is_Integer:
         return repr(int(expr))
-    if expr.is_Rational:
-        return f"_F({int(expr.p)}, {int(expr.q)})"
+    if expr.is_Rational:  # made once, a global of the compiled function
+        name = f"c{len(constants)}"
+        constants[name] = Fraction(int(expr.p), int(expr.q))
+        return name
     if expr.is_Symbol:
         return names.setdefault(expr, f"v{len(names)}")
     if expr.is_Add:
-        return "(" + " + ".join(_source(term, names) for term in expr.args) + ")"
+        return "(" + " + ".join(_source(term, names, constants) for term in expr.args) + ")"
     if expr.is_Mul:
         above, below = [], []
         for factor in expr.args:
             if factor.is_Pow and factor.exp.is_Integer and factor.exp < 0:
-                below.append(_source(factor.base ** -factor.exp, names))
+                below.append(_source(factor.base ** -factor.exp, names, constants))
             else:
-                above.append(_source(factor, names))
+                above.append(_source(factor, names, constants))
         product = " * ".join(above) or "1"
-        return f"_F({product}, {' * '.join(below)})" if below else f"({product})"
+        return f"_Q({product}, {' * '.join(below)})" if below else f"({product})"
     if expr.is_Pow and expr.exp.is_Integer:
-        base = _source(expr.base, names)
-        return f"({base} ** {int(expr.exp)})" if expr.exp >= 0 else f"_F(1, {base} ** {-int(expr.exp)})"
+        base = _source(expr.base, names, constants)
+        return f"({base} ** {int(expr.exp)})" if expr.exp >= 0 else f"_Q(1, {base} ** {-int(expr.exp)})"
     raise _NotCompiled
 
 
@@ -51,22 +63,24 @@ def compiled(expr: sympy.Expr) -> tuple[Callable, tuple[sympy.Symbol, ...]] | No
     """(f, symbols) such that f(*their values) is `expr`'s exact value, the values ints or
     Fractions; None when `expr` is not a sum of products of powers (see above)."""
     names: dict[sympy.Symbol, str] = {}
+    constants: dict[str, Fraction] = {}
     try:
-        body = _source(sympy.sympify(expr), names)
+        body = _source(sympy.sympify(expr), names, constants)
     except _NotCompiled:
         return None
-    return eval(f"lambda {', '.join(names.values())}: {body}", {"_F": Fraction}), tuple(names)
+    return eval(f"lambda {', '.join(names.values())}: {body}", {"_Q": _quotient, **constants}), tuple(names)
 
 
 def value(expr: sympy.Expr, numbers: Mapping[sympy.Symbol, int | Fraction]) -> int | Fraction | None:
     """`expr`'s exact value under `numbers` (exact bindings, see `exact`), or None where it is
     not compiled or holds a symbol that `numbers` lacks (sympy then decides)."""
     found = compiled(expr)
-    if found is None or not all(symbol in numbers for symbol in found[1]):
+    if found is None:
         return None
+    function, symbols = found
     try:
-        return found[0](*(numbers[symbol] for symbol in found[1]))
-    except ZeroDivisionError:
+        return function(*[numbers[symbol] for symbol in symbols])
+    except (KeyError, ZeroDivisionError):  # a symbol without an exact value, or a zero size
         return None
 
 
