@@ -16,7 +16,7 @@ give ep and dp without `plan_version: 2`, with the conversion in the message.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, fields
+from dataclasses import dataclass, fields
 from enum import Enum
 from pathlib import Path
 from typing import Any, Mapping
@@ -265,7 +265,7 @@ class Plan:
         return cls.from_dict({**data, **(overrides or {})}, where=f"plan file {path}")
 
     def to_dict(self) -> dict[str, Any]:
-        data = asdict(self)
+        data = {field.name: getattr(self, field.name) for field in fields(self)}  # a plan's values are flat
         data["attention_flops"] = self.attention_flops.value
         data["recompute"] = self.recompute.value
         if isinstance(self.layers_per_stage, tuple):
