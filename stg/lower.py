@@ -719,12 +719,11 @@ class _ProgramBuilder:
             found = memo[id(ops)] = ops, _bucket_steps(self.sharded, ops)
         return found[1]
 
-    def _bucket_starts(self, ops: list[Op]) -> list[int]:
+    def _bucket_starts(self, steps: _BucketSteps, values: tuple[int, ...]) -> list[int]:
         """PyTorch DDP's bucketing: consecutive collectives of one kind, up to bucket_bytes. The
-        place of each bucket's first op (a loop of integers: _bucket_steps)."""
-        steps = self._steps_of(ops)
-        values, limit = [self.comm_ev(expr) for expr in steps.exprs], self.bucket_bytes
-        starts, size, kind = [], 0, -1
+        place of each bucket's first op (a loop of integers over _bucket_steps's list, given the
+        values of its expressions)."""
+        starts, size, kind, limit = [], 0, -1, self.bucket_bytes
         for place, (unit, _, expr) in enumerate(steps.ops):
             if unit != kind or size >= limit:
                 starts.append(place)
@@ -732,8 +731,13 @@ class _ProgramBuilder:
             size += values[expr]
         return starts
 
+    def _values(self, steps: _BucketSteps) -> tuple[int, ...]:
+        return tuple(map(self.comm_ev, steps.exprs))
+
     def buckets(self, ops: list[Op]) -> list[list[Op]]:
-        return [ops[start:end] for start, end in pairwise([*self._bucket_starts(ops), len(ops)])]
+        steps = self._steps_of(ops)
+        starts = self._bucket_starts(steps, self._values(steps))
+        return [ops[start:end] for start, end in pairwise([*starts, len(ops)])]
 
     def _action_tally(self, action: Action, units: dict, found: Callable[[], dict], key: tuple) -> ActionTally:
         """An action's tally without nodes -- how many times each expression is added to each
@@ -883,10 +887,11 @@ class _ProgramBuilder:
             return
         # what collective() counts, without bucket lists
         steps = self._steps_of(ops)
-        key = (tuple(map(self.comm_ev, steps.exprs)), self.bucket_bytes)
-        opened = steps.opened.get(key)
+        values = self._values(steps)
+        opened = steps.opened.get((values, self.bucket_bytes))
         if opened is None:
-            opened = steps.opened[key] = Counter(steps.ops[start][1] for start in self._bucket_starts(ops))
+            opened = steps.opened[values, self.bucket_bytes] = Counter(
+                steps.ops[start][1] for start in self._bucket_starts(steps, values))
         for hole, times in opened.items():
             name, group = steps.groups[hole]
             self.stats.comm_count[name] += times

@@ -161,7 +161,7 @@ def _stage_share(sharded: ShardedGraph, stages, rank: int) -> tuple:
         casts = Counter(nbytes for layer in mine for nbytes in index.by_layer[layer][1])
         grads = Counter({g: nbytes for layer in mine for g, nbytes in index.by_layer[layer][2]}.values())
         shares[rank] = (tuple(leaves.items()), tuple(casts.items()), tuple(grads.items()),
-                        _saved(index, sorted(layer for layer in mine if layer in index.saved), stages))
+                        _Saved.of(index, sorted(layer for layer in mine if layer in index.saved), stages))
     return shares[rank]
 
 
@@ -175,18 +175,19 @@ class _Saved:
     layers: tuple[tuple[int, int], ...]  # (layer, its pattern's place)
     chunks: tuple[tuple[tuple[int, int], ...], ...]  # per pattern: (chunk, layers)
 
-
-def _saved(index: _Index, layers: list[int], stages) -> _Saved:
-    places: dict[tuple, int] = {}
-    chunks: list[Counter] = []
-    found = []
-    for layer in layers:
-        place = places.setdefault(index.saved[layer], len(places))
-        if place == len(chunks):
-            chunks.append(Counter())
-        chunks[place][0 if stages is None else stages.rank_and_chunk(stages.virtual_stage(layer))[1]] += 1
-        found.append((layer, place))
-    return _Saved(tuple(places), tuple(found), tuple(tuple(sorted(counts.items())) for counts in chunks))
+    @classmethod
+    def of(cls, index: _Index, layers: list[int], stages) -> "_Saved":
+        """Of `layers` (in order, each with saved tensors), on their chunks under `stages`."""
+        places: dict[tuple, int] = {}
+        chunks: list[Counter] = []
+        found = []
+        for layer in layers:
+            place = places.setdefault(index.saved[layer], len(places))
+            if place == len(chunks):
+                chunks.append(Counter())
+            chunks[place][0 if stages is None else stages.rank_and_chunk(stages.virtual_stage(layer))[1]] += 1
+            found.append((layer, place))
+        return cls(tuple(places), tuple(found), tuple(tuple(sorted(counts.items())) for counts in chunks))
 
 
 def memory(sharded: ShardedGraph, evaluate: Evaluator, stages=None, in_flight=None, rank: int = 0) -> Memory:
