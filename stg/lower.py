@@ -26,7 +26,7 @@ from __future__ import annotations
 
 from bisect import bisect_right
 from collections import Counter
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from functools import cached_property
 from itertools import groupby, pairwise
 from operator import attrgetter
@@ -363,6 +363,13 @@ def _crossing_made(sharded: ShardedGraph, stages: StagePlan, split_backward: boo
 
 
 @per_graph
+def _alike_keys(skeleton: ShardedGraph) -> dict[tuple, tuple]:
+    """Per layer tally key (_stage_work, _step_layers), the key of the tally its ops share
+    with every run of the same ops of a block's copies (_ProgramBuilder._layer_tally)."""
+    return {}
+
+
+@per_graph
 def _run_edges(sharded: ShardedGraph) -> dict:
     """_ProgramBuilder._edges's answers, by stage cut and backward split: the edges into and
     out of each run (virtual stage, kind)."""
@@ -675,7 +682,7 @@ class _ProgramBuilder:
         crossing = _crossing_made(self.sharded, self.pipeline.stages, self.pipeline.split_backward)
         for key, layer_ops in layers:
             if key not in known:
-                known[key] = self._layer_tally(layer_ops, units, known, step)
+                known[key] = self._layer_tally(key, layer_ops, units, known, step)
             layer = known[key]
             added.setdefault(id(layer.terms), [layer, 0])[1] += 1
             if key not in crossing:
@@ -687,16 +694,18 @@ class _ProgramBuilder:
             self.stats.add(layer.counts, times)  # its node and collective counts (flops come from the terms)
             self.holes |= layer.holes
 
-    def _layer_tally(self, ops: list[Op], units: dict, known: dict, step: bool) -> ActionTally:
-        """The tally of one layer's run of an action's ops (or of its optimizer ops). A run whose
-        ops have the origins of an earlier one's (ShardedGraph.origins: the same ops of two
-        copies of a block) adds what that one adds, and makes its tensors under its own names:
-        it is not run again."""
-        origins = self.sharded.origins
-        alike = ("alike", step, tuple(map(origins.get, map(_NAME, ops))))
+    def _layer_tally(self, key: tuple, ops: list[Op], units: dict, known: dict, step: bool) -> ActionTally:
+        """The tally of one layer's run of an action's ops (or of its optimizer ops), `key` its
+        layer key. A run whose ops have the origins of an earlier one's (ShardedGraph.origins:
+        the same ops of two copies of a block) adds what that one adds, and makes its tensors
+        under its own names: it is not run again."""
+        found = _alike_keys(self.sharded.skeleton)  # the names, so the origins, of every graph bound from it
+        alike = found.get(key)
+        if alike is None:
+            alike = found[key] = ("alike", step, tuple(map(self.sharded.origins.get, map(_NAME, ops))))
         if alike in known:
             tally, places = known[alike]
-            return replace(tally, made=tuple(ops[i].outputs[j] for i, j in places))
+            return ActionTally(tally.terms, tally.counts, tally.holes, tuple(ops[i].outputs[j] for i, j in places))
         made: dict = {}
 
         def run_layer() -> None:

@@ -15,7 +15,7 @@ from stg.autodiff import training_graph
 from stg.graph import DType, Graph, OpKind, Role
 from stg.plan import OPTIMIZERS, Plan
 from stg.recompute import recompute
-from stg.sharding import ShardedGraph, local_leaf, op_places, recent, shard
+from stg.sharding import ShardedGraph, local_leaf, op_places, per_graph, recent, shard
 
 
 @dataclass(frozen=True)
@@ -145,6 +145,20 @@ def uncut_passes(structure: Structure) -> ShardedGraph | None:
     return _CACHE[key] if key in _CACHE else _cached(_BOUNDS, key, uncut.passes)
 
 
+@per_graph
+def _collectives_by_axes(sharded: ShardedGraph) -> tuple[dict[tuple, list[int]], dict[str, tuple[int, ...]]]:
+    """The places of the graph's collectives by the mesh axes they run over, and of the
+    tensors they read, the places of every op that reads it: what unit_bound changes and
+    re-lists, found once for every set of unit axes."""
+    graph, places = sharded.graph, op_places(sharded)
+    by_axes: dict[tuple, list[int]] = {}
+    for place in places.collectives:
+        by_axes.setdefault(graph.ops[place].attrs["axes"], []).append(place)
+    readers = {name: tuple(places.place[user.name] for user in graph.consumers[name])
+               for place in places.collectives for name in graph.ops[place].inputs}
+    return by_axes, readers
+
+
 def unit_bound(structure: Structure, units: frozenset[str]) -> ShardedGraph:
     """The structure's passes as a plan runs them whose degree is 1 on each of `units`, axes
     the structure has in play (widened: plans of degree 1 and above share one structure, and
@@ -155,21 +169,24 @@ def unit_bound(structure: Structure, units: frozenset[str]) -> ShardedGraph:
     sharded = symbolic_passes(structure)
 
     def bind() -> ShardedGraph:
-        graph, changed = sharded.graph, {}
-        ops = list(graph.ops)
-        for place in op_places(sharded).collectives:
-            op = ops[place]
-            if not units.isdisjoint(op.attrs["axes"]):
-                axes = tuple(axis for axis in op.attrs["axes"] if axis not in units)
-                ops[place] = changed[op.name] = op.changed(kind=OpKind.CONSTRAIN) if not axes else \
-                    op.changed(attrs={**op.attrs, "axes": axes})
+        graph, (by_axes, readers) = sharded.graph, _collectives_by_axes(sharded)
+        ops, changed = list(graph.ops), []
+        for axes, places in by_axes.items():
+            if units.isdisjoint(axes):
+                continue
+            kept = tuple(axis for axis in axes if axis not in units)
+            for place in places:
+                op = ops[place]
+                ops[place] = op.changed(kind=OpKind.CONSTRAIN) if not kept else \
+                    op.changed(attrs={**op.attrs, "axes": kept})
+                changed.append(place)
         bound = Graph(graph.tensors, tuple(ops))
         # its producers and consumers are the structure's with the changed ops swapped in
         # (the maps of tens of thousands of ops, shared by every plan of the structure)
         producer, consumers = dict(graph.producer), dict(graph.consumers)
-        producer.update((name, op) for op in changed.values() for name in op.outputs)
-        for name in {name for op in changed.values() for name in op.inputs}:  # each read tensor once
-            consumers[name] = tuple(changed.get(user.name, user) for user in consumers[name])
+        producer.update((name, ops[place]) for place in changed for name in ops[place].outputs)
+        for name in {name for place in changed for name in ops[place].inputs}:  # each read tensor once
+            consumers[name] = tuple(map(ops.__getitem__, readers[name]))
         bound.__dict__.update(producer=producer, consumers=consumers)
         return replace(sharded, graph=bound, mesh_axes=tuple(axis for axis in sharded.mesh_axes if axis not in units),
                        base=sharded)

@@ -34,9 +34,23 @@ class ActionTally:
 
     def bind(self, evaluate: Evaluator, comm_evaluate: Evaluator) -> ClassStats:
         stats = ClassStats(comm_count=Counter(self.counts.comm_count), nodes=Counter(self.counts.nodes))
-        for (field, key, comm, expr), times in self.terms.items():
-            add_to(stats, field, key, times * (comm_evaluate if comm else evaluate)(expr))
+        exprs, fields = self._by_field
+        values = [(comm_evaluate if comm else evaluate)(expr) for comm, expr in exprs]
+        for field, key, uses in fields:
+            add_to(stats, field, key, sum(times * values[place] for place, times in uses))
         return stats
+
+    @cached_property
+    def _by_field(self) -> tuple[list[tuple[bool, object]], list[tuple[str, str | None, tuple]]]:
+        """The terms as bind reads them: the distinct (comm, expression) pairs, each valued
+        once (a stage's terms name a few dozen expressions many times over), and per (field,
+        key) the places of its expressions with how many times each is added."""
+        places: dict[tuple, int] = {}
+        fields: dict[tuple, list] = {}
+        for (field, key, comm, expr), times in self.terms.items():
+            place = places.setdefault((comm, expr), len(places))
+            fields.setdefault((field, key), []).append((place, times))
+        return list(places), [(field, key, tuple(uses)) for (field, key), uses in fields.items()]
 
 
 def combined(parts: Iterable[tuple[ActionTally, int]]) -> ActionTally:
