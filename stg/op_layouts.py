@@ -333,6 +333,18 @@ def _passthrough(op, ins, lays, outs, sharder):
     raise AssertionError(f"op {op.name}: {op.kind} is created by sharding, not sharded")
 
 
+def anchors_read(op) -> tuple[str, ...]:
+    """The anchor tags whose rules (`sharder.spec.anchors`) the op's rule reads: an anchor its
+    own tag's, an embedding bag's lookup and backward the pooled features'. stg/sharding.py
+    resumes one plan's sharding from another's up to the first op whose reads differ: a rule
+    that reads more of the spec must say so here."""
+    if op.kind is OpKind.CONSTRAIN:
+        return (op.attrs["tag"],)
+    if op.kind in (OpKind.EMBEDDING_BAG, OpKind.EMBEDDING_BAG_GRAD, OpKind.EMBEDDING_BAG_UPDATE):
+        return ("pooled",)
+    return ()
+
+
 RULES: dict[OpKind, Callable] = {
     OpKind.EINSUM: _einsum,
     OpKind.POINTWISE: _elementwise,

@@ -22,7 +22,7 @@ from stg.blocks import NameTable, blocks, renaming, signature_of
 from stg.builder import GraphBuilder
 from stg.graph import Graph, Op, OpKind, Phase, Role, Tensor
 from stg.mesh import FLAT, REPLICATED, Layout, Placement, Shard
-from stg.op_layouts import RULES, project, unflattened
+from stg.op_layouts import RULES, anchors_read, project, unflattened
 from stg.redistribute import Collective, plan_redistribution
 
 
@@ -72,7 +72,11 @@ class ShardingSpec:
     anchors: Mapping[str, LayoutRules] = field(default_factory=dict)  # CONSTRAIN tag -> rules
 
     def leaf_rules(self, tensor: Tensor) -> LayoutRules:
-        return {Role.WEIGHT: self.params, Role.OPTIMIZER_STATE: self.states}.get(tensor.role, self.data)
+        return self.role_rules(tensor.role)
+
+    def role_rules(self, role: Role) -> LayoutRules:
+        """The rules that lay out the leaves of `role`."""
+        return {Role.WEIGHT: self.params, Role.OPTIMIZER_STATE: self.states}.get(role, self.data)
 
     def leaf_layout(self, tensor: Tensor) -> Layout:
         """A leaf's layout (a weight, an optimizer state, an input): the spec alone decides it."""
@@ -117,6 +121,8 @@ class _Sharder:
         self.changes: list[tuple] = []  # every write to memo, copies and rebound, in order
         self.templates: dict[tuple, _Template] = {}  # a block's signature -> how it was sharded
         self.origins: dict[str, tuple[int, int]] = {}  # ShardedGraph.origins
+        self.marks: list[tuple[int, ...]] = []  # the sizes of the tables above before each block (_Donor)
+        self.resumed = 0  # blocks taken from another sharding of the graph (resume)
 
     def tensor(self, name: str) -> Tensor:
         return self.global_tensors[name]
@@ -137,13 +143,54 @@ class _Sharder:
                     alike[key] = layout, _shaped(tensor, tensor.name, layout.local_shape(tensor.shape))
                 layout, local = alike[key]
                 self.define(tensor, layout, local.renamed(tensor.name))
-        for block in _block_bodies(self.src):
+        bodies = _block_bodies(self.src)
+        donors = _donors(self.src) if templates else None
+        for block in bodies[self.resume(donors) if donors else 0:]:
+            self.marks.append(self.mark())
             if templates:
                 self.shard_block(*block)
             else:
                 for op in block[0]:
                     self.shard_op(op)
-        return ShardedGraph(self.g.build(), self.layouts, self.global_tensors, self.mesh_axes, self.origins)
+        self.marks.append(self.mark())
+        sharded = ShardedGraph(self.g.build(), self.layouts, self.global_tensors, self.mesh_axes, self.origins)
+        if donors is not None:
+            donors[:] = [*donors[1 - _DONORS:], _Donor(self.spec, sharded, self.changes, self.derived, self.templates,
+                                                         self.marks)]
+        return sharded
+
+    def mark(self) -> tuple[int, ...]:
+        """How long each table is: every one only grows from block to block (a name is made
+        once; the memo, copies and rebound copies are the `changes` replayed)."""
+        return (len(self.layouts), len(self.global_tensors), len(self.g.tensors), len(self.g.ops), len(self.changes),
+                len(self.derived), len(self.templates), len(self.origins))
+
+    def resume(self, donors: list[_Donor]) -> int:
+        """Take the first blocks of another sharding of this graph (the most of them among
+        `donors`) as they are: every block up to the first that reads a leaf its spec lays out
+        otherwise, or an anchor whose rules differ, shards alike under both (a block's work
+        depends on the spec only through those, and on the blocks before it). Plans that differ
+        in their ZeRO stage share the forward (and ZeRO-0 and 1 the backward). The tables are
+        the donor's cut at that block's mark, after this spec's own leaves. How many blocks."""
+        reads, start, donor = _spec_reads(self.src), 0, None
+        for other in donors:
+            if other.spec.mesh_axes == self.mesh_axes and (agree := _agreeing(other.spec, self.spec, reads)) > start:
+                start, donor = agree, other
+        if donor is None:
+            return 0
+        layouts, globals_, tensors, ops, changes, derived, templates, origins = donor.marks[start]
+        leaves = len(self.layouts)  # the donor's leaves come first too, in the same order
+        assert donor.marks[0][:3] == (leaves,) * 3
+        self.layouts.update(islice(donor.sharded.layouts.items(), leaves, layouts))
+        self.global_tensors.update(islice(donor.sharded.global_tensors.items(), leaves, globals_))
+        self.g.add_costed(donor.sharded.graph.ops[:ops], islice(donor.sharded.graph.tensors.items(), leaves, tensors))
+        for change in islice(donor.changes, changes):
+            self.apply(change)
+        self.derived.update(islice(donor.derived.items(), derived))
+        self.templates.update(islice(donor.templates.items(), templates))
+        self.origins.update(islice(donor.sharded.origins.items(), origins))
+        self.marks, self.resumed = donor.marks[:start], start
+        return start
 
     def shard_block(self, ops: list[Op], table: NameTable, body: int | None, outside: tuple[str, ...]) -> None:
         """Shard one block's ops (a run of one layer), or replay how a block with the same
@@ -231,12 +278,16 @@ class _Sharder:
         self.g.add_costed(copies, zip(made, map(Tensor.renamed, template.locals, made)))
         self.origins.update(zip(op_names, template.places))
         for change in template.changes:
-            if change[0] == "memo":
-                _, (name, layout, group), result = change
-                self.remember(at(name), layout, group, at(result))
-            else:
-                self.rebind(at(change[1]), at(change[2]))
+            self.apply(change, at)
         return True
+
+    def apply(self, change: tuple, at=str) -> None:
+        """Make a recorded write to the memo or the rebound copies again, its names mapped by `at`."""
+        if change[0] == "memo":
+            _, (name, layout, group), result = change
+            self.remember(at(name), layout, group, at(result))
+        else:
+            self.rebind(at(change[1]), at(change[2]))
 
     def remember(self, name: str, layout: Layout, group: str | None, result: str) -> None:
         self.memo[(name, layout, group)] = result
@@ -467,6 +518,53 @@ def _block_bodies(graph: Graph) -> list[tuple[list[Op], NameTable, int | None, t
             number = None
         found.append((ops, table, number, tuple(name for name in table.names if name not in made)))
     return found
+
+
+@dataclass(frozen=True)
+class _Donor:
+    """A finished sharding of a graph as a later one resumes it (_Sharder.resume): its spec,
+    result, writes, copies' names, templates, and the tables' sizes before each block."""
+
+    spec: ShardingSpec
+    sharded: ShardedGraph
+    changes: list[tuple]
+    derived: dict[str, tuple[str, str]]
+    templates: dict[tuple, _Template]
+    marks: list[tuple[int, ...]]
+
+
+_DONORS = 3  # the last shardings of a graph kept to resume from (a search's ZeRO stages)
+
+
+@per_graph(limit=4)
+def _donors(graph: Graph) -> list[_Donor]:
+    """The last few shardings of `graph`, oldest first."""
+    return []
+
+
+@per_graph(limit=4)
+def _spec_reads(graph: Graph) -> list[tuple[frozenset, frozenset]]:
+    """Per block (_block_bodies), what of a spec its sharding reads: the roles of the leaves
+    its ops read (inputs and the names their attributes hold) and the anchor tags whose
+    rules their layout rules read."""
+    found, producer, tensors = [], graph.producer, graph.tensors
+    for ops, _, _, _ in _block_bodies(graph):
+        roles, tags = set(), set()
+        for op in ops:
+            named = op.attrs.get("grad_of", ()) + ((op.attrs["weight"],) if "weight" in op.attrs else ())
+            roles.update(tensors[name].role for name in op.inputs + named if name not in producer)
+            tags.update(anchors_read(op))
+        found.append((frozenset(roles), frozenset(tags)))
+    return found
+
+
+def _agreeing(a: ShardingSpec, b: ShardingSpec, reads: list[tuple[frozenset, frozenset]]) -> int:
+    """How many of a graph's first blocks read only what specs `a` and `b` agree on."""
+    roles = {role for role in Role if a.role_rules(role) != b.role_rules(role)}
+    for block, (read, tags) in enumerate(reads):
+        if not roles.isdisjoint(read) or any(a.anchors.get(tag) != b.anchors.get(tag) for tag in tags):
+            return block
+    return len(reads)
 
 
 def shard(graph: Graph, spec: ShardingSpec, *, templates: bool = True) -> ShardedGraph:

@@ -123,6 +123,7 @@ def test_a_replayed_block_is_the_block_made_afresh(name, monkeypatch, tmp_path):
     monkeypatch.setattr(stg.passes, "shard", both_sharded)
     monkeypatch.setattr(stg.passes, "_CACHE", {})
     monkeypatch.setattr(stg.passes, "_TRAINING", {})
+    monkeypatch.setattr(stg.passes, "_RECOMPUTED", {})  # a new graph: no earlier sharding of it to resume
     monkeypatch.setattr(stg.passes, "_UNTIED", {})
     stg.api.build(model, {"seq": 32, **PLANS[name][1]}, nodes=False)
     assert set(compared) == {"autodiff", "shard"}
@@ -131,3 +132,30 @@ def test_a_replayed_block_is_the_block_made_afresh(name, monkeypatch, tmp_path):
         assert replayed[_Sharder] >= 4 or not split  # (pp alone splits no tensor: nothing to shard)
     elif not name.startswith("dlrm"):  # a recommendation model has no repeated blocks
         assert sum(replayed.values()) >= 1
+
+
+def test_a_sharding_resumed_from_another_plans_is_the_sharding_made_afresh(tiny_llama):
+    """Plans that differ only in their ZeRO stage share the sharding of their first blocks
+    (_Sharder.resume): ZeRO-1 shards the forward and backward as ZeRO-0 does (only the
+    optimizer states are laid out otherwise), ZeRO-2 the forward (its gradients are anchored
+    to shards), ZeRO-3 nothing (its weights are sharded). Each resumed graph is the one a
+    sharding of its own gives: ops, tensors, layouts, origins, in order."""
+    from stg.sharding import _block_bodies, _donors, _Sharder
+
+    graph = training_graph(load_model(tiny_llama).graph)
+    specs = [sharding_spec(Plan(dp=2, tp=2, zero=zero), frozenset({"tp"})) for zero in range(4)]
+    resumed, made = [], []
+    for spec in specs:
+        sharder = _Sharder(graph, spec)
+        made.append(sharder.run())
+        resumed.append(sharder.resumed)
+    # a block is a run of one layer's ops: the head's forward and backward are one block
+    phases = [{op.phase for op in ops} for ops, _, _, _ in _block_bodies(graph)]
+    first = lambda kept: next(n for n, block in enumerate(phases) if not block <= kept)  # noqa: E731
+    assert resumed == [0, first({Phase.FORWARD, Phase.BACKWARD_INPUT, Phase.BACKWARD_WEIGHT}), first({Phase.FORWARD}), 0]
+    assert 0 < resumed[2] < resumed[1] < len(phases)
+    for spec, sharded in zip(specs, made):
+        _donors(graph).clear()
+        fresh = shard(graph, spec)
+        assert _equal(sharded, fresh) and list(sharded.origins.items()) == list(fresh.origins.items())
+        assert _equal(sharded, shard(graph, spec, templates=False))
