@@ -143,9 +143,7 @@ class _Sharder:
                     alike[key] = layout, _shaped(tensor, tensor.name, layout.local_shape(tensor.shape))
                 layout, local = alike[key]
                 self.define(tensor, layout, local.renamed(tensor.name))
-        bodies = _block_bodies(self.src)
-        donors = _donors(self.src) if templates else None
-        for block in bodies[self.resume(donors) if donors else 0:]:
+        for block in _block_bodies(self.src)[self.resume() if templates else 0:]:
             self.marks.append(self.mark())
             if templates:
                 self.shard_block(*block)
@@ -154,9 +152,9 @@ class _Sharder:
                     self.shard_op(op)
         self.marks.append(self.mark())
         sharded = ShardedGraph(self.g.build(), self.layouts, self.global_tensors, self.mesh_axes, self.origins)
-        if donors is not None:
-            donors[:] = [*donors[1 - _DONORS:], _Donor(self.spec, sharded, self.changes, self.derived, self.templates,
-                                                         self.marks)]
+        if templates:
+            _DONATED[:] = [*_DONATED[1 - _DONORS:], _Donor(self.src, self.spec, sharded, self.changes, self.derived,
+                                                           self.templates, self.marks)]
         return sharded
 
     def mark(self) -> tuple[int, ...]:
@@ -165,16 +163,21 @@ class _Sharder:
         return (len(self.layouts), len(self.global_tensors), len(self.g.tensors), len(self.g.ops), len(self.changes),
                 len(self.derived), len(self.templates), len(self.origins))
 
-    def resume(self, donors: list[_Donor]) -> int:
-        """Take the first blocks of another sharding of this graph (the most of them among
-        `donors`) as they are: every block up to the first that reads a leaf its spec lays out
-        otherwise, or an anchor whose rules differ, shards alike under both (a block's work
-        depends on the spec only through those, and on the blocks before it). Plans that differ
-        in their ZeRO stage share the forward (and ZeRO-0 and 1 the backward). The tables are
-        the donor's cut at that block's mark, after this spec's own leaves. How many blocks."""
+    def resume(self) -> int:
+        """Take the first blocks of a recent sharding (the most of them among _DONATED) as they
+        are: the blocks its graph has alike with this one (all, or a recomputation's forward,
+        _common_blocks) up to the first that reads a leaf the two specs lay out otherwise, or
+        an anchor whose rules differ, shard alike under both (a block's work depends on the spec
+        only through those, and on the blocks before it). Plans that differ in their ZeRO stage
+        share the forward (and ZeRO-0 and 1 the backward), plans that differ in recomputation the
+        forward. The tables are the donor's cut at that block's mark, after this spec's own
+        leaves. How many blocks."""
         reads, start, donor = _spec_reads(self.src), 0, None
-        for other in donors:
-            if other.spec.mesh_axes == self.mesh_axes and (agree := _agreeing(other.spec, self.spec, reads)) > start:
+        for other in _DONATED:
+            if other.spec.mesh_axes != self.mesh_axes:
+                continue
+            alike = reads if other.graph is self.src else reads[:_common_blocks(other.graph, self.src)]
+            if (agree := _agreeing(other.spec, self.spec, alike)) > start:
                 start, donor = agree, other
         if donor is None:
             return 0
@@ -522,9 +525,10 @@ def _block_bodies(graph: Graph) -> list[tuple[list[Op], NameTable, int | None, t
 
 @dataclass(frozen=True)
 class _Donor:
-    """A finished sharding of a graph as a later one resumes it (_Sharder.resume): its spec,
-    result, writes, copies' names, templates, and the tables' sizes before each block."""
+    """A finished sharding of a graph as a later one resumes it (_Sharder.resume): its graph,
+    spec, result, writes, copies' names, templates, and the tables' sizes before each block."""
 
+    graph: Graph
     spec: ShardingSpec
     sharded: ShardedGraph
     changes: list[tuple]
@@ -533,13 +537,24 @@ class _Donor:
     marks: list[tuple[int, ...]]
 
 
-_DONORS = 3  # the last shardings of a graph kept to resume from (a search's ZeRO stages)
+_DONORS = 3  # the last shardings kept to resume from (a search's ZeRO stages and recomputations)
+_DONATED: list[_Donor] = []  # oldest first
 
 
-@per_graph(limit=4)
-def _donors(graph: Graph) -> list[_Donor]:
-    """The last few shardings of `graph`, oldest first."""
-    return []
+def _common_blocks(a: Graph, b: Graph) -> int:
+    """How many first blocks (_block_bodies) graphs `a` and `b` have alike: the same leaves,
+    then the same op objects making the same tensor objects, block by block, with equal
+    signatures (which hold whether a gradient has contributions still to add). A graph
+    derived from another keeps its ops where it changes nothing: a recomputation its forward."""
+    leaves = [[tensor for tensor in graph.tensors.values() if tensor.name not in graph.producer] for graph in (a, b)]
+    if len(leaves[0]) != len(leaves[1]) or any(x is not y for x, y in zip(*leaves)):
+        return 0
+    for block, ((ops, _, number, _), (others, _, theirs, _)) in enumerate(zip(_block_bodies(a), _block_bodies(b))):
+        if number is None or number != theirs or len(ops) != len(others) or any(
+                x is not y or any(a.tensors[name] is not b.tensors[name] for name in x.outputs)
+                for x, y in zip(ops, others)):
+            return block
+    return min(len(_block_bodies(a)), len(_block_bodies(b)))
 
 
 @per_graph(limit=4)

@@ -140,7 +140,7 @@ def test_a_sharding_resumed_from_another_plans_is_the_sharding_made_afresh(tiny_
     optimizer states are laid out otherwise), ZeRO-2 the forward (its gradients are anchored
     to shards), ZeRO-3 nothing (its weights are sharded). Each resumed graph is the one a
     sharding of its own gives: ops, tensors, layouts, origins, in order."""
-    from stg.sharding import _block_bodies, _donors, _Sharder
+    from stg.sharding import _DONATED, _block_bodies, _Sharder
 
     graph = training_graph(load_model(tiny_llama).graph)
     specs = [sharding_spec(Plan(dp=2, tp=2, zero=zero), frozenset({"tp"})) for zero in range(4)]
@@ -155,7 +155,32 @@ def test_a_sharding_resumed_from_another_plans_is_the_sharding_made_afresh(tiny_
     assert resumed == [0, first({Phase.FORWARD, Phase.BACKWARD_INPUT, Phase.BACKWARD_WEIGHT}), first({Phase.FORWARD}), 0]
     assert 0 < resumed[2] < resumed[1] < len(phases)
     for spec, sharded in zip(specs, made):
-        _donors(graph).clear()
+        _DONATED.clear()
         fresh = shard(graph, spec)
         assert _equal(sharded, fresh) and list(sharded.origins.items()) == list(fresh.origins.items())
         assert _equal(sharded, shard(graph, spec, templates=False))
+
+
+def test_a_recomputation_resumes_the_sharding_of_its_forward(tiny_llama):
+    """A graph with full recomputation keeps the forward's ops (stg/recompute.py copies them
+    before the backward): its sharding takes the forward blocks of the graph without
+    recomputation sharded by the same spec, and is the sharding it would make itself."""
+    from stg.plan import Recompute
+    from stg.recompute import recompute
+    from stg.sharding import _DONATED, _block_bodies, _Sharder
+
+    model = load_model(tiny_llama)
+    graph = training_graph(model.graph)
+    rerun = recompute(graph, Recompute.FULL, last_block=model.config.layers)
+    spec = sharding_spec(Plan(dp=2, tp=2), frozenset({"tp"}))
+    _Sharder(graph, spec).run()
+    sharder = _Sharder(rerun, spec)
+    sharded = sharder.run()
+    # up to the first block with a re-run op: the last block's (the head's forward and backward are
+    # one block, which nothing re-runs)
+    blocks = [ops for ops, _, _, _ in _block_bodies(rerun)]
+    assert sharder.resumed == next(n for n, ops in enumerate(blocks) if any(op.name.endswith(".recompute") for op in ops))
+    assert {op.phase for ops in blocks[:sharder.resumed - 1] for op in ops} == {Phase.FORWARD}
+    _DONATED.clear()
+    fresh = shard(rerun, spec)
+    assert _equal(sharded, fresh) and list(sharded.origins.items()) == list(fresh.origins.items())
