@@ -31,9 +31,9 @@ from stg.errors import PlanError
 from stg.groups import GroupIds
 from stg.graph import OpKind, Phase
 from stg.limits import MAX_EMBEDDING_RANKS, MAX_NODES
-from parallelism.pipeline import cut, layer_crossings, stage_plan
+from parallelism.pipeline import cut, stage_plan
 from stg.chakra.writer import fixed_varint, rank_width
-from stg.lower import VIEWS, Evaluator, Pipeline, check_divisibility, lower
+from stg.lower import VIEWS, Evaluator, Pipeline, check_divisibility, crossings, lower
 from stg.program import GroupHole, RankHole, RankProgram
 from stg.schedule import SPLIT_BACKWARD, Order, order
 from stg.memory import Memory, memory
@@ -447,13 +447,8 @@ def _weight_on_stages(sharded: ShardedGraph, stages) -> tuple[str, list[int]] | 
 
 
 @per_graph
-def _crossings(sharded: ShardedGraph) -> list:
-    return layer_crossings(sharded.graph)
-
-
-@per_graph
 def _cut(sharded: ShardedGraph, stages) -> tuple:
-    return tuple(cut(sharded.graph, stages, _crossings(sharded)))
+    return tuple(cut(sharded.graph, stages, crossings(sharded)))
 
 
 @per_graph

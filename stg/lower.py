@@ -39,7 +39,7 @@ from stg.errors import LayoutError
 from stg.graph import DType, Op, OpKind, Phase, Role
 from stg.mesh import axis_symbol
 from stg import numeric
-from parallelism.pipeline import Edge, StagePlan
+from parallelism.pipeline import Edge, StagePlan, layer_crossings
 from stg.blocks import blocks
 from stg.program import (ClassStats, GroupHole, NodeType, RankHole, RankProgram, ReplayChunks, TraceNode,
                          merged_runs, replay_nodes)
@@ -353,6 +353,20 @@ def _step_layers(ops: list[Op]) -> tuple:
     """A stage's optimizer ops layer by layer, keyed like _stage_work's (a run of one layer's ops
     in program order is its first and how many): the step runs those the cut leaves it."""
     return tuple((("step layer", layer[0].name, len(layer)), layer) for layer in blocks(ops))
+
+
+@per_graph
+def crossings(skeleton: ShardedGraph) -> list[tuple[str, int, int]]:
+    """parallelism.pipeline.layer_crossings of the graph: what any stage cut may send."""
+    return layer_crossings(skeleton.graph)
+
+
+@per_graph
+def _crossable(sharded: ShardedGraph) -> tuple[frozenset[str], dict[tuple, tuple[str, ...]]]:
+    """The tensors some stage cut may send (crossings), and per layer tally key (_stage_work)
+    those of them that layer's run makes (filled by _ProgramBuilder._add_layers): a cut's edge
+    tensors are among them."""
+    return frozenset(name for name, _, _ in crossings(sharded.skeleton)), {}
 
 
 @per_graph
@@ -680,13 +694,16 @@ class _ProgramBuilder:
         # of what a layer makes, its micro-batch's later actions only ask for the cut's edge tensors
         # (whether to receive one): those are all `where` needs to hold
         crossing = _crossing_made(self.sharded, self.pipeline.stages, self.pipeline.split_backward)
+        may_cross, crossable = _crossable(self.sharded)
         for key, layer_ops in layers:
             if key not in known:
                 known[key] = self._layer_tally(key, layer_ops, units, known, step)
             layer = known[key]
             added.setdefault(id(layer.terms), [layer, 0])[1] += 1
             if key not in crossing:
-                crossing[key] = tuple(name for name in layer.made if name in self._edge_tensors)
+                if key not in crossable:
+                    crossable[key] = tuple(name for name in layer.made if name in may_cross)
+                crossing[key] = tuple(name for name in crossable[key] if name in self._edge_tensors)
             if crossing[key]:
                 where.update(dict.fromkeys(crossing[key]))
         for layer, times in added.values():  # each distinct tally added once, `times` over
