@@ -362,11 +362,16 @@ def crossings(skeleton: ShardedGraph) -> list[tuple[str, int, int]]:
 
 
 @per_graph
-def _crossable(sharded: ShardedGraph) -> tuple[frozenset[str], dict[tuple, tuple[str, ...]]]:
-    """The tensors some stage cut may send (crossings), and per layer tally key (_stage_work)
-    those of them that layer's run makes (filled by _ProgramBuilder._add_layers): a cut's edge
-    tensors are among them."""
-    return frozenset(name for name, _, _ in crossings(sharded.skeleton)), {}
+def _may_cross(skeleton: ShardedGraph) -> frozenset[str]:
+    """The tensors some stage cut may send (crossings): a cut's edge tensors are among them."""
+    return frozenset(name for name, _, _ in crossings(skeleton))
+
+
+@per_graph
+def _crossable(sharded: ShardedGraph) -> dict[tuple, tuple[str, ...]]:
+    """Per layer tally key (_stage_work), the tensors that layer's run makes that some cut may
+    send (_may_cross; filled by _ProgramBuilder._add_layers)."""
+    return {}
 
 
 @per_graph
@@ -694,7 +699,7 @@ class _ProgramBuilder:
         # of what a layer makes, its micro-batch's later actions only ask for the cut's edge tensors
         # (whether to receive one): those are all `where` needs to hold
         crossing = _crossing_made(self.sharded, self.pipeline.stages, self.pipeline.split_backward)
-        may_cross, crossable = _crossable(self.sharded)
+        may_cross, crossable = _may_cross(self.sharded.skeleton), _crossable(self.sharded)
         for key, layer_ops in layers:
             if key not in known:
                 known[key] = self._layer_tally(key, layer_ops, units, known, step)
