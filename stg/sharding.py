@@ -285,7 +285,8 @@ class _Sharder:
         return True
 
     def apply(self, change: tuple, at=str) -> None:
-        """Make a recorded write to the memo or the rebound copies again, its names mapped by `at`."""
+        """Make a recorded write to the memo or the rebound copies again, its names mapped by `at`
+        (a replayed block's renaming; `str` keeps them)."""
         if change[0] == "memo":
             _, (name, layout, group), result = change
             self.remember(at(name), layout, group, at(result))
