@@ -131,7 +131,10 @@ class Workload:
 
     @cached_property
     def group_ids(self) -> GroupIds:
-        return GroupIds.for_kinds(self.mesh, (h for p in self.programs for h in p.holes if isinstance(h, GroupHole)))
+        holes: set = set()
+        for program in self.programs:  # a program lowered without nodes has its holes as a set (unsorted)
+            holes.update(program.holes if program.counted_holes is None else program.counted_holes)
+        return GroupIds.for_kinds(self.mesh, (hole for hole in holes if isinstance(hole, GroupHole)))
 
     def summary(self, per_rank: bool = True) -> dict:
         """What summary.json holds; `per_rank=False` leaves out `rank_class` (one entry per

@@ -300,13 +300,14 @@ class _BucketSteps:
     per op, its kind (collective name and axes), group and byte expression, each an index into
     the graph's distinct ones (_step_kinds); and per collective name how many ops have each
     expression. `opened` keeps, per values of the expressions and bucket size, the groups
-    its buckets open (a plan's sizes cut the buckets; plans of one size share them)."""
+    its buckets open and the bytes per collective (a plan's sizes cut the buckets; plans of
+    one size share them)."""
 
     ops: list[tuple[int, int, int]]
     groups: list[tuple[str, GroupHole]]
     exprs: list[sympy.Expr]
     bytes: dict[str, Counter]
-    opened: dict[tuple, Counter] = field(default_factory=dict)
+    opened: dict[tuple, tuple[list, list]] = field(default_factory=dict)
 
 
 @per_graph
@@ -916,19 +917,22 @@ class _ProgramBuilder:
             for bucket in self.buckets(ops):
                 self.collective(self._bucket_name("S", bucket), bucket, where)
             return
-        # what collective() counts, without bucket lists
+        # what collective() counts, without bucket lists: per values of the expressions, the
+        # buckets each group opens (their collectives and nodes) and the bytes per collective
         steps = self._steps_of(ops)
         values = self._values(steps)
-        opened = steps.opened.get((values, self.bucket_bytes))
-        if opened is None:
-            opened = steps.opened[values, self.bucket_bytes] = Counter(
-                steps.ops[start][1] for start in self._bucket_starts(steps, values))
-        for hole, times in opened.items():
-            name, group = steps.groups[hole]
+        counted = steps.opened.get((values, self.bucket_bytes))
+        if counted is None:
+            opened = Counter(steps.ops[start][1] for start in self._bucket_starts(steps, values))
+            counted = steps.opened[values, self.bucket_bytes] = (
+                [(*steps.groups[hole], times) for hole, times in opened.items()],
+                [(name, sum(n * values[expr] for expr, n in times.items())) for name, times in steps.bytes.items()])
+        opened, nbytes = counted
+        for name, group, times in opened:
             self.stats.comm_count[name] += times
             self._count_node(NodeType.COMM_COLL_NODE, group, times=times)
-        for name, times in steps.bytes.items():
-            self.stats.comm_bytes[name] += sum(n * self.comm_ev(steps.exprs[expr]) for expr, n in times.items())
+        for name, total in nbytes:
+            self.stats.comm_bytes[name] += total
 
     def _optimizer(self, ops: list[Op], where: dict[str, int]) -> None:
         for op in ops:
