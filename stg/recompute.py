@@ -14,8 +14,6 @@ then reads of the forward is what is saved (stg/memory.py counts it).
 
 from __future__ import annotations
 
-from dataclasses import replace
-
 from stg.graph import Graph, Op, Phase
 from stg.plan import Recompute
 
@@ -47,7 +45,7 @@ def recompute(graph: Graph, mode: Recompute, last_block: int) -> Graph:
     for ops in chosen.values():
         for op in ops:
             for out in op.outputs:
-                tensors[out + SUFFIX] = replace(graph.tensors[out], name=out + SUFFIX)
+                tensors[out + SUFFIX] = graph.tensors[out].renamed(out + SUFFIX)
     ops: list[Op] = []
     placed: set[int] = set()
     for op in graph.ops:
@@ -56,15 +54,15 @@ def recompute(graph: Graph, mode: Recompute, last_block: int) -> Graph:
             if op.layer not in placed:
                 placed.add(op.layer)
                 for fwd in chosen[op.layer]:
-                    ops.append(replace(
-                        fwd, name=fwd.name + SUFFIX, phase=Phase.BACKWARD_INPUT,
+                    ops.append(fwd.changed(
+                        name=fwd.name + SUFFIX, phase=Phase.BACKWARD_INPUT,
                         inputs=tuple(names.get(i, i) for i in fwd.inputs),
                         outputs=tuple(names.get(o, o + SUFFIX) for o in fwd.outputs),
                         attrs={**fwd.attrs, "recompute": True},
                     ))
             inputs = tuple(names.get(i, i) for i in op.inputs)
             if inputs != op.inputs:
-                op = replace(op, inputs=inputs)
+                op = op.changed(inputs=inputs)
         ops.append(op)
     result = Graph(tensors, tuple(ops))
     result.verify()
