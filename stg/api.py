@@ -14,6 +14,8 @@ from collections import Counter
 from contextlib import contextmanager
 from dataclasses import dataclass, fields, replace
 from functools import cached_property, partial
+from itertools import chain
+from operator import attrgetter
 from pathlib import Path
 from typing import Any, Callable, Iterator, Mapping
 
@@ -399,15 +401,14 @@ def _check_sensible(model: Model, plan: Plan, sharded: ShardedGraph) -> None:
         raise PlanError(f"global_batch={plan.global_batch}: {plan.microbatches:,} micro-batches of about "
                         f"{per_microbatch:,} nodes each is more than {MAX_NODES:,} trace nodes per rank; "
                         "raise micro_batch or dp, or lower global_batch")
-    named = _logical_axes(sharded)
     for logical, _ in plan.rules or ():
-        if logical not in named:
+        if logical not in (named := _logical_axes(sharded)):
             raise PlanError(f"rules: {logical}: model {model.name} has no logical axis {logical!r}; it has "
                             f"{', '.join(sorted(named))}")
-    if model.family not in ("mixtral", "deepseek") and not _routes_tokens(sharded):
-        for name, default in (("capacity_factor", 1.0), ("expert_skew", 0.0)):
-            if getattr(plan, name) != default:
-                raise PlanError(f"{name}: applies to mixture-of-experts models, not {model.name} (no experts)")
+    for name, default in (("capacity_factor", 1.0), ("expert_skew", 0.0)):
+        if getattr(plan, name) != default and model.family not in ("mixtral", "deepseek") \
+                and not _routes_tokens(sharded):
+            raise PlanError(f"{name}: applies to mixture-of-experts models, not {model.name} (no experts)")
 
 
 @per_graph
@@ -424,7 +425,7 @@ def _work_ops(sharded: ShardedGraph) -> int:
 
 @per_graph
 def _logical_axes(sharded: ShardedGraph) -> frozenset[str]:
-    return frozenset(dim for tensor in sharded.graph.tensors.values() for dim in tensor.dims)
+    return frozenset(chain.from_iterable(set(map(attrgetter("dims"), sharded.graph.tensors.values()))))
 
 
 @per_graph

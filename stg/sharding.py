@@ -140,7 +140,7 @@ class _Sharder:
                 key = tensor.signature
                 if key not in alike:
                     layout = self.spec.leaf_layout(tensor)
-                    alike[key] = layout, _shaped(tensor, tensor.name, layout.local_shape(tensor.shape))
+                    alike[key] = layout, _sized(_shaped(tensor, tensor.name, layout.local_shape(tensor.shape)))
                 layout, local = alike[key]
                 self.define(tensor, layout, local.renamed(tensor.name))
         for block in _block_bodies(self.src)[self.resume() if templates else 0:]:
@@ -387,6 +387,10 @@ class _Template:
     # of the names a copy makes: their places in `made`, global tensors, base names and suffixes
     copied: tuple[tuple[int, ...], tuple[Tensor, ...], tuple[str, ...], tuple[str, ...]]
 
+    def __post_init__(self) -> None:
+        for local in self.locals:
+            _sized(local)
+
     @functools.cached_property
     def own_attrs(self) -> tuple[Mapping | None, ...]:
         """Per op, the attributes of an op the sharding pass added (a collective or a slice);
@@ -439,6 +443,14 @@ def local_leaf(spec: ShardingSpec, tensor: Tensor) -> Tensor:
 def _shaped(tensor: Tensor, name: str, shape: tuple) -> Tensor:
     """`tensor` under `name` with `shape` (dataclasses.replace costs ten times as much)."""
     return Tensor(name, shape, tensor.dims, tensor.dtype, tensor.role, tensor.transient)
+
+
+def _sized(tensor: Tensor) -> Tensor:
+    """`tensor` with its bytes worked out once: the copies made of it (Tensor.renamed) keep
+    them, so the many copies of a block's tensors are not sized one by one (memory's index
+    reads every leaf's and every saved activation's)."""
+    tensor.nbytes  # noqa: B018 (a cached property: computed here, kept)
+    return tensor
 
 
 def _phase_group(phase: Phase) -> str:
