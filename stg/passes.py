@@ -146,17 +146,18 @@ def uncut_passes(structure: Structure) -> ShardedGraph | None:
 
 
 @per_graph
-def _collectives_by_axes(sharded: ShardedGraph) -> tuple[dict[tuple, list[int]], dict[str, tuple[int, ...]]]:
-    """The places of the graph's collectives by the mesh axes they run over, and of the
-    tensors they read, the places of every op that reads it: what unit_bound changes and
-    re-lists, found once for every set of unit axes."""
+def _collectives_by_axes(sharded: ShardedGraph) -> tuple[dict[tuple, list[int]], dict[str, tuple[int, ...]], dict]:
+    """The places of the graph's collectives by the mesh axes they run over; of the tensors
+    they read, the places of every op that reads it; and (filled by unit_bound) per those axes
+    and the axes a binding keeps of them, the changed ops, the tensors they read and make:
+    what unit_bound changes and re-lists, found once for every set of unit axes."""
     graph, places = sharded.graph, op_places(sharded)
     by_axes: dict[tuple, list[int]] = {}
     for place in places.collectives:
         by_axes.setdefault(graph.ops[place].attrs["axes"], []).append(place)
     readers = {name: tuple(places.place[user.name] for user in graph.consumers[name])
                for place in places.collectives for name in graph.ops[place].inputs}
-    return by_axes, readers
+    return by_axes, readers, {}
 
 
 def unit_bound(structure: Structure, units: frozenset[str]) -> ShardedGraph:
@@ -169,24 +170,28 @@ def unit_bound(structure: Structure, units: frozenset[str]) -> ShardedGraph:
     sharded = symbolic_passes(structure)
 
     def bind() -> ShardedGraph:
-        graph, (by_axes, readers) = sharded.graph, _collectives_by_axes(sharded)
-        ops, changed = list(graph.ops), []
+        graph, (by_axes, readers, changes) = sharded.graph, _collectives_by_axes(sharded)
+        # its ops, producers and consumers are the structure's with the changed ops swapped in
+        # (the maps of tens of thousands of ops, shared by every plan of the structure; a
+        # collective changes alike under every binding that keeps the same of its axes)
+        ops, producer, consumers, read = list(graph.ops), dict(graph.producer), dict(graph.consumers), set()
         for axes, places in by_axes.items():
             if units.isdisjoint(axes):
                 continue
             kept = tuple(axis for axis in axes if axis not in units)
-            for place in places:
-                op = ops[place]
-                ops[place] = op.changed(kind=OpKind.CONSTRAIN) if not kept else \
-                    op.changed(attrs={**op.attrs, "axes": kept})
-                changed.append(place)
-        bound = Graph(graph.tensors, tuple(ops))
-        # its producers and consumers are the structure's with the changed ops swapped in
-        # (the maps of tens of thousands of ops, shared by every plan of the structure)
-        producer, consumers = dict(graph.producer), dict(graph.consumers)
-        producer.update((name, ops[place]) for place in changed for name in ops[place].outputs)
-        for name in {name for place in changed for name in ops[place].inputs}:  # each read tensor once
+            if (axes, kept) not in changes:
+                changed = [graph.ops[place].changed(kind=OpKind.CONSTRAIN) if not kept else
+                           graph.ops[place].changed(attrs={**graph.ops[place].attrs, "axes": kept}) for place in places]
+                changes[axes, kept] = (changed, {name for op in changed for name in op.inputs},
+                                       [(name, op) for op in changed for name in op.outputs])
+            changed, reads, made = changes[axes, kept]
+            for place, op in zip(places, changed):
+                ops[place] = op
+            producer.update(made)
+            read |= reads
+        for name in read:  # each read tensor once
             consumers[name] = tuple(map(ops.__getitem__, readers[name]))
+        bound = Graph(graph.tensors, tuple(ops))
         bound.__dict__.update(producer=producer, consumers=consumers)
         return replace(sharded, graph=bound, mesh_axes=tuple(axis for axis in sharded.mesh_axes if axis not in units),
                        base=sharded)
