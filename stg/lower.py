@@ -700,18 +700,17 @@ class _ProgramBuilder:
         # of what a layer makes, its micro-batch's later actions only ask for the cut's edge tensors
         # (whether to receive one): those are all `where` needs to hold
         crossing = _crossing_made(self.sharded, self.pipeline.stages, self.pipeline.split_backward)
-        edges = self._edge_tensors
-        if edges:  # (a plan without a pipeline sends nothing)
-            may_cross, crossable = _may_cross(self.sharded.skeleton), _crossable(self.sharded)
+        edges = self._edge_tensors  # (a plan without a pipeline sends nothing: no crossings to look for)
+        may_cross, crossable = (_may_cross(self.sharded.skeleton), _crossable(self.sharded)) if edges else ((), {})
         for key, layer_ops in layers:
             if key not in known:
                 known[key] = self._layer_tally(key, layer_ops, units, known, step)
             layer = known[key]
             added.setdefault(id(layer.terms), [layer, 0])[1] += 1
             if key not in crossing:
-                if edges and key not in crossable:
+                if key not in crossable:
                     crossable[key] = tuple(name for name in layer.made if name in may_cross)
-                crossing[key] = tuple(name for name in crossable[key] if name in edges) if edges else ()
+                crossing[key] = tuple(name for name in crossable[key] if name in edges)
             if crossing[key]:
                 where.update(dict.fromkeys(crossing[key]))
         for layer, times in added.values():  # each distinct tally added once, `times` over
