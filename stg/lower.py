@@ -308,6 +308,9 @@ class _BucketSteps:
     exprs: list[sympy.Expr]
     bytes: dict[str, Counter]
     opened: dict[tuple, tuple[list, list]] = field(default_factory=dict)
+    # per values and bucket size, without a pipeline: the buckets that go out after each op and
+    # the run's flushes (_ProgramBuilder.plan_gradient_buckets)
+    flushed: dict[tuple, tuple[dict, tuple]] = field(default_factory=dict)
 
 
 @per_graph
@@ -769,7 +772,10 @@ class _ProgramBuilder:
 
     def buckets(self, ops: list[Op]) -> list[list[Op]]:
         steps = self._steps_of(ops)
-        starts = self._bucket_starts(steps, self._values(steps))
+        return self._cut(ops, steps, self._values(steps))
+
+    def _cut(self, ops: list[Op], steps: _BucketSteps, values: tuple[int, ...]) -> list[list[Op]]:
+        starts = self._bucket_starts(steps, values)
         return [ops[start:end] for start, end in pairwise([*starts, len(ops)])]
 
     def _action_tally(self, action: Action, units: dict, found: Callable[[], dict], key: tuple) -> ActionTally:
@@ -893,11 +899,17 @@ class _ProgramBuilder:
             if self.pipeline.stages.pp > 1:
                 self.late_reductions.append(ops)
                 continue
-            after: dict[str, list[list[Op]]] = {}
-            for bucket in self.buckets(ops):
-                after.setdefault(plan.made[bucket[-1].name].name, []).append(bucket)
-            self.flush_after.update(after)
-            self.flushes[run] = tuple((name, tuple(map(len, buckets))) for name, buckets in after.items())
+            steps = self._steps_of(ops)
+            values = self._values(steps)
+            found = steps.flushed.get((values, self.bucket_bytes))
+            if found is None:  # (plans whose sizes agree share the buckets: read, never changed)
+                after: dict[str, list[list[Op]]] = {}
+                for bucket in self._cut(ops, steps, values):
+                    after.setdefault(plan.made[bucket[-1].name].name, []).append(bucket)
+                found = steps.flushed[values, self.bucket_bytes] = (
+                    after, tuple((name, tuple(map(len, buckets))) for name, buckets in after.items()))
+            self.flush_after.update(found[0])
+            self.flushes[run] = found[1]
 
     def step(self, ops: list[Op], where: dict[str, int]) -> None:
         """The gradient buckets a pipeline stage sends after its last action, the optimizer
