@@ -299,17 +299,16 @@ class _BucketSteps:
     """A list of step collectives as the bucketing reads it (_ProgramBuilder._bucket_starts):
     per op, its kind (collective name and axes), group and byte expression, each an index into
     the graph's distinct ones (_step_kinds); and per collective name how many ops have each
-    expression. `opened` keeps, per values of the expressions and bucket size, the groups
-    its buckets open and the bytes per collective (a plan's sizes cut the buckets; plans of
-    one size share them)."""
+    expression. Per values of the expressions and bucket size (a plan's sizes cut the buckets;
+    plans of one size share them, _ProgramBuilder._per_sizes): `opened`, the groups its
+    buckets open and the bytes per collective; `flushed`, without a pipeline, the buckets that
+    go out after each op and the run's flushes."""
 
     ops: list[tuple[int, int, int]]
     groups: list[tuple[str, GroupHole]]
     exprs: list[sympy.Expr]
     bytes: dict[str, Counter]
     opened: dict[tuple, tuple[list, list]] = field(default_factory=dict)
-    # per values and bucket size, without a pipeline: the buckets that go out after each op and
-    # the run's flushes (_ProgramBuilder.plan_gradient_buckets)
     flushed: dict[tuple, tuple[dict, tuple]] = field(default_factory=dict)
 
 
@@ -770,6 +769,16 @@ class _ProgramBuilder:
     def _values(self, steps: _BucketSteps) -> tuple[int, ...]:
         return tuple(map(self.comm_ev, steps.exprs))
 
+    def _per_sizes(self, ops: list[Op], table: str, make: Callable[[_BucketSteps, tuple[int, ...]], tuple]) -> tuple:
+        """make(steps, values) for the step list `ops`, kept in its _BucketSteps `table` per values
+        of its byte expressions and bucket size: plans whose sizes agree share it."""
+        steps = self._steps_of(ops)
+        values = self._values(steps)
+        memo = getattr(steps, table)
+        if (values, self.bucket_bytes) not in memo:
+            memo[values, self.bucket_bytes] = make(steps, values)
+        return memo[values, self.bucket_bytes]
+
     def buckets(self, ops: list[Op]) -> list[list[Op]]:
         steps = self._steps_of(ops)
         return self._cut(ops, steps, self._values(steps))
@@ -899,17 +908,13 @@ class _ProgramBuilder:
             if self.pipeline.stages.pp > 1:
                 self.late_reductions.append(ops)
                 continue
-            steps = self._steps_of(ops)
-            values = self._values(steps)
-            found = steps.flushed.get((values, self.bucket_bytes))
-            if found is None:  # (plans whose sizes agree share the buckets: read, never changed)
-                after: dict[str, list[list[Op]]] = {}
+            def flushed(steps: _BucketSteps, values: tuple[int, ...]) -> tuple[dict, tuple]:
+                after: dict[str, list[list[Op]]] = {}  # (shared by plans whose sizes agree: read, never changed)
                 for bucket in self._cut(ops, steps, values):
                     after.setdefault(plan.made[bucket[-1].name].name, []).append(bucket)
-                found = steps.flushed[values, self.bucket_bytes] = (
-                    after, tuple((name, tuple(map(len, buckets))) for name, buckets in after.items()))
-            self.flush_after.update(found[0])
-            self.flushes[run] = found[1]
+                return after, tuple((name, tuple(map(len, buckets))) for name, buckets in after.items())
+            after, self.flushes[run] = self._per_sizes(ops, "flushed", flushed)
+            self.flush_after.update(after)
 
     def step(self, ops: list[Op], where: dict[str, int]) -> None:
         """The gradient buckets a pipeline stage sends after its last action, the optimizer
@@ -930,17 +935,13 @@ class _ProgramBuilder:
             for bucket in self.buckets(ops):
                 self.collective(self._bucket_name("S", bucket), bucket, where)
             return
-        # what collective() counts, without bucket lists: per values of the expressions, the
-        # buckets each group opens (their collectives and nodes) and the bytes per collective
-        steps = self._steps_of(ops)
-        values = self._values(steps)
-        counted = steps.opened.get((values, self.bucket_bytes))
-        if counted is None:
+        # what collective() counts, without bucket lists: the buckets each group opens (their
+        # collectives and nodes) and the bytes per collective
+        def counted(steps: _BucketSteps, values: tuple[int, ...]) -> tuple[list, list]:
             opened = Counter(steps.ops[start][1] for start in self._bucket_starts(steps, values))
-            counted = steps.opened[values, self.bucket_bytes] = (
-                [(*steps.groups[hole], times) for hole, times in opened.items()],
-                [(name, sum(n * values[expr] for expr, n in times.items())) for name, times in steps.bytes.items()])
-        opened, nbytes = counted
+            return ([(*steps.groups[hole], times) for hole, times in opened.items()],
+                    [(name, sum(n * values[expr] for expr, n in times.items())) for name, times in steps.bytes.items()])
+        opened, nbytes = self._per_sizes(ops, "opened", counted)
         for name, group, times in opened:
             self.stats.comm_count[name] += times
             self._count_node(NodeType.COMM_COLL_NODE, group, times=times)

@@ -160,6 +160,11 @@ def _collectives_by_axes(sharded: ShardedGraph) -> tuple[dict[tuple, list[int]],
     return by_axes, readers, {}
 
 
+def _bound_op(op, kept: tuple[str, ...]):
+    """A collective bound to the axes it keeps: a view when it keeps none."""
+    return op.changed(attrs={**op.attrs, "axes": kept}) if kept else op.changed(kind=OpKind.CONSTRAIN)
+
+
 def unit_bound(structure: Structure, units: frozenset[str]) -> ShardedGraph:
     """The structure's passes as a plan runs them whose degree is 1 on each of `units`, axes
     the structure has in play (widened: plans of degree 1 and above share one structure, and
@@ -180,8 +185,7 @@ def unit_bound(structure: Structure, units: frozenset[str]) -> ShardedGraph:
                 continue
             kept = tuple(axis for axis in axes if axis not in units)
             if (axes, kept) not in changes:
-                changed = [graph.ops[place].changed(kind=OpKind.CONSTRAIN) if not kept else
-                           graph.ops[place].changed(attrs={**graph.ops[place].attrs, "axes": kept}) for place in places]
+                changed = [_bound_op(graph.ops[place], kept) for place in places]
                 changes[axes, kept] = (changed, {name for op in changed for name in op.inputs},
                                        [(name, op) for op in changed for name in op.outputs])
             changed, reads, made = changes[axes, kept]

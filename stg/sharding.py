@@ -135,14 +135,13 @@ class _Sharder:
 
     def run(self, templates: bool = True) -> ShardedGraph:
         alike: dict[tuple, tuple[Layout, Tensor]] = {}  # the leaves of a block's copies differ in name only
-        for tensor in self.src.tensors.values():
-            if tensor.name not in self.src.producer:
-                key = tensor.signature
-                if key not in alike:
-                    layout = self.spec.leaf_layout(tensor)
-                    alike[key] = layout, _sized(_shaped(tensor, tensor.name, layout.local_shape(tensor.shape)))
-                layout, local = alike[key]
-                self.define(tensor, layout, local.renamed(tensor.name))
+        for tensor in _leaves(self.src):
+            key = tensor.signature
+            if key not in alike:
+                layout = self.spec.leaf_layout(tensor)
+                alike[key] = layout, _sized(_shaped(tensor, tensor.name, layout.local_shape(tensor.shape)))
+            layout, local = alike[key]
+            self.define(tensor, layout, local.renamed(tensor.name))
         for block in _block_bodies(self.src)[self.resume() if templates else 0:]:
             self.marks.append(self.mark())
             if templates:
@@ -559,8 +558,7 @@ def _common_blocks(a: Graph, b: Graph) -> int:
     then the same op objects making the same tensor objects, block by block, with equal
     signatures (which hold whether a gradient has contributions still to add). A graph
     derived from another keeps its ops where it changes nothing: a recomputation its forward."""
-    leaves = [[tensor for tensor in graph.tensors.values() if tensor.name not in graph.producer] for graph in (a, b)]
-    if len(leaves[0]) != len(leaves[1]) or any(x is not y for x, y in zip(*leaves)):
+    if len(_leaves(a)) != len(_leaves(b)) or any(x is not y for x, y in zip(_leaves(a), _leaves(b))):
         return 0
     for block, ((ops, _, number, _), (others, _, theirs, _)) in enumerate(zip(_block_bodies(a), _block_bodies(b))):
         if number is None or number != theirs or len(ops) != len(others) or any(
@@ -568,6 +566,13 @@ def _common_blocks(a: Graph, b: Graph) -> int:
                 for x, y in zip(ops, others)):
             return block
     return min(len(_block_bodies(a)), len(_block_bodies(b)))
+
+
+@per_graph(limit=4)
+def _leaves(graph: Graph) -> tuple[Tensor, ...]:
+    """The graph's tensors that no op makes (inputs, weights, optimizer states), in order: the
+    first entries of every sharder table."""
+    return tuple(tensor for tensor in graph.tensors.values() if tensor.name not in graph.producer)
 
 
 @per_graph(limit=4)
