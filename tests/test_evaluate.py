@@ -7,6 +7,7 @@ import pytest
 from stg import Plan, evaluate
 from test_digests import DEEPSEEK, GPT, MIXTRAL, PLANS, LLAMA, model_of
 from stg.api import build, generate
+from helpers import longest_path_finish
 
 
 def test_evaluate_equals_the_written_summary(tmp_path):
@@ -185,7 +186,9 @@ def test_a_plan_lowered_for_timing_replays_as_its_nodes(name, tmp_path, monkeypa
     same; the compiled replay (stg/chakra/replay_kernel.py) gives TimedReplay's numbers.
     Without dp the step reads the last micro-batch's tied-embedding gradient itself
     (gpt-tied-pp-dp1): its producer must stay a node of its own in that action. In a 4-stage
-    pipeline a middle stage repeats the actions of the stage before it (ActionNodes.moved)."""
+    pipeline a middle stage repeats the actions of the stage before it (ActionNodes.moved).
+    The replay's times are those of the longest paths through the slice (tests/helpers.py):
+    a max-plus system, so an action's effect on the times composes from its own."""
     import stg.lower
     from stg.chakra.replay import CommCost, TimedReplay
     from stg.chakra.replay_kernel import CompiledReplay
@@ -218,8 +221,11 @@ def test_a_plan_lowered_for_timing_replays_as_its_nodes(name, tmp_path, monkeypa
         durations = [replay_durations(timing.programs[timing.class_of(rank)]) for rank in ranks]
         for cost in (CommCost(), network.bind(real_groups(timing, ranks), ranks, timing.mesh.size)):
             # the compiled loop explore runs is TimedReplay's, to the last bit
-            assert CompiledReplay(graphs, members, durations).run(cost) == \
-                TimedReplay(graphs, members, durations, cost).run()
+            replayed = TimedReplay(graphs, members, durations, cost).run()
+            assert CompiledReplay(graphs, members, durations).run(cost) == replayed
+            # and a longest-path schedule: every node starts when its inputs are done, never
+            # waiting for its rank's compute or comm slot (lowering's chains order both)
+            assert longest_path_finish(graphs, members, durations, cost) == replayed.finish_us
         free, costed = slice_timings(nodes, network, variant)
         free_t, costed_t = slice_timings(timing, network, variant)
         assert free_t == free
