@@ -336,7 +336,9 @@ def test_cli_explore_json_and_validate_with_the_same_network(tmp_path):
 
 
 @pytest.mark.parametrize("args, field", [
-    (["--tp", "4,x"], "tp"),
+    (["--tp", "4,x"], "tp: expected a comma-separated list of integers"),
+    (["--sp", "maybe"], "sp: expected a comma-separated list of true or false"),
+    (["--zero", "1,5"], "zero: 5 is not a ZeRO stage"),
     (["--network", "nowhere"], "network"),
     (["--device", "tpu9"], "device"),
     (["--recompute", "most"], "recompute"),

@@ -11,13 +11,15 @@ import typer
 from stg.errors import PlanError
 
 def _list(name: str, text: str | None, parse=int) -> tuple | None:
-    """A comma-separated option (`--tp 4,8`) as a tuple; PlanError naming the option."""
+    """A comma-separated option (`--tp 4,8`) as a tuple; PlanError naming the option and
+    what its items must be."""
     if text is None:
         return None
     try:
         return tuple(parse(part.strip()) for part in text.split(","))
     except ValueError:
-        raise PlanError(f"{name}: expected a comma-separated list, got {text!r}") from None
+        items = {int: "integers", _flag: "true or false"}.get(parse, "values")
+        raise PlanError(f"{name}: expected a comma-separated list of {items}, got {text!r}") from None
 
 
 def _flag(text: str) -> bool:

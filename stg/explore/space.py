@@ -77,10 +77,13 @@ class Space:
                 continue
             if not isinstance(value, tuple) or not value:
                 raise PlanError(f"{f.name}: must be a non-empty list, got {value!r}")
-        for name in ("tp", "pp", "cp", "ep", "zero", "micro_batch", "vpp"):
+        for name in ("tp", "pp", "cp", "ep", "micro_batch", "vpp"):
             for v in getattr(self, name) or ():
-                if isinstance(v, bool) or not isinstance(v, int) or v < (0 if name == "zero" else 1):
-                    raise PlanError(f"{name}: {v!r} is not a {'ZeRO stage' if name == 'zero' else 'positive integer'}")
+                if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                    raise PlanError(f"{name}: {v!r} is not a positive integer")
+        for v in self.zero:  # refused here, not plan by plan as every plan would be
+            if isinstance(v, bool) or v not in (0, 1, 2, 3):
+                raise PlanError(f"zero: {v!r} is not a ZeRO stage 0, 1, 2 or 3")
         for v in self.recompute:
             if v not in {r.value for r in Recompute}:
                 raise PlanError(f"recompute: {v!r} is not one of {[r.value for r in Recompute]}")
