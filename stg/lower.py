@@ -43,7 +43,7 @@ from parallelism.pipeline import Edge, StagePlan, layer_crossings
 from stg.blocks import blocks
 from stg.program import (ClassStats, GroupHole, NodeType, RankHole, RankProgram, ReplayChunks, TraceNode,
                          merged_runs, replay_nodes)
-from stg.repeats import ActionNodes, ActionTally, add_to, combined, tallies
+from stg.repeats import ActionNodes, ActionTally, add_to, alike_tally, combined, tallies
 from stg.schedule import Action, Kind, Order, order, virtual_stage
 from stg.shapes import moved_here, shape_of
 from stg.sharding import ShardedGraph, op_places, per_graph
@@ -58,6 +58,7 @@ class Evaluator:
         self.bindings = {k: sympy.sympify(v) for k, v in bindings.items()}
         self.numbers = {k: n for k, v in self.bindings.items() if (n := numeric.exact(v)) is not None}
         self.cache: dict[sympy.Expr, int] = {}
+        self.bound: dict[tuple, ClassStats] = {}  # tallies bound under these bindings (_ProgramBuilder._bound)
 
     def __call__(self, expr: sympy.Expr) -> int:
         found = self.cache.get(expr)
@@ -338,7 +339,8 @@ def _step_kinds(sharded: ShardedGraph) -> tuple[dict[str, tuple[int, int, int]],
 @per_graph
 def _bucket_lists(sharded: ShardedGraph, stages: StagePlan, split_backward: bool) -> dict[int, tuple]:
     """_bucket_steps's answers for the step lists of a stage cut, by the id of the list (kept
-    beside its answer): a list is bucketed for every plan of the structure and cut."""
+    beside its answer, with the first list that buckets alike, kept by its content): a list is
+    bucketed for every plan of the structure and cut."""
     return {}
 
 
@@ -746,13 +748,16 @@ class _ProgramBuilder:
             known[alike] = tally, tuple(place[name] for name in tally.made)
         return tally
 
-    def _steps_of(self, ops: list[Op]) -> _BucketSteps:
-        """_bucket_steps of a step list of this plan's cut (_step_plans'), once per list."""
+    def _steps_of(self, ops: list[Op], alike: bool = False) -> _BucketSteps:
+        """_bucket_steps of a step list of this plan's cut (_step_plans'), once per list; with
+        `alike`, that of the first list of the cut that buckets alike (the same kinds, groups and
+        byte expressions in order: a pipeline's middle stages'), for what depends on those alone."""
         memo = _bucket_lists(self.sharded, self.pipeline.stages, self.pipeline.split_backward)
         found = memo.get(id(ops))
         if found is None or found[0] is not ops:
-            found = memo[id(ops)] = ops, _bucket_steps(self.sharded, ops)
-        return found[1]
+            steps = _bucket_steps(self.sharded, ops)
+            found = memo[id(ops)] = ops, steps, memo.setdefault(("alike", tuple(steps.ops)), steps)
+        return found[2 if alike else 1]
 
     def _bucket_starts(self, steps: _BucketSteps, values: tuple[int, ...]) -> list[int]:
         """PyTorch DDP's bucketing: consecutive collectives of one kind, up to bucket_bytes. The
@@ -769,10 +774,12 @@ class _ProgramBuilder:
     def _values(self, steps: _BucketSteps) -> tuple[int, ...]:
         return tuple(map(self.comm_ev, steps.exprs))
 
-    def _per_sizes(self, ops: list[Op], table: str, make: Callable[[_BucketSteps, tuple[int, ...]], tuple]) -> tuple:
+    def _per_sizes(self, ops: list[Op], table: str, make: Callable[[_BucketSteps, tuple[int, ...]], tuple],
+                   alike: bool = False) -> tuple:
         """make(steps, values) for the step list `ops`, kept in its _BucketSteps `table` per values
-        of its byte expressions and bucket size: plans whose sizes agree share it."""
-        steps = self._steps_of(ops)
+        of its byte expressions and bucket size: plans whose sizes agree share it (with `alike`,
+        so do the lists that bucket alike, when `make` reads nothing but `steps` and `values`)."""
+        steps = self._steps_of(ops, alike)
         values = self._values(steps)
         memo = getattr(steps, table)
         if (values, self.bucket_bytes) not in memo:
@@ -941,7 +948,7 @@ class _ProgramBuilder:
             opened = Counter(steps.ops[start][1] for start in self._bucket_starts(steps, values))
             return ([(*steps.groups[hole], times) for hole, times in opened.items()],
                     [(name, sum(n * values[expr] for expr, n in times.items())) for name, times in steps.bytes.items()])
-        opened, nbytes = self._per_sizes(ops, "opened", counted)
+        opened, nbytes = self._per_sizes(ops, "opened", counted, alike=True)
         for name, group, times in opened:
             self.stats.comm_count[name] += times
             self._count_node(NodeType.COMM_COLL_NODE, group, times=times)
@@ -965,10 +972,11 @@ class _ProgramBuilder:
         key = ("step", self.pipeline.stages, self.pipeline.split_backward, self.rank)
         known = tallies(self.sharded)
         if key not in known:
-            known[key] = self._tallied(lambda: self._add_layers(_step_layers(ops), {}, {}, step=True), {})
+            tally = self._tallied(lambda: self._add_layers(_step_layers(ops), {}, {}, step=True), {})
+            known[key] = alike_tally(known, tally)
         self._late_buckets({})
         self.holes |= known[key].holes
-        self.stats.add(known[key].bind(self.ev, self.comm_ev))
+        self.stats.add(self._bound(known[key]))
         self._gathers({})
 
     def _key(self, stage: int, kind: Kind, last: bool, history: tuple) -> tuple:
@@ -999,9 +1007,19 @@ class _ProgramBuilder:
         key = ("stage", pipeline.order, self.rank, pipeline.stages, pipeline.split_backward, tuple(self.flushes.items()))
         known = tallies(self.sharded)
         if key not in known:
-            known[key] = self._stage_tally(units)
+            known[key] = alike_tally(known, self._stage_tally(units))
         self.holes |= known[key].holes
-        self.stats.add(known[key].bind(self.ev, self.comm_ev))
+        self.stats.add(self._bound(known[key]))
+
+    def _bound(self, tally: ActionTally) -> ClassStats:
+        """tally.bind(...), once per plan for the rank classes whose tallies are alike (a
+        pipeline's middle stages: the same layers, each run once per micro-batch; see
+        stg.repeats.alike_tally), whose stats are read, never changed."""
+        key = (id(tally.terms), id(self.comm_ev))
+        found = self.ev.bound.get(key)
+        if found is None:
+            found = self.ev.bound[key] = tally.bind(self.ev, self.comm_ev)
+        return found
 
     def _stage_tally(self, units: dict) -> ActionTally:
         """The stage's actions' tallies, each added as often as the schedule runs its key. A

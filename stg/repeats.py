@@ -65,6 +65,18 @@ def combined(parts: Iterable[tuple[ActionTally, int]]) -> ActionTally:
     return ActionTally(terms, counts, frozenset(holes), ())
 
 
+def alike_tally(known: dict, tally: ActionTally) -> ActionTally:
+    """`tally`, sharing its terms and counts with an equal tally of the structure made before
+    it (`known`: its tallies, stg.repeats.tallies): a pipeline's middle stages run the same
+    layers once per micro-batch each, in other orders, and differ only in their peers (holes),
+    so a plan binds them once (stg.lower._ProgramBuilder._bound)."""
+    interned = known.setdefault(("alike",), {})
+    content = (frozenset(tally.terms.items()), frozenset(tally.counts.nodes.items()),
+               frozenset(tally.counts.comm_count.items()))
+    first = interned.setdefault(content, tally)
+    return tally if first is tally else ActionTally(first.terms, first.counts, tally.holes, tally.made)
+
+
 def add_to(stats: ClassStats, field: str, key: str | None, value: int) -> None:
     """stats.field += value, or stats.field[key] += value for a Counter field."""
     if key is None:
