@@ -168,6 +168,13 @@ class ActionNodes:
         refs = {d for entry in self.nodes if not entry[5] for d in entry[4] if type(d) is frozenset}
         return frozenset(refs | {r for r in self.exit.values() if type(r) is frozenset})
 
+    @cached_property
+    def _lookups(self) -> tuple[tuple[frozenset, tuple[tuple[bool, object], ...]], ...]:
+        """Each set of roles (_roles) with where each of its roles is found: (True, a tensor's
+        name) in its micro-batch's producers, (False, a chain role) among the chains."""
+        return tuple((roles, tuple((r[0] == "tensor", r[1] if r[0] == "tensor" else r) for r in roles))
+                     for roles in self._roles)
+
     def _resolve(self, builder: "_ProgramBuilder", here: dict) -> dict | None:
         """Each set of roles -> the node that plays them all now; None if the chains set differ
         from the recorded run's or a set does not name one node."""
@@ -175,12 +182,19 @@ class ActionNodes:
         if frozenset(r for r, v in chains.items() if v is not None) != self.present:
             return None
         resolved = {}
-        for roles in self._roles:
-            found = {here.get(r[1]) if r[0] == "tensor" else chains.get(r) for r in roles}
-            if len(found) != 1:
+        for roles, lookups in self._lookups:
+            if len(lookups) == 1:  # most sets: one role
+                tensor, key = lookups[0]
+                node = here.get(key) if tensor else chains.get(key)
+            else:
+                found = {here.get(key) if tensor else chains.get(key) for tensor, key in lookups}
+                if len(found) != 1:
+                    return None
+                node = found.pop()
+            if node is None:
                 return None
-            resolved[roles] = found.pop()
-        return None if None in resolved.values() else resolved
+            resolved[roles] = node
+        return resolved
 
     def replay(self, builder: "_ProgramBuilder", microbatch: int, here: dict) -> bool:
         resolved = self._resolve(builder, here)
@@ -255,7 +269,11 @@ class ActionNodes:
         except KeyError:
             return None
         moved = replace(self, exit=exit, roles=frozenset(map(roles, self._roles)))
-        moved.__dict__["compact"] = compact  # cached_property's slot
+        moved.__dict__["compact"] = compact  # cached_properties' slots
+        names, offsets, others = self._exits  # renamed as `exit` is, in its order
+        moved.__dict__["_exits"] = (tuple(map(rename.__getitem__, names)), offsets,
+                                    tuple(((role[0], rename[role[1]]) if role[0] == "tensor" else role,
+                                           ref if type(ref) is int else roles(ref)) for role, ref in others))
         return moved
 
     @cached_property
@@ -318,7 +336,9 @@ class _Compact:
     p2p: tuple  # (kept index, (src, dst, tag, bytes)) of sends and receives
     exacts: np.ndarray  # per COMP node in order: its unrounded duration
     runs: np.ndarray  # per COMP node: the index in `kept` of its run
-    tails: tuple[tuple[int, int], ...]  # (last node, first node) of each run of several
+    # (last node, first node) of each run of several whose last node a later node may name
+    # (what ends runs: a later node names no other node of a merged run)
+    tails: tuple[tuple[int, int], ...]
     comm_offsets: np.ndarray
     last_compute: int | None
     last_comm: int | None
@@ -368,6 +388,6 @@ class _Compact:
                    tuple(key for key in comm if key and len(key) == 3),
                    tuple((k, key) for k, key in enumerate(comm) if key and len(key) == 4),
                    np.array(exacts, dtype=np.float64), ints(runs),
-                   tuple((tail, first) for first, tail in tails.items()),
+                   tuple((tail, first) for first, tail in tails.items() if tail in kept_by),
                    ints([n for n, e in enumerate(entries) if e[1] is not _COMP]), last_compute, last_comm,
                    frozenset(holes))
