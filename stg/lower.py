@@ -301,14 +301,15 @@ class _BucketSteps:
     per op, its kind (collective name and axes), group and byte expression, each an index into
     the graph's distinct ones (_step_kinds); and per collective name how many ops have each
     expression. Per values of the expressions and bucket size (a plan's sizes cut the buckets;
-    plans of one size share them, _ProgramBuilder._per_sizes): `opened`, the groups its
-    buckets open and the bytes per collective; `flushed`, without a pipeline, the buckets that
-    go out after each op and the run's flushes."""
+    plans of one size share them, _ProgramBuilder._per_sizes): `starts`, where its buckets
+    start; `opened`, the groups its buckets open and the bytes per collective; `flushed`,
+    without a pipeline, the buckets that go out after each op and the run's flushes."""
 
     ops: list[tuple[int, int, int]]
     groups: list[tuple[str, GroupHole]]
     exprs: list[sympy.Expr]
     bytes: dict[str, Counter]
+    starts: dict[tuple, list[int]] = field(default_factory=dict)
     opened: dict[tuple, tuple[list, list]] = field(default_factory=dict)
     flushed: dict[tuple, tuple[dict, tuple]] = field(default_factory=dict)
 
@@ -441,7 +442,8 @@ class _ProgramBuilder:
         self.keep_nodes = keep_nodes
         self.holes: set = set()  # without nodes, the holes they would have had
         self.terms: Counter | None = None  # the tally of the action being run, without nodes
-        self.op_costs: dict[str, tuple[int, int, float, str]] = {}
+        self.op_costs: dict[str | tuple, tuple[int, int, float, str]] = {}  # by origin, or by name (_costs)
+        self.origins = sharded.origins
         self.comm_ids: set[int] = set()  # nodes that are not COMP
         self.exact: dict[int, float] = {}  # a COMP node -> its duration before rounding
         self.node_repeats: dict[tuple, ActionNodes | None] = {}  # with nodes: per action key
@@ -496,13 +498,15 @@ class _ProgramBuilder:
 
     def _costs(self, op: Op) -> tuple[int, int, float, str]:
         """An op's FLOPs, bytes, unrounded duration and type label, once per class (every
-        micro-batch runs it)."""
-        costs = self.op_costs.get(op.name)
+        micro-batch runs it) and per origin (ShardedGraph.origins: the same op of a block's
+        copies, the same costs)."""
+        key = self.origins.get(op.name) or op.name
+        costs = self.op_costs.get(key)
         if costs is None:
             flops, nbytes = self.ev(op.flops), self.ev(op.bytes)
             exact = self.device.duration_us(flops, nbytes, self._operand_dtype(op), op.kind is OpKind.EINSUM) \
                 if self.keep_nodes else 0.0
-            costs = self.op_costs[op.name] = (flops, nbytes, exact, op.label())
+            costs = self.op_costs[key] = (flops, nbytes, exact, op.label())
         return costs
 
     def compute(self, op: Op, label: str, where: dict[str, int]) -> None:
@@ -787,11 +791,9 @@ class _ProgramBuilder:
         return memo[values, self.bucket_bytes]
 
     def buckets(self, ops: list[Op]) -> list[list[Op]]:
-        steps = self._steps_of(ops)
-        return self._cut(ops, steps, self._values(steps))
-
-    def _cut(self, ops: list[Op], steps: _BucketSteps, values: tuple[int, ...]) -> list[list[Op]]:
-        starts = self._bucket_starts(steps, values)
+        """The step list `ops` cut into gradient buckets (where they start: kept per sizes for
+        every list that buckets alike, a pipeline's middle stages')."""
+        starts = self._per_sizes(ops, "starts", self._bucket_starts, alike=True)
         return [ops[start:end] for start, end in pairwise([*starts, len(ops)])]
 
     def _action_tally(self, action: Action, units: dict, found: Callable[[], dict], key: tuple) -> ActionTally:
@@ -917,7 +919,7 @@ class _ProgramBuilder:
                 continue
             def flushed(steps: _BucketSteps, values: tuple[int, ...]) -> tuple[dict, tuple]:
                 after: dict[str, list[list[Op]]] = {}  # (shared by plans whose sizes agree: read, never changed)
-                for bucket in self._cut(ops, steps, values):
+                for bucket in self.buckets(ops):
                     after.setdefault(plan.made[bucket[-1].name].name, []).append(bucket)
                 return after, tuple((name, tuple(map(len, buckets))) for name, buckets in after.items())
             after, self.flushes[run] = self._per_sizes(ops, "flushed", flushed)
@@ -945,7 +947,8 @@ class _ProgramBuilder:
         # what collective() counts, without bucket lists: the buckets each group opens (their
         # collectives and nodes) and the bytes per collective
         def counted(steps: _BucketSteps, values: tuple[int, ...]) -> tuple[list, list]:
-            opened = Counter(steps.ops[start][1] for start in self._bucket_starts(steps, values))
+            opened = Counter(steps.ops[start][1] for start in self._per_sizes(ops, "starts", self._bucket_starts,
+                                                                              alike=True))
             return ([(*steps.groups[hole], times) for hole, times in opened.items()],
                     [(name, sum(n * values[expr] for expr, n in times.items())) for name, times in steps.bytes.items()])
         opened, nbytes = self._per_sizes(ops, "opened", counted, alike=True)
