@@ -691,12 +691,17 @@ class _ProgramBuilder:
         another pp binds them -- and its own receives, sends and gradient buckets."""
         stage = virtual_stage(self.rank, action.chunk, self.pipeline.stages.pp)
         self.receive(stage, action.kind, action.microbatch, where)
-        layers = _stage_work(self.sharded, self.pipeline.stages, self.pipeline.split_backward)[self.rank][3]
-        self._add_layers(layers.get((stage, action.kind), ()), units, where)
+        self._add_layers(self.run_layers(stage, action.kind), units, where)
         for name, _ in self.flushes.get((stage, action.kind), ()) if final else ():  # in the run's order
             for bucket in self.flush_after[name]:
                 self.collective(self._bucket_name("S", bucket), bucket, where)
         self.send_made(stage, action.kind, action.microbatch, where)
+
+    def run_layers(self, stage: int, kind: Kind) -> tuple:
+        """The run of virtual stage `stage` and `kind` layer by layer: (its layer key, its ops)
+        per layer (_stage_work)."""
+        return _stage_work(self.sharded, self.pipeline.stages, self.pipeline.split_backward)[self.rank][3].get(
+            (stage, kind), ())
 
     def _add_layers(self, layers: tuple, units: dict, where: dict, step: bool = False) -> None:
         """Add what an action's ops (or with `step` the optimizer's) add, given layer by layer

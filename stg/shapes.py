@@ -93,45 +93,73 @@ def _action_shape(builder: _ProgramBuilder, action: Action, ops: list[Op], units
     """What an action's nodes depend on but names, peers and tags, with its names in order
     of first use and its sends' and receives' edges: two stages' actions of equal shape
     make the same nodes up to those (timing only; ActionNodes.moved). Its kind, chunk,
-    place before or after the last, its micro-batch's earlier actions by chunk and kind;
-    per op its kind, phase, costs, attributes, tensors (each by place, with its shape, dtype
-    and role the first time) and coalescing unit; the buckets a final action sends; the
-    tensors it receives and sends (with the peer stage of each edge)."""
-    table, parts, edges = NameTable(), [], []
-    tensors, seen, same = builder.graph.tensors, set(), _alike(builder.sharded)
-
-    def tensor(name: str) -> int:
-        """Its place; its tensor's id goes into the shape where the place is first seen."""
-        place = table.at(name)
-        if place not in seen:
-            seen.add(place)
-            parts.append(same.of_name(name, tensors))
-        return place
-
-    def collective(op: Op) -> tuple:
-        return tensor(op.inputs[0]), tensor(op.outputs[0]), same.of_op(op), _named(table, op)
-
+    place before or after the last, its micro-batch's earlier actions by chunk and kind; the
+    tensors it receives (by place, shape, dtype and role); per layer of its ops the shape of
+    that layer's run (_layer_shape) and the places of the names the run reads from before
+    it; the buckets a final action sends after which of its ops; the tensors it sends (with
+    the peer stage of each edge); where its runs end (the tensors later ops read)."""
+    table, edges, tensors, same = NameTable(), [], builder.graph.tensors, _alike(builder.sharded)
+    at = table.at
     chunk = lambda stage: builder.pipeline.stages.rank_and_chunk(stage)[1]
-    parts.append((action.kind, action.chunk, key[2:3] + key[4:], tuple((chunk(s), k) for s, k in key[3])))
+    parts: list = [(action.kind, action.chunk, key[2:3] + key[4:], tuple((chunk(s), k) for s, k in key[3]))]
     stage = virtual_stage(builder.rank, action.chunk, builder.pipeline.stages.pp)
     for edge in builder.received(stage, action.kind, here):
-        parts.append(("recv", tensor(edge.tensor)))
+        parts.append(("recv", at(edge.tensor), same.of_name(edge.tensor, tensors)))
         edges.append((edge, edge.source))
-    for op in ops:
-        unit = builder.unit(op)
-        members = units.get(unit, ())
-        parts.append((same.of_op(op), _named(table, op), tuple(map(tensor, op.inputs)),
-                      tuple(map(tensor, op.outputs)),
-                      unit and (unit[0], unit[1], unit[3], unit[4], op is members[0], op is members[-1],
-                                tuple(map(collective, members)))))
-        for bucket in builder.flush_after.get(op.name, []) if key[2] else ():
-            parts.append(tuple(map(collective, bucket)))
+    for layer_key, layer_ops in builder.run_layers(stage, action.kind):
+        serial, names, outside = _layer_shape(builder, layer_key, layer_ops, units)
+        parts.append((serial, tuple(at(names[place]) for place in outside)))
+        for name in names:  # what the layer makes, where later layers and sends find it
+            at(name)
+    if key[2]:  # the gradient buckets a final action sends, after the op that finishes each
+        for place, op in enumerate(ops):
+            for bucket in builder.flush_after.get(op.name, ()):
+                parts.append((place, tuple((at(m.inputs[0]), at(m.outputs[0]), same.of_op(m), _named(table, m),
+                                            same.of_name(m.inputs[0], tensors)) for m in bucket)))
     for edge in builder.sent(stage, action.kind):
-        parts.append(("send", tensor(edge.tensor)))
+        parts.append(("send", at(edge.tensor), same.of_name(edge.tensor, tensors)))
         edges.append((edge, edge.target))
     last = bool(key[4:]) and key[4]
-    parts.append(tuple(sorted(map(tensor, builder._read_later(key[:2], ops, last)))))  # where its runs end
+    parts.append(tuple(sorted(map(at, builder._read_later(key[:2], ops, last)))))  # where its runs end
     return tuple(parts), table.names, edges
+
+
+def _layer_shape(builder: _ProgramBuilder, layer_key: tuple, ops: list[Op], units: dict) -> tuple[int, tuple, tuple]:
+    """A layer's run of an action's ops as its action's shape reads it, kept per structure (a
+    layer's ops and coalescing units are the same in every stage cut): a number for what its
+    nodes depend on but names (per op its kind, phase, costs, attributes, tensors by place
+    with their shape, dtype and role the first time, and coalescing unit), its names in order
+    of first use, and the places of those it does not make (its action finds them before it)."""
+    memo = _shapes(builder.sharded)
+    found = memo.get(layer_key)
+    if found is None:
+        table, parts, seen = NameTable(), [], set()
+        tensors, same = builder.graph.tensors, _alike(builder.sharded)
+
+        def tensor(name: str) -> int:
+            """Its place; its tensor's id goes into the shape where the place is first seen."""
+            place = table.at(name)
+            if place not in seen:
+                seen.add(place)
+                parts.append(same.of_name(name, tensors))
+            return place
+
+        def collective(op: Op) -> tuple:
+            return tensor(op.inputs[0]), tensor(op.outputs[0]), same.of_op(op), _named(table, op)
+
+        for op in ops:
+            unit = builder.unit(op)
+            members = units.get(unit, ())
+            parts.append((same.of_op(op), _named(table, op), tuple(map(tensor, op.inputs)),
+                          tuple(map(tensor, op.outputs)),
+                          unit and (unit[0], unit[1], unit[3], unit[4], op is members[0], op is members[-1],
+                                    tuple(map(collective, members)))))
+        made = {name for op in ops for name in op.outputs}
+        outside = tuple(place for place, name in enumerate(table.names) if name not in made)
+        serials = memo.setdefault(("layer shapes",), {})
+        found = memo[layer_key] = (serials.setdefault((tuple(parts), outside), len(serials)), tuple(table.names),
+                                   outside)
+    return found
 
 
 def moved_here(builder: _ProgramBuilder, found: tuple, shape: tuple) -> ActionNodes | None:
