@@ -26,7 +26,7 @@ from __future__ import annotations
 
 from bisect import bisect_right
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import cached_property
 from itertools import groupby, pairwise
 from operator import attrgetter
@@ -45,7 +45,7 @@ from stg.program import (ClassStats, GroupHole, NodeType, RankHole, RankProgram,
                          merged_runs, replay_nodes)
 from stg.repeats import ActionNodes, ActionTally, add_to, alike_tally, combined, tallies
 from stg.schedule import Action, Kind, Order, order, virtual_stage
-from stg.shapes import moved_here, shape_of
+from stg.shapes import moved_here, shape_of, step_shape
 from stg.sharding import ShardedGraph, op_places, per_graph
 
 
@@ -968,7 +968,16 @@ class _ProgramBuilder:
             self.op(op, "S", where)
 
     def _gathers(self, where: dict[str, int]) -> None:
-        self._step_buckets(self._step_plan().deferred, where)
+        self._step_buckets(self.step_gathers(), where)
+
+    def step_gathers(self) -> list[Op]:
+        """The collectives the step sends after its optimizer, to be bucketed."""
+        return self._step_plan().deferred
+
+    @staticmethod
+    def step_layers(ops: list[Op]) -> tuple:
+        """The step's optimizer ops layer by layer (_step_layers)."""
+        return _step_layers(ops)
 
     def _step_plan(self) -> _StepPlan:
         return _step_plans(self.sharded, self.pipeline.stages, self.pipeline.split_backward)[self.rank]
@@ -1057,24 +1066,47 @@ class _ProgramBuilder:
         self.plan_gradient_buckets()
         if self.keep_nodes:
             where = self._run_actions(self.pipeline.schedule[self.rank], runs, units)
-            for stats, times in self.repeat_stats.values():
-                self.stats.add(stats, times)
         else:
             self._count_actions(units)
             where = {}  # without nodes the step reads no producers
         final: dict[str, int] = {}
         for microbatch in sorted(where):
             final.update(where[microbatch])
-        start = len(self.nodes)
-        if self.keep_nodes:
+        if self.timing:
+            self._timed_step(step, final)
+        elif self.keep_nodes:
             self.step(step, final)
         else:
             self._count_step(step)
-        if self.timing:  # nothing runs after the step: its runs end where its nodes say
+        for stats, times in self.repeat_stats.values():
+            self.stats.add(stats, times)
+        return self.nodes
+
+    def _timed_step(self, ops: list[Op], where: dict[str, int]) -> None:
+        """The step lowered for timing: a stage repeats the step of another stage of the plan
+        whose step has its shape (shapes.step_shape: the same layers' optimizers and buckets,
+        a pipeline's middle stages'), moved to its names, instead of running its ops."""
+        shape = step_shape(self, ops)
+        present = frozenset(r for r, v in self.chain_roles().items() if v is not None)
+        found = self.stage_templates.get((shape[0], present))
+        moved = moved_here(self, found, shape, reads_all=True) if found else None
+        if moved is not None and moved.replay(self, self.microbatches, where):
+            return
+        start, chains, known = len(self.nodes), self.chain_roles(), len(where)
+        total, self.stats = self.stats, ClassStats()
+        self.step(ops, where)
+        delta, self.stats = self.stats, total
+        total.add(delta)
+        recorded = ActionNodes.record(self, self.microbatches, start, chains, known, where, delta, frozenset())
+        if recorded is not None:  # nothing runs after the step: its runs end where its nodes say
+            # and nothing reads the tensors it makes, whose names its shape need not hold
+            recorded = replace(recorded, exit={role: ref for role, ref in recorded.exit.items() if role[0] != "tensor"})
+            self._add_to_replay(start, recorded.compact.head)
+            self.stage_templates[(shape[0], recorded.present)] = (recorded, shape)
+        else:
             made = self.nodes[start:]
             deps = [tuple(d - start if d >= start else -1 for d in node.deps) for node in made]
             self._add_to_replay(start, merged_runs([node.type is NodeType.COMP_NODE for node in made], deps))
-        return self.nodes
 
 
 def lower(sharded: ShardedGraph, evaluate: Evaluator, device: DeviceSpec, *, pipeline: Pipeline,

@@ -247,12 +247,18 @@ class ActionNodes:
             nodes.append(copy)
         builder.carry, builder.last_compute, builder.last_comm = carry, last_compute, last_comm
 
-    def moved(self, rename: dict[str, str], retag: dict[int, int], peers: dict) -> "ActionNodes | None":
+    def moved(self, rename: dict[str, str], retag: dict[int, int], peers: dict,
+              reads_all: bool = False) -> "ActionNodes | None":
         """These nodes as another pipeline stage's action of the same shape makes them (timing
         only: nodes keep their names and only the merged replay form is moved): its tensors
         under `rename`, its sends and receives on the edges `retag` maps edge indices to, their
-        peers under `peers`; None if a tensor it refers to has no new name."""
+        peers under `peers`; None if a tensor it refers to has no new name. `reads_all`: the
+        shape names every tensor the nodes read and the tensors those view (a step's), so a node
+        from before that a dependency names also by a tensor the shape lacks (the compute or
+        comm chain's last, which made it) is named by its other roles."""
         def roles(refs):
+            if reads_all:
+                refs = [r for r in refs if r[0] != "tensor" or r[1] in rename] or refs
             return frozenset(("tensor", rename[r[1]]) if r[0] == "tensor" else r for r in refs)
 
         def p2p(key):

@@ -124,12 +124,45 @@ def _action_shape(builder: _ProgramBuilder, action: Action, ops: list[Op], units
     return tuple(parts), table.names, edges
 
 
-def _layer_shape(builder: _ProgramBuilder, layer_key: tuple, ops: list[Op], units: dict) -> tuple[int, tuple, tuple]:
+def step_shape(builder: _ProgramBuilder, ops: list[Op]) -> tuple:
+    """What a stage's step (stg.lower._ProgramBuilder.step) depends on but names, with its
+    names in order of first use: the gradient buckets it sends first, its optimizer's ops
+    layer by layer (_layer_shape, with the places of the names each layer reads from before
+    it), the gathers after it; its buckets cut by this plan's sizes. Two stages' steps of
+    equal shape make the same nodes up to names (timing only; ActionNodes.moved)."""
+    table, tensors, same, alias = NameTable(), builder.graph.tensors, _alike(builder.sharded), builder.alias
+    parts: list = []
+
+    def at(name: str) -> int:
+        """Its place, and that of the tensor it views (its nodes depend on that one's producer)."""
+        place = table.at(name)
+        if name in alias:
+            parts.append(("view", place, at(alias[name])))
+        return place
+
+    def buckets(kind: str, steps: list[Op]) -> list:
+        return [(kind, tuple((at(m.inputs[0]), at(m.outputs[0]), same.of_op(m), _named(table, m),
+                              same.of_name(m.inputs[0], tensors)) for m in bucket)) for bucket in builder.buckets(steps)]
+
+    for reductions in builder.late_reductions:
+        parts += buckets("late", reductions)
+    for layer_key, layer_ops in builder.step_layers(ops):
+        serial, names, outside = _layer_shape(builder, layer_key, layer_ops, None)
+        parts.append((serial, tuple(at(names[place]) for place in outside)))
+        for name in names:  # what the layer makes, where later layers and the gathers find it
+            at(name)
+    parts += buckets("gather", builder.step_gathers())
+    return tuple(parts), table.names, []
+
+
+def _layer_shape(builder: _ProgramBuilder, layer_key: tuple, ops: list[Op],
+                 units: dict | None) -> tuple[int, tuple, tuple]:
     """A layer's run of an action's ops as its action's shape reads it, kept per structure (a
     layer's ops and coalescing units are the same in every stage cut): a number for what its
     nodes depend on but names (per op its kind, phase, costs, attributes, tensors by place
     with their shape, dtype and role the first time, and coalescing unit), its names in order
-    of first use, and the places of those it does not make (its action finds them before it)."""
+    of first use, and the places of those it does not make (its action finds them before it).
+    `units` None: a layer of the step's optimizer, whose ops run one by one."""
     memo = _shapes(builder.sharded)
     found = memo.get(layer_key)
     if found is None:
@@ -148,8 +181,8 @@ def _layer_shape(builder: _ProgramBuilder, layer_key: tuple, ops: list[Op], unit
             return tensor(op.inputs[0]), tensor(op.outputs[0]), same.of_op(op), _named(table, op)
 
         for op in ops:
-            unit = builder.unit(op)
-            members = units.get(unit, ())
+            unit = builder.unit(op) if units is not None else None
+            members = units.get(unit, ()) if unit is not None else ()
             parts.append((same.of_op(op), _named(table, op), tuple(map(tensor, op.inputs)),
                           tuple(map(tensor, op.outputs)),
                           unit and (unit[0], unit[1], unit[3], unit[4], op is members[0], op is members[-1],
@@ -162,12 +195,13 @@ def _layer_shape(builder: _ProgramBuilder, layer_key: tuple, ops: list[Op], unit
     return found
 
 
-def moved_here(builder: _ProgramBuilder, found: tuple, shape: tuple) -> ActionNodes | None:
-    """A template another stage recorded, under this stage's names, tags and peers."""
+def moved_here(builder: _ProgramBuilder, found: tuple, shape: tuple, reads_all: bool = False) -> ActionNodes | None:
+    """A template another stage recorded, under this stage's names, tags and peers
+    (`reads_all`: see ActionNodes.moved)."""
     template, (_, names, edges) = found
     peers: dict = {}
     for (_, old), (_, new) in zip(edges, shape[2]):
         if peers.setdefault(builder._peer(old), builder._peer(new)) != builder._peer(new):
             return None  # two of its peers become one: not the same pattern
     retag = {old.index: new.index for (old, _), (new, _) in zip(edges, shape[2])}
-    return template.moved(dict(zip(names, shape[1])), retag, peers)
+    return template.moved(dict(zip(names, shape[1])), retag, peers, reads_all)

@@ -186,8 +186,8 @@ def test_a_plan_lowered_for_timing_replays_as_its_nodes(name, tmp_path, monkeypa
     same; the compiled replay (stg/chakra/replay_kernel.py) gives TimedReplay's numbers.
     Without dp the step reads the last micro-batch's tied-embedding gradient itself
     (gpt-tied-pp-dp1): its producer must stay a node of its own in that action. In a 4-stage
-    pipeline a middle stage repeats the actions of the stage before it (ActionNodes.moved).
-    The replay's times are those of the longest paths through the slice (tests/helpers.py):
+    pipeline a middle stage repeats the actions and the step of the stage before it
+    (ActionNodes.moved). The replay's times are those of the longest paths through the slice (tests/helpers.py):
     a max-plus system, so an action's effect on the times composes from its own."""
     import stg.lower
     from stg.chakra.replay import CommCost, TimedReplay
@@ -201,16 +201,22 @@ def test_a_plan_lowered_for_timing_replays_as_its_nodes(name, tmp_path, monkeypa
         plan = {**plan, "global_batch": plan.get("global_batch", 1) * 6}
     plan = {"seq": 32, **plan}
     ran = {True: 0, False: 0}
-    action = stg.lower._ProgramBuilder.action
+    steps = {True: 0, False: 0}
+    action, step = stg.lower._ProgramBuilder.action, stg.lower._ProgramBuilder.step
 
     def counted(self, *args, **kwargs):
         ran[self.timing] += 1
         return action(self, *args, **kwargs)
 
+    def counted_step(self, *args, **kwargs):
+        steps[self.timing] += 1
+        return step(self, *args, **kwargs)
+
     monkeypatch.setattr(stg.lower._ProgramBuilder, "action", counted)
+    monkeypatch.setattr(stg.lower._ProgramBuilder, "step", counted_step)
     nodes, timing = build(model, plan), build(model, plan, nodes=False, timing=True)
-    if name.startswith("pp4"):
-        assert ran[True] < ran[False]
+    if name.startswith("pp4"):  # the middle stages' actions and steps are alike
+        assert ran[True] < ran[False] and steps[True] < steps[False] == 4
     assert [p.stats for p in timing.programs] == [p.stats for p in nodes.programs]
     assert [p.holes for p in timing.programs] == [p.holes for p in nodes.programs]
     assert all(len(p.replay.ids) and not p.nodes for p in timing.programs)
