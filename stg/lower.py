@@ -442,7 +442,8 @@ class _ProgramBuilder:
         self.keep_nodes = keep_nodes
         self.holes: set = set()  # without nodes, the holes they would have had
         self.terms: Counter | None = None  # the tally of the action being run, without nodes
-        self.op_costs: dict[str | tuple, tuple[int, int, float, str]] = {}  # by origin, or by name (_costs)
+        self.op_costs: dict[str, tuple[int, int, float, str]] = {}
+        self.op_timing: dict[tuple, tuple[float, str]] = {}  # by origin (or name) and sizes: _costs
         self.origins = sharded.origins
         self.comm_ids: set[int] = set()  # nodes that are not COMP
         self.exact: dict[int, float] = {}  # a COMP node -> its duration before rounding
@@ -498,15 +499,18 @@ class _ProgramBuilder:
 
     def _costs(self, op: Op) -> tuple[int, int, float, str]:
         """An op's FLOPs, bytes, unrounded duration and type label, once per class (every
-        micro-batch runs it) and per origin (ShardedGraph.origins: the same op of a block's
-        copies, the same costs)."""
-        key = self.origins.get(op.name) or op.name
-        costs = self.op_costs.get(key)
+        micro-batch runs it); its duration and label once per origin and sizes
+        (ShardedGraph.origins: the same op of a block's copies, the same roofline)."""
+        costs = self.op_costs.get(op.name)
         if costs is None:
-            flops, nbytes = self.ev(op.flops), self.ev(op.bytes)
-            exact = self.device.duration_us(flops, nbytes, self._operand_dtype(op), op.kind is OpKind.EINSUM) \
-                if self.keep_nodes else 0.0
-            costs = self.op_costs[key] = (flops, nbytes, exact, op.label())
+            flops, nbytes = self.ev(op.flops), self.ev(op.bytes)  # each op asks (a serving template records them)
+            key = (self.origins.get(op.name) or op.name, flops, nbytes)
+            timed = self.op_timing.get(key)
+            if timed is None:
+                exact = self.device.duration_us(flops, nbytes, self._operand_dtype(op), op.kind is OpKind.EINSUM) \
+                    if self.keep_nodes else 0.0
+                timed = self.op_timing[key] = (exact, op.label())
+            costs = self.op_costs[op.name] = (flops, nbytes, *timed)
         return costs
 
     def compute(self, op: Op, label: str, where: dict[str, int]) -> None:
