@@ -13,6 +13,13 @@ spans) costs: the slice's makespan is the whole set's, as `stg validate --timed 
 
 Run twice, with free and with costed communication: the free run's idle time is the pipeline
 bubble, the difference of the two makespans the communication that compute did not hide.
+
+Lowering orders each rank's compute and its collectives and sends in one chain each, so no
+node ever waits for a busy resource: the replay's times are the longest paths through the
+slice's nodes (a max-plus system), which tests/test_evaluate.py checks against an independent
+longest-path schedule (tests/helpers.py) for every strategy. So a step's time composes from
+its actions' (each a max-plus map of the times it starts from), and past a transient it
+grows periodically over alike micro-batches, which stg/explore/probe.py fits.
 """
 
 from __future__ import annotations
