@@ -140,8 +140,8 @@ class ActionNodes:
             chained = node.type is NodeType.COMP_NODE and computed  # its first dependency: what ran last
             computed = computed or node.type is NodeType.COMP_NODE
             deps = deps[1:] if chained else deps
-            suffix = node.name[len(prefix):] if node.name.startswith(prefix) and \
-                not node.name[len(prefix)].isdigit() else None
+            suffix = node.name[len(prefix):] if not builder.timing and node.name.startswith(prefix) and \
+                not node.name[len(prefix)].isdigit() else None  # (timing repeats no names)
             inside = all(type(d) is int for d in deps)
             nodes.append((node, node.type, suffix, chained, deps, inside, builder.exact.get(node.id)))
         exit = {("prefetch", phase): ref(node) for phase, node in builder.prefetch.items()
@@ -376,8 +376,11 @@ class _Compact:
                 first = (() if not chained else (d,) if d is not None else (_CHAIN,))
                 inside = sorted({head[x] for x in first + node_deps if type(x) is int})
                 deps.append((*inside, *dict.fromkeys(x for x in first + node_deps if type(x) is not int)))
-                comm.append(node.comm_key)
-                holes.update(node.holes)
+                if kind is not _COMP:  # a compute node matches nothing and names no rank
+                    comm.append(node.comm_key)
+                    holes.update(node.holes)
+                else:
+                    comm.append(None)
             if kind is _COMP:
                 exacts.append(exact)
                 runs.append(index[head[n]])
