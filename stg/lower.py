@@ -937,7 +937,10 @@ class _ProgramBuilder:
     def step(self, ops: list[Op], where: dict[str, int]) -> None:
         """The gradient buckets a pipeline stage sends after its last action, the optimizer
         (after any reduction it reads that the last backward did not send), then the gathers
-        of the new parameters, bucketed."""
+        of the new parameters, bucketed. The step's views are noted first: a reduction that a
+        degree of 1 turned into a view (stg/passes.py, unit_bound) still passes on its input's
+        producer to the reduction after it."""
+        self.alias.update((op.outputs[0], op.inputs[0]) for op in ops if op.kind in VIEWS)
         self._late_buckets(where)
         self._optimizer(ops, where)
         self._gathers(where)

@@ -253,3 +253,21 @@ def test_a_plan_lowered_for_timing_replays_as_its_nodes(name, tmp_path, monkeypa
     assert [p.stats for p in reused.programs] == [p.stats for p in fresh.programs]
     for variant in range(fresh.variants):
         assert slice_timings(reused, network, variant) == slice_timings(fresh, network, variant)
+
+
+def test_a_bound_reduction_view_passes_on_its_producer_in_the_timed_step():
+    """Timed, a plan of cp = 1 binds the structure of cp above 1 (stg/passes.py, unit_bound):
+    there Mixtral's expert-gradient reduction over dp and cp (dp = ep: no expert data
+    parallelism) is a view, which the tp all-reduce after it reads. Under ZB-H1 the last
+    weight-gradient pass ends after the step's first buckets could go: the all-reduce must
+    wait for the gradient through that view, as in the written programs (it went 3 us early
+    before the step noted its views first)."""
+    from stg.explore.cost import slice_timings
+    from stg.explore.network import load_network
+
+    plan = dict(dp=4, tp=2, ep=4, pp=4, zero=1, global_batch=8, seq=512, schedule="zb-h1")
+    timed, written = build("mixtral-8x7b", plan, nodes=False, timing=True), build("mixtral-8x7b", plan)
+    assert any(op.kind.name == "CONSTRAIN" and op.name.endswith(".reduce_scatter[dp,cp].S")
+               for op in timed.sharded.graph.ops)
+    network = load_network("dgx-h100-superpod")
+    assert slice_timings(timed, network, 0) == slice_timings(written, network, 0)
