@@ -937,10 +937,7 @@ class _ProgramBuilder:
     def step(self, ops: list[Op], where: dict[str, int]) -> None:
         """The gradient buckets a pipeline stage sends after its last action, the optimizer
         (after any reduction it reads that the last backward did not send), then the gathers
-        of the new parameters, bucketed. The step's views are noted first: a reduction that a
-        degree of 1 turned into a view (stg/passes.py, unit_bound) still passes on its input's
-        producer to the reduction after it."""
-        self.alias.update((op.outputs[0], op.inputs[0]) for op in ops if op.kind in VIEWS)
+        of the new parameters, bucketed."""
         self._late_buckets(where)
         self._optimizer(ops, where)
         self._gathers(where)
@@ -1070,6 +1067,10 @@ class _ProgramBuilder:
     def build(self) -> list[TraceNode]:
         stages = self.pipeline.stages
         runs, units, step, _ = _stage_work(self.sharded, stages, self.pipeline.split_backward)[self.rank]
+        # the step's views first: a reduction that a degree of 1 turned into a view (stg/passes.py,
+        # unit_bound) passes its input's producer on to the reduction after it, which may go out in
+        # a bucket after the last backward (without a pipeline) or before the optimizer runs
+        self.alias.update((op.outputs[0], op.inputs[0]) for op in step if op.kind in VIEWS)
         self.plan_gradient_buckets()
         if self.keep_nodes:
             where = self._run_actions(self.pipeline.schedule[self.rank], runs, units)
