@@ -42,7 +42,7 @@ from stg import numeric
 from parallelism.pipeline import Edge, StagePlan, layer_crossings
 from stg.blocks import blocks
 from stg.program import (ClassStats, GroupHole, NodeType, RankHole, RankProgram, ReplayChunks, TraceNode,
-                         merged_runs, replay_nodes)
+                         replay_nodes)
 from stg.repeats import ActionNodes, ActionTally, add_to, alike_tally, combined, tallies
 from stg.schedule import Action, Kind, Order, order, virtual_stage
 from stg.shapes import moved_here, shape_of, step_shape
@@ -800,10 +800,13 @@ class _ProgramBuilder:
         return memo[values, self.bucket_bytes]
 
     def buckets(self, ops: list[Op]) -> list[list[Op]]:
-        """The step list `ops` cut into gradient buckets (where they start: kept per sizes for
-        every list that buckets alike, a pipeline's middle stages')."""
-        starts = self._per_sizes(ops, "starts", self._bucket_starts, alike=True)
-        return [ops[start:end] for start, end in pairwise([*starts, len(ops)])]
+        """The step list `ops` cut into gradient buckets."""
+        return [ops[start:end] for start, end in pairwise([*self._starts(ops), len(ops)])]
+
+    def _starts(self, ops: list[Op]) -> list[int]:
+        """Where the step list `ops`'s buckets start, kept per sizes for every list that buckets
+        alike (a pipeline's middle stages')."""
+        return self._per_sizes(ops, "starts", self._bucket_starts, alike=True)
 
     def _action_tally(self, action: Action, units: dict, found: Callable[[], dict], key: tuple) -> ActionTally:
         """An action's tally without nodes -- how many times each expression is added to each
@@ -850,26 +853,45 @@ class _ProgramBuilder:
             return
         if self.timing:  # another stage may have run an action of this shape
             shape = shape_of(self, action, ops, units, here, key)
-            present = frozenset(r for r, v in self.chain_roles().items() if v is not None)
-            found = self.stage_templates.get((shape[0], present))
-            moved = moved_here(self, found, shape) if found else None
-            if moved is not None and moved.replay(self, action.microbatch, here):
+            moved = self._moved(shape, action.microbatch, here)
+            if moved is not None:
                 self.node_repeats[key] = moved
                 self._views(key[:2], ops)
                 return
+        # the latest run is the one to repeat: the first ran with empty chains, later ones do not
+        self.node_repeats[key] = self._recorded(lambda: self.action(action, ops, units, here, final=key[2]),
+                                                action.microbatch, here, self._read_later(key[:2], ops, last),
+                                                shape if self.timing else None)
+
+    def _moved(self, shape: tuple, microbatch: int, here: dict, reads_all: bool = False) -> ActionNodes | None:
+        """Timing: the template another stage of the plan recorded with this shape and chains,
+        moved to this stage (shapes.moved_here) and repeated here; None (nothing added) if there
+        is none or it does not resolve."""
+        present = frozenset(r for r, v in self.chain_roles().items() if v is not None)
+        found = self.stage_templates.get((shape[0], present))
+        moved = moved_here(self, found, shape, reads_all) if found else None
+        return moved if moved is not None and moved.replay(self, microbatch, here) else None
+
+    def _recorded(self, run: Callable[[], None], microbatch: int, here: dict, read_later: frozenset[str],
+                  shape: tuple | None = None, made_read: bool = True) -> ActionNodes | None:
+        """Run `run` (an action, or the step), and record the nodes it made as a template
+        (ActionNodes.record: the stats it added, its dependencies by role; without `made_read`,
+        no later node reads the tensors it makes, whose names `shape` need not hold); timing:
+        add them to the replay and keep the template for the stages whose work has `shape`
+        (found before it ran)."""
         start, chains, known = len(self.nodes), self.chain_roles(), len(here)
         total, self.stats = self.stats, ClassStats()
-        self.action(action, ops, units, here, final=key[2])
+        run()
         delta, self.stats = self.stats, total
         total.add(delta)
-        # the latest run is the one to repeat: the first ran with empty chains, later ones do not
-        self.node_repeats[key] = ActionNodes.record(self, action.microbatch, start, chains, known, here, delta,
-                                                    self._read_later(key[:2], ops, last))
+        recorded = ActionNodes.record(self, microbatch, start, chains, known, here, delta, read_later)
+        if recorded is not None and not made_read:
+            recorded = replace(recorded, exit={role: ref for role, ref in recorded.exit.items() if role[0] != "tensor"})
         if self.timing:
-            recorded = self.node_repeats[key]
             self._add_to_replay(start, recorded.compact.head if recorded else range(len(self.nodes) - start))
-            if recorded is not None:  # its shape is the one found before it ran
+            if recorded is not None:
                 self.stage_templates[(shape[0], recorded.present)] = (recorded, shape)
+        return recorded
 
     def _views(self, run: tuple, ops: list[Op]) -> None:
         """The views a run's ops make (a view has no node; its producer is the viewed tensor's,
@@ -956,8 +978,7 @@ class _ProgramBuilder:
         # what collective() counts, without bucket lists: the buckets each group opens (their
         # collectives and nodes) and the bytes per collective
         def counted(steps: _BucketSteps, values: tuple[int, ...]) -> tuple[list, list]:
-            opened = Counter(steps.ops[start][1] for start in self._per_sizes(ops, "starts", self._bucket_starts,
-                                                                              alike=True))
+            opened = Counter(steps.ops[start][1] for start in self._starts(ops))
             return ([(*steps.groups[hole], times) for hole, times in opened.items()],
                     [(name, sum(n * values[expr] for expr, n in times.items())) for name, times in steps.bytes.items()])
         opened, nbytes = self._per_sizes(ops, "opened", counted, alike=True)
@@ -1070,7 +1091,7 @@ class _ProgramBuilder:
         # the step's views first: a reduction that a degree of 1 turned into a view (stg/passes.py,
         # unit_bound) passes its input's producer on to the reduction after it, which may go out in
         # a bucket after the last backward (without a pipeline) or before the optimizer runs
-        self.alias.update((op.outputs[0], op.inputs[0]) for op in step if op.kind in VIEWS)
+        self._views(("step",), step)
         self.plan_gradient_buckets()
         if self.keep_nodes:
             where = self._run_actions(self.pipeline.schedule[self.rank], runs, units)
@@ -1095,27 +1116,10 @@ class _ProgramBuilder:
         whose step has its shape (shapes.step_shape: the same layers' optimizers and buckets,
         a pipeline's middle stages'), moved to its names, instead of running its ops."""
         shape = step_shape(self, ops)
-        present = frozenset(r for r, v in self.chain_roles().items() if v is not None)
-        found = self.stage_templates.get((shape[0], present))
-        moved = moved_here(self, found, shape, reads_all=True) if found else None
-        if moved is not None and moved.replay(self, self.microbatches, where):
-            return
-        start, chains, known = len(self.nodes), self.chain_roles(), len(where)
-        total, self.stats = self.stats, ClassStats()
-        self.step(ops, where)
-        delta, self.stats = self.stats, total
-        total.add(delta)
-        recorded = ActionNodes.record(self, self.microbatches, start, chains, known, where, delta, frozenset())
-        if recorded is not None:  # nothing runs after the step: its runs end where its nodes say
-            # and nothing reads the tensors it makes, whose names its shape need not hold
-            recorded = replace(recorded, exit={role: ref for role, ref in recorded.exit.items() if role[0] != "tensor"})
-            self._add_to_replay(start, recorded.compact.head)
-            self.stage_templates[(shape[0], recorded.present)] = (recorded, shape)
-        else:
-            made = self.nodes[start:]
-            deps = [tuple(d - start if d >= start else -1 for d in node.deps) for node in made]
-            self._add_to_replay(start, merged_runs([node.type is NodeType.COMP_NODE for node in made], deps))
-
+        if self._moved(shape, self.microbatches, where, reads_all=True) is None:
+            # nothing runs after the step: its runs end where its nodes say
+            self._recorded(lambda: self.step(ops, where), self.microbatches, where, frozenset(), shape,
+                           made_read=False)
 
 def lower(sharded: ShardedGraph, evaluate: Evaluator, device: DeviceSpec, *, pipeline: Pipeline,
           bucket_bytes: int, rank: int = 0, comm_evaluate: Evaluator | None = None,

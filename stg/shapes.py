@@ -106,16 +106,11 @@ def _action_shape(builder: _ProgramBuilder, action: Action, ops: list[Op], units
     for edge in builder.received(stage, action.kind, here):
         parts.append(("recv", at(edge.tensor), same.of_name(edge.tensor, tensors)))
         edges.append((edge, edge.source))
-    for layer_key, layer_ops in builder.run_layers(stage, action.kind):
-        serial, names, outside = _layer_shape(builder, layer_key, layer_ops, units)
-        parts.append((serial, tuple(at(names[place]) for place in outside)))
-        for name in names:  # what the layer makes, where later layers and sends find it
-            at(name)
+    _layers(builder, at, parts, builder.run_layers(stage, action.kind), units)
     if key[2]:  # the gradient buckets a final action sends, after the op that finishes each
         for place, op in enumerate(ops):
             for bucket in builder.flush_after.get(op.name, ()):
-                parts.append((place, tuple((at(m.inputs[0]), at(m.outputs[0]), same.of_op(m), _named(table, m),
-                                            same.of_name(m.inputs[0], tensors)) for m in bucket)))
+                parts.append((place, _bucket(builder, table, at, bucket)))
     for edge in builder.sent(stage, action.kind):
         parts.append(("send", at(edge.tensor), same.of_name(edge.tensor, tensors)))
         edges.append((edge, edge.target))
@@ -130,8 +125,7 @@ def step_shape(builder: _ProgramBuilder, ops: list[Op]) -> tuple:
     layer by layer (_layer_shape, with the places of the names each layer reads from before
     it), the gathers after it; its buckets cut by this plan's sizes. Two stages' steps of
     equal shape make the same nodes up to names (timing only; ActionNodes.moved)."""
-    table, tensors, same, alias = NameTable(), builder.graph.tensors, _alike(builder.sharded), builder.alias
-    parts: list = []
+    table, alias, parts = NameTable(), builder.alias, []
 
     def at(name: str) -> int:
         """Its place, and that of the tensor it views (its nodes depend on that one's producer)."""
@@ -141,18 +135,32 @@ def step_shape(builder: _ProgramBuilder, ops: list[Op]) -> tuple:
         return place
 
     def buckets(kind: str, steps: list[Op]) -> list:
-        return [(kind, tuple((at(m.inputs[0]), at(m.outputs[0]), same.of_op(m), _named(table, m),
-                              same.of_name(m.inputs[0], tensors)) for m in bucket)) for bucket in builder.buckets(steps)]
+        return [(kind, _bucket(builder, table, at, bucket)) for bucket in builder.buckets(steps)]
 
     for reductions in builder.late_reductions:
         parts += buckets("late", reductions)
-    for layer_key, layer_ops in builder.step_layers(ops):
-        serial, names, outside = _layer_shape(builder, layer_key, layer_ops, None)
-        parts.append((serial, tuple(at(names[place]) for place in outside)))
-        for name in names:  # what the layer makes, where later layers and the gathers find it
-            at(name)
+    _layers(builder, at, parts, builder.step_layers(ops), None)
     parts += buckets("gather", builder.step_gathers())
     return tuple(parts), table.names, []
+
+
+def _layers(builder: _ProgramBuilder, at, parts: list, layers: tuple, units: dict | None) -> None:
+    """Add to a shape's `parts` its run's layers ((layer key, ops) each): per layer its
+    _layer_shape's number and the places (`at`) of the names it reads from before it; then
+    every name it makes gets its place, where later layers, sends and buckets find it."""
+    for layer_key, layer_ops in layers:
+        serial, names, outside = _layer_shape(builder, layer_key, layer_ops, units)
+        parts.append((serial, tuple(at(names[place]) for place in outside)))
+        for name in names:
+            at(name)
+
+
+def _bucket(builder: _ProgramBuilder, table: NameTable, at, bucket: list[Op]) -> tuple:
+    """The shape's part for a bucket of collectives: per collective the places (`at`) of what
+    it reads and makes, its op, the names its attributes hold, and its input's tensor."""
+    same, tensors = _alike(builder.sharded), builder.graph.tensors
+    return tuple((at(m.inputs[0]), at(m.outputs[0]), same.of_op(m), _named(table, m), same.of_name(m.inputs[0], tensors))
+                 for m in bucket)
 
 
 def _layer_shape(builder: _ProgramBuilder, layer_key: tuple, ops: list[Op],
