@@ -1090,8 +1090,10 @@ class _ProgramBuilder:
         runs, units, step, _ = _stage_work(self.sharded, stages, self.pipeline.split_backward)[self.rank]
         # the step's views first: a reduction that a degree of 1 turned into a view (stg/passes.py,
         # unit_bound) passes its input's producer on to the reduction after it, which may go out in
-        # a bucket after the last backward (without a pipeline) or before the optimizer runs
-        self._views(("step",), step)
+        # a bucket after the last backward (without a pipeline) or before the optimizer runs;
+        # counting alone reads no producers
+        if self.keep_nodes:
+            self._views(("step",), step)
         self.plan_gradient_buckets()
         if self.keep_nodes:
             where = self._run_actions(self.pipeline.schedule[self.rank], runs, units)
