@@ -20,7 +20,7 @@ from typing import Mapping, Sequence
 
 import numpy as np
 
-from stg.limits import INT32_MAX, check_schema
+from stg.limits import INT32_MAX, INT64_MAX, check_schema
 from stg.program import Hole, NodeType, TraceNode
 
 SCHEMA_VERSION = "0.0.4"
@@ -115,13 +115,13 @@ def _check_node(node: TraceNode) -> None:
     """The backstop before any byte is written: every number fits its schema field (a varint
     of an out-of-range value decodes as garbage, or not at all)."""
     if node.type is NodeType.COMP_NODE:
-        fields, values = _COMP_FIELDS, (node.id, node.duration_us, node.flops, node.nbytes)
+        fields, values, narrowest = _COMP_FIELDS, (node.id, node.duration_us, node.flops, node.nbytes), INT64_MAX
     elif node.type is NodeType.COMM_COLL_NODE:
-        fields, values = _COLL_FIELDS, (node.id, node.duration_us, node.comm_bytes)
+        fields, values, narrowest = _COLL_FIELDS, (node.id, node.duration_us, node.comm_bytes), INT64_MAX
     else:
-        fields, values = _P2P_FIELDS, (node.id, node.duration_us, node.comm_bytes, node.tag)
-    if 0 <= min(values) and max(values) <= INT32_MAX:
-        return  # fits every field: the narrowest is an int32
+        fields, values, narrowest = _P2P_FIELDS, (node.id, node.duration_us, node.comm_bytes, node.tag), INT32_MAX
+    if 0 <= min(values) and max(values) <= narrowest:
+        return  # fits every field (a compute node's FLOPs pass an int32's often)
     for field, value in zip(fields, values):
         check_schema(field, value, f"node {node.id} ({node.name})")
 
@@ -155,12 +155,13 @@ def _node_parts(node: TraceNode) -> tuple[bytes, tuple[HoleAttr, ...]]:
 
 def _head_length(node: TraceNode) -> int:
     """len(_node_parts(node)[0]), field by field without making the bytes: counting a set
-    reads only this (tests/test_emission.py holds the two equal on every strategy's nodes)."""
+    reads only this (tests/test_emission.py holds the two equal on every strategy's nodes).
+    Its numbers are never negative (_check_node; ids)."""
     _check_node(node)
     name = len(node.name) if node.name.isascii() else len(node.name.encode())
     length = 3 * _KEY + _varint_length(node.id) + _varint_length(name) + name + _varint_length(int(node.type))
     if node.deps:
-        deps = sum(map(_varint_length, node.deps))
+        deps = _varints_length(node.deps)
         length += _KEY + _varint_length(deps) + deps
     if node.type is NodeType.COMP_NODE and node.duration_us:
         length += _KEY + _varint_length(node.duration_us)
@@ -171,7 +172,20 @@ _KEY = len(_key(_DURATION, _VARINT))  # a Node field's key: one byte (field numb
 
 
 def _varint_length(value: int) -> int:
-    return len(varint(value))
+    """len(varint(value)) for value >= 0: a byte per 7 bits."""
+    return (value.bit_length() + 6) // 7 or 1
+
+
+def _varints_length(values: Sequence[int]) -> int:
+    """The varint lengths of `values` (>= 0) summed: a node's dependencies, in one pass of C
+    over a table of lengths where they are below 2**21 (a class of two million nodes)."""
+    try:
+        return sum(map(_SHORT_LENGTHS.__getitem__, values))
+    except IndexError:
+        return sum(map(_varint_length, values))
+
+
+_SHORT_LENGTHS = np.repeat(np.arange(1, 4, dtype=np.uint8), [1 << 7, (1 << 14) - (1 << 7), (1 << 21) - (1 << 14)]).tobytes()
 
 
 def _attrs(node: TraceNode) -> bytes:
