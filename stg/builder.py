@@ -344,12 +344,21 @@ def _cost(kind: OpKind, attrs: dict, inputs: Sequence[Tensor], outputs: Sequence
     if key is not None and key in _COSTS:
         return _COSTS[key]
     flops, nbytes = op_cost(kind, attrs, inputs, outputs)
-    result = sympy.expand(flops), sympy.expand(nbytes)
+    result = _expanded(flops), _expanded(nbytes)
     if key is not None:
         if len(_COSTS) > 1 << 16:
             _COSTS.clear()
         _COSTS[key] = result
     return result
+
+
+def _expanded(expr: sympy.Expr) -> sympy.Expr:
+    """sympy.expand(expr); a product of numbers and powers of symbols (most costs: a matmul's
+    2 B S H F / tp) is its own expansion, which sympy would take a walk of its terms to find."""
+    if expr.is_Mul and all(arg.is_Symbol or arg.is_Rational or arg.is_Pow and arg.base.is_Symbol and arg.exp.is_Integer
+                           for arg in expr.args) or expr.is_Symbol or expr.is_Rational:
+        return expr
+    return sympy.expand(expr)
 
 
 def _parse_spec(name: str, spec: str) -> tuple[str, str, str]:
