@@ -43,7 +43,7 @@ from parallelism.pipeline import Edge, StagePlan, layer_crossings
 from stg.blocks import blocks
 from stg.program import (ClassStats, GroupHole, NodeType, RankHole, RankProgram, ReplayChunks, TraceNode,
                          replay_nodes)
-from stg.repeats import ActionNodes, ActionTally, add_to, alike_tally, combined, tallies
+from stg.repeats import ActionNodes, ActionTally, add_to, alike_tally, combined, flush_compact, tallies
 from stg.schedule import Action, Kind, Order, order, virtual_stage
 from stg.shapes import moved_here, shape_of, step_shape
 from stg.sharding import ShardedGraph, op_places, per_graph
@@ -411,6 +411,9 @@ _TYPE_NAMES = {kind: kind.name for kind in NodeType}
 _NAME = attrgetter("name")
 
 
+_COMPUTE_ROLE, _COMM_ROLE = ("chain", "compute"), ("chain", "comm")
+
+
 class _ProgramBuilder:
     """Builds one class's nodes; with `keep_nodes=False` only its stats and holes (stg.evaluate):
     no node objects, and an action that repeats one already run (same chunk and kind, same
@@ -453,9 +456,11 @@ class _ProgramBuilder:
         # nodes there and None to self.nodes (its ids are taken, no node is made)
         self.timing = timing
         self.replay = ReplayChunks()
+        self.pending: list[tuple] = []  # repeated actions not yet in self.replay (flush_compact)
         self.head_of: dict[int, int] = {}  # the last node of a merged run -> its first
         self.microbatches = pipeline.order.m
         self.later: dict[tuple, frozenset[str]] = {}  # _read_later's answers, by run and last
+        self.last_apart: dict[tuple, bool] = {}  # _last_apart's, by run
         self.viewed: set[tuple] = set()  # runs whose views are in self.alias (_views)
         # timing: templates of every stage of this plan by (shape, chains present): see _action_shape
         self.stage_templates: dict[tuple, tuple] = stage_templates if stage_templates is not None else {}
@@ -839,13 +844,33 @@ class _ProgramBuilder:
         roles.update((("prefetch", phase), node) for phase, node in self.prefetch.items())
         return roles
 
+    def chains_present(self, present: frozenset) -> bool:
+        """Whether the chain roles set now (chain_roles' that are not None) are `present`:
+        asked before every repeated action, without making the dict."""
+        found = (self.last_compute is not None) + (self.last_comm is not None)
+        if (self.last_compute is not None) != (_COMPUTE_ROLE in present) or \
+                (self.last_comm is not None) != (_COMM_ROLE in present):
+            return False
+        for phase, node in self.prefetch.items():
+            if node is not None:
+                if ("prefetch", phase) not in present:
+                    return False
+                found += 1
+        return found == len(present)
+
+    def chain_role(self, role: tuple) -> int | None:
+        """chain_roles().get(role)."""
+        if role[0] == "chain":
+            return self.last_compute if role[1] == "compute" else self.last_comm
+        return self.prefetch.get(role[1]) if role[0] == "prefetch" else None
+
     def action_nodes(self, action: Action, ops: list[Op], units: dict, here: dict, key: tuple) -> None:
         """Run an action, or repeat the nodes of the last run action with its key: the same
         nodes, numbered on, under its micro-batch's names and tags, each dependency on what came
         before found by its role (a chain's last node, a tensor's producer), durations rounded
         on the running carry. An action whose roles do not resolve as that one's runs."""
         last = action.microbatch == self.microbatches - 1
-        if self.timing and self._read_later(key[:2], ops, True) != self._read_later(key[:2], ops, False):
+        if self.timing and self._last_apart(key[:2], ops):
             key += (last,)  # what the step reads of the last micro-batch ends runs: see _read_later
         repeat = self.node_repeats.get(key)
         if repeat is not None and repeat.replay(self, action.microbatch, here):
@@ -879,6 +904,7 @@ class _ProgramBuilder:
         no later node reads the tensors it makes, whose names `shape` need not hold); timing:
         add them to the replay and keep the template for the stages whose work has `shape`
         (found before it ran)."""
+        flush_compact(self)  # what it runs reads the carry and follows the repeated actions' nodes
         start, chains, known = len(self.nodes), self.chain_roles(), len(here)
         total, self.stats = self.stats, ClassStats()
         run()
@@ -922,6 +948,14 @@ class _ProgramBuilder:
             memo[key] = frozenset(t for op in ops for t in op.outputs if read(t))
         self.later[run, last] = memo[key]
         return memo[key]
+
+    def _last_apart(self, run: tuple, ops: list[Op]) -> bool:
+        """Whether the step reads more of the run's last micro-batch than later actions read
+        of the others' (_read_later): its last action is then repeated apart."""
+        apart = self.last_apart.get(run)
+        if apart is None:
+            apart = self.last_apart[run] = self._read_later(run, ops, True) != self._read_later(run, ops, False)
+        return apart
 
     def _add_to_replay(self, start: int, head) -> None:
         """The nodes made from `start` on, as the timed replay reads them: `head[n]` is the
@@ -1111,6 +1145,7 @@ class _ProgramBuilder:
             self._count_step(step)
         for stats, times in self.repeat_stats.values():
             self.stats.add(stats, times)
+        flush_compact(self)
         return self.nodes
 
     def _timed_step(self, ops: list[Op], where: dict[str, int]) -> None:

@@ -193,7 +193,8 @@ class ReplayChunks:
     def add(self, ids, types, n_deps, deps, durations, comm: Mapping[int, tuple] | None = None) -> None:
         """Append nodes: ids, types, dependency counts, flat dependencies and durations
         (sequences or arrays), and comm entries by their position among them."""
-        self.comm.update((self.size + position, key) for position, key in (comm or {}).items())
+        if comm:
+            self.comm.update(zip(map(self.size.__add__, comm), comm.values()))
         self.chunks.append((ids, types, n_deps, deps, durations))
         self.size += len(ids)
 

@@ -154,11 +154,11 @@ class ActionNodes:
                    stats, len(builder.pipeline.edges), later)
 
     @cached_property
-    def _exits(self) -> tuple[tuple[str, ...], np.ndarray, tuple]:
+    def _exits(self) -> tuple[tuple[str, ...], tuple[int, ...], tuple]:
         """The exits as the tensors made by the action's own nodes (names, offsets) and the rest."""
         made = [(role[1], ref) for role, ref in self.exit.items() if role[0] == "tensor" and type(ref) is int]
         others = tuple((role, ref) for role, ref in self.exit.items() if role[0] != "tensor" or type(ref) is not int)
-        return tuple(name for name, _ in made), np.array([ref for _, ref in made], dtype=np.int64), others
+        return tuple(name for name, _ in made), tuple(ref for _, ref in made), others
 
     @cached_property
     def _roles(self) -> frozenset:
@@ -178,16 +178,15 @@ class ActionNodes:
     def _resolve(self, builder: "_ProgramBuilder", here: dict) -> dict | None:
         """Each set of roles -> the node that plays them all now; None if the chains set differ
         from the recorded run's or a set does not name one node."""
-        chains = builder.chain_roles()
-        if frozenset(r for r, v in chains.items() if v is not None) != self.present:
+        if not builder.chains_present(self.present):
             return None
-        resolved = {}
+        resolved, chain = {}, builder.chain_role
         for roles, lookups in self._lookups:
             if len(lookups) == 1:  # most sets: one role
                 tensor, key = lookups[0]
-                node = here.get(key) if tensor else chains.get(key)
+                node = here.get(key) if tensor else chain(key)
             else:
-                found = {here.get(key) if tensor else chains.get(key) for tensor, key in lookups}
+                found = {here.get(key) if tensor else chain(key) for tensor, key in lookups}
                 if len(found) != 1:
                     return None
                 node = found.pop()
@@ -206,7 +205,7 @@ class ActionNodes:
             self._replay_nodes(builder, microbatch, resolved)
         start = len(builder.nodes) - len(self.nodes)
         names, offsets, others = self._exits
-        here.update(zip(names, (offsets + start).tolist()))  # the tensors it makes, made here
+        here.update(zip(names, map(start.__add__, offsets)))  # the tensors it makes, made here
         for role, ref in others:
             node = start + ref if type(ref) is int else resolved[ref]
             if role[0] == "prefetch":
@@ -287,27 +286,65 @@ class ActionNodes:
         return _Compact.of(self)
 
     def _replay_compact(self, builder: "_ProgramBuilder", microbatch: int, resolved: dict) -> None:
-        """The action's nodes as the timed replay reads them, appended to builder.replay; its
-        node ids are taken (builder.nodes holds None for them) but no node is made."""
-        c, head_of, out = self.compact, builder.head_of, builder.replay
-        start, shift = len(builder.nodes), (microbatch - self.microbatch) * self.edges
-        builder.nodes.extend([None] * len(self.nodes))
-        sums, builder.carry = _rounding()(c.exacts, c.runs, len(c.kept), builder.carry)
-        outside = {roles: head_of.get(node, node) for roles, node in resolved.items()}
-        outside[_CHAIN] = head_of.get(builder.last_compute, builder.last_compute)
-        deps = c.deps + start
-        deps[c.outside_at] = [outside[roles] for roles in c.outside_roles]
-        position = out.size
-        out.comm.update(zip((c.collectives + position).tolist(), c.collective_keys))
-        out.comm.update((position + k, (src, dst, tag + shift, size)) for k, (src, dst, tag, size) in c.p2p)
-        out.add(c.kept + start, c.types, c.n_deps, deps, sums)
-        builder.comm_ids.update((c.comm_offsets + start).tolist())
+        """The action's nodes as the timed replay reads them, put off (builder.pending) until
+        flush_compact adds them to builder.replay; its node ids are taken (builder.nodes holds
+        None for them) but no node is made. What a later action looks up (the merged runs'
+        heads, the chains' last nodes) is set at once."""
+        c, head_of, last = self.compact, builder.head_of, builder.last_compute
+        start = len(builder.nodes)
+        builder.nodes.extend(c.no_nodes)
+        outside = [head_of.get(last, last) if roles is _CHAIN else head_of.get(resolved[roles], resolved[roles])
+                   for roles in c.outside_roles]
+        builder.pending.append((c, start, outside, (microbatch - self.microbatch) * self.edges))
         head_of.update((start + tail, start + first) for tail, first in c.tails)
         if c.last_compute is not None:
             builder.last_compute = start + c.last_compute
         if c.last_comm is not None:
             builder.last_comm = start + c.last_comm
+
+
+def flush_compact(builder: "_ProgramBuilder") -> None:
+    """Add the repeated actions' nodes put off since the last flush (ActionNodes._replay_compact)
+    to builder.replay, in order, as one chunk, their durations rounded on the running carry:
+    what adding each in turn adds, with each template's arrays made once for all its repeats
+    (a long pipeline repeats tens of thousands of actions, each a few small arrays). Lowering
+    flushes before it makes a node of its own, which reads the carry and the comm nodes and
+    comes after them in the replay, and at the end."""
+    pending, builder.pending = builder.pending, []
+    if not pending:
+        return
+    sizes = np.array([(len(c.kept), len(c.deps), len(c.exacts)) for c, *_ in pending], dtype=np.int64)
+    ends = np.cumsum(sizes, axis=0)
+    firsts = ends - sizes  # per entry: its first row, flat dependency and COMP node in the chunk
+    rows, n_flat, n_comp = (int(n) for n in ends[-1])
+    ids, types, n_deps = (np.empty(rows, dtype=np.int64) for _ in range(3))
+    deps, runs, exacts = np.empty(n_flat, dtype=np.int64), np.empty(n_comp, dtype=np.int64), np.empty(n_comp)
+    comm: dict[int, tuple] = {}
+    by_template: dict[int, list[int]] = {}
+    for n, entry in enumerate(pending):
+        by_template.setdefault(id(entry[0]), []).append(n)
+    row_of = firsts[:, 0].tolist()
+    for entries in by_template.values():
+        c = pending[entries[0]][0]
         builder.holes |= c.holes
+        at = np.array(entries)
+        starts = np.array([pending[n][1] for n in entries], dtype=np.int64)[:, None]
+        row, flat, comp = firsts[at, 0][:, None], firsts[at, 1][:, None], firsts[at, 2][:, None]
+        kept = row + np.arange(len(c.kept))
+        ids[kept], types[kept], n_deps[kept] = c.kept + starts, c.types, c.n_deps
+        values = c.deps + starts
+        if len(c.outside_at):
+            values[:, c.outside_at] = [pending[n][2] for n in entries]
+        deps[flat + np.arange(len(c.deps))] = values
+        comp_at = comp + np.arange(len(c.exacts))
+        exacts[comp_at], runs[comp_at] = c.exacts, c.runs + row
+        comm.update(zip((c.collectives + row).ravel().tolist(), c.collective_keys * len(entries)))
+        if c.p2p:
+            comm.update((row_of[n] + k, (src, dst, tag + pending[n][3], size))
+                        for n in entries for k, (src, dst, tag, size) in c.p2p)
+        builder.comm_ids.update((c.comm_offsets + starts).ravel().tolist())
+    sums, builder.carry = _rounding()(exacts, runs, rows, builder.carry)
+    builder.replay.add(ids, types, n_deps, deps, sums, comm)
 
 
 _CHAIN = frozenset({("chain", "compute")})  # a COMP node's first dependency: what ran last
@@ -349,6 +386,11 @@ class _Compact:
     last_compute: int | None
     last_comm: int | None
     holes: frozenset
+
+    @cached_property
+    def no_nodes(self) -> tuple[None, ...]:
+        """A None per node: the ids a repeat takes in builder.nodes."""
+        return (None,) * len(self.head)
 
     @classmethod
     def of(cls, action: ActionNodes) -> "_Compact":
