@@ -185,7 +185,8 @@ def _varints_length(values: Sequence[int]) -> int:
         return sum(map(_varint_length, values))
 
 
-_SHORT_LENGTHS = np.repeat(np.arange(1, 4, dtype=np.uint8), [1 << 7, (1 << 14) - (1 << 7), (1 << 21) - (1 << 14)]).tobytes()
+_SHORT_LENGTHS = np.repeat(np.arange(1, 4, dtype=np.uint8),
+                           [1 << 7, (1 << 14) - (1 << 7), (1 << 21) - (1 << 14)]).tobytes()
 
 
 def _attrs(node: TraceNode) -> bytes:
