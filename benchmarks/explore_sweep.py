@@ -7,7 +7,8 @@ micro-batches, or four folded pipelines of fewer stages, extended linearly or bi
 every plan from programs lowered for timing only. The written set is what `stg generate`
 writes, replayed whole. For each plan below, the estimate that explore ranks
 (stg.explore.search.evaluate) and the written set's (stg.explore.cost.estimate of
-stg.api.build, what `stg validate --timed alpha-beta --network` reports) must agree: the step
+stg.api.build: the programs `stg generate` writes, replayed whole; tests/test_explore.py checks
+that `stg validate --timed alpha-beta --network` of the written files agrees) must agree: the step
 within 2 % (issue 13's criterion), the peak memory and the model FLOPs exactly. Prints one line
 per plan (its error, whether it was probed or folded, both costs in seconds) and exits 1 if any
 plan is off. timing_sweep.py checks the timing-only lowering with the whole pipeline; this
