@@ -846,17 +846,12 @@ class _ProgramBuilder:
 
     def chains_present(self, present: frozenset) -> bool:
         """Whether the chain roles set now (chain_roles' that are not None) are `present`:
-        asked before every repeated action, without making the dict."""
-        found = (self.last_compute is not None) + (self.last_comm is not None)
-        if (self.last_compute is not None) != (_COMPUTE_ROLE in present) or \
-                (self.last_comm is not None) != (_COMM_ROLE in present):
-            return False
-        for phase, node in self.prefetch.items():
-            if node is not None:
-                if ("prefetch", phase) not in present:
-                    return False
-                found += 1
-        return found == len(present)
+        asked before every repeated action, without making the dict (the roles are distinct,
+        so as many, each in `present`, are the same)."""
+        set_now = [role for role, node in ((_COMPUTE_ROLE, self.last_compute), (_COMM_ROLE, self.last_comm))
+                   if node is not None]
+        set_now += [("prefetch", phase) for phase, node in self.prefetch.items() if node is not None]
+        return len(set_now) == len(present) and all(role in present for role in set_now)
 
     def chain_role(self, role: tuple) -> int | None:
         """chain_roles().get(role)."""
@@ -1122,14 +1117,13 @@ class _ProgramBuilder:
     def build(self) -> list[TraceNode]:
         stages = self.pipeline.stages
         runs, units, step, _ = _stage_work(self.sharded, stages, self.pipeline.split_backward)[self.rank]
-        # the step's views first: a reduction that a degree of 1 turned into a view (stg/passes.py,
-        # unit_bound) passes its input's producer on to the reduction after it, which may go out in
-        # a bucket after the last backward (without a pipeline) or before the optimizer runs;
-        # counting alone reads no producers
-        if self.keep_nodes:
-            self._views(("step",), step)
         self.plan_gradient_buckets()
         if self.keep_nodes:
+            # the step's views first: a reduction that a degree of 1 turned into a view
+            # (stg/passes.py, unit_bound) passes its input's producer on to the reduction after
+            # it, which may go out in a bucket after the last backward (without a pipeline) or
+            # before the optimizer runs (counting alone reads no producers)
+            self._views(("step",), step)
             where = self._run_actions(self.pipeline.schedule[self.rank], runs, units)
         else:
             self._count_actions(units)
@@ -1157,6 +1151,7 @@ class _ProgramBuilder:
             # nothing runs after the step: its runs end where its nodes say
             self._recorded(lambda: self.step(ops, where), self.microbatches, where, frozenset(), shape,
                            made_read=False)
+
 
 def lower(sharded: ShardedGraph, evaluate: Evaluator, device: DeviceSpec, *, pipeline: Pipeline,
           bucket_bytes: int, rank: int = 0, comm_evaluate: Evaluator | None = None,
