@@ -402,6 +402,30 @@ def _run_edges(sharded: ShardedGraph) -> dict:
 
 
 @per_graph
+def _read_by_comm(sharded: ShardedGraph) -> frozenset[str]:
+    """The tensors whose producers a collective looks up (what it reads, through views): of
+    the tensors a compute node makes, the only ones a timed lowering notes (with the cut's
+    edge tensors, _ProgramBuilder._noted): a compute node depends on the compute chain and on
+    comm producers alone, a send's tensor is an edge tensor."""
+    graph = sharded.graph
+    found = set()
+    for op in graph.ops:
+        if op.kind is OpKind.COLLECTIVE:
+            found.update(_viewed(graph, name) for name in op.inputs)
+    return frozenset(found)
+
+
+def _viewed(graph, tensor: str) -> str:
+    """The tensor that `tensor` views (itself if it is no view's output): whose producer a
+    lookup of `tensor` finds (_ProgramBuilder.producer)."""
+    op = graph.producer.get(tensor)
+    while op is not None and op.kind in VIEWS:
+        tensor = op.inputs[0]
+        op = graph.producer.get(tensor)
+    return tensor
+
+
+@per_graph
 def _reads_later(sharded: ShardedGraph) -> dict:
     """_ProgramBuilder._read_later's answers, by stage cut, backward split, run and last."""
     return {}
@@ -467,7 +491,9 @@ class _ProgramBuilder:
 
     def repeated(self, stats: ClassStats) -> None:
         """A repeated action's stats, added once per distinct stats at the end (build)."""
-        entry = self.repeat_stats.setdefault(id(stats), [stats, 0])
+        entry = self.repeat_stats.get(id(stats))
+        if entry is None:
+            entry = self.repeat_stats[id(stats)] = [stats, 0]
         entry[1] += 1
 
     def unit(self, op: Op) -> tuple | None:
@@ -539,8 +565,10 @@ class _ProgramBuilder:
         )
         self.exact[node] = exact
         self.last_compute = node
+        noted = self._noted
         for out in op.outputs:
-            where[out] = node
+            if noted is None or out in noted:
+                where[out] = node
 
     def _rounded(self, exact: float) -> int:
         """Whole microseconds, with the rounding error carried to the next node, so that a
@@ -665,6 +693,18 @@ class _ProgramBuilder:
     @cached_property
     def _edge_tensors(self) -> frozenset[str]:
         return frozenset(edge.tensor for edge in self.pipeline.edges)
+
+    @cached_property
+    def _noted(self) -> frozenset[str] | None:
+        """Timing: the tensors made by compute nodes whose producers `where` notes -- those a
+        later node can look up (_read_by_comm, and the cut's edge tensors, which a receive
+        checks for and a send reads) -- so that a repeated action notes a few of the
+        hundreds of tensors it makes (ActionNodes.replay). None: every one (a written set's
+        nodes, whose lookups this does not narrow)."""
+        if not self.timing:
+            return None
+        edges = self._edge_tensors
+        return _read_by_comm(self.sharded) | edges | {_viewed(self.graph, name) for name in edges}
 
     def received(self, stage: int, kind: Kind, where: dict):
         """The edges into virtual stage `stage` that its run of `kind` receives: of the tensors
@@ -848,10 +888,21 @@ class _ProgramBuilder:
         """Whether the chain roles set now (chain_roles' that are not None) are `present`:
         asked before every repeated action, without making the dict (the roles are distinct,
         so as many, each in `present`, are the same)."""
-        set_now = [role for role, node in ((_COMPUTE_ROLE, self.last_compute), (_COMM_ROLE, self.last_comm))
-                   if node is not None]
-        set_now += [("prefetch", phase) for phase, node in self.prefetch.items() if node is not None]
-        return len(set_now) == len(present) and all(role in present for role in set_now)
+        count = 0
+        if self.last_compute is not None:
+            if _COMPUTE_ROLE not in present:
+                return False
+            count = 1
+        if self.last_comm is not None:
+            if _COMM_ROLE not in present:
+                return False
+            count += 1
+        for phase, node in self.prefetch.items():  # (empty but under FSDP)
+            if node is not None:
+                if ("prefetch", phase) not in present:
+                    return False
+                count += 1
+        return count == len(present)
 
     def chain_role(self, role: tuple) -> int | None:
         """chain_roles().get(role)."""
@@ -865,7 +916,7 @@ class _ProgramBuilder:
         before found by its role (a chain's last node, a tensor's producer), durations rounded
         on the running carry. An action whose roles do not resolve as that one's runs."""
         last = action.microbatch == self.microbatches - 1
-        if self.timing and self._last_apart(key[:2], ops):
+        if self.timing and (self.last_apart.get(key[:2]) or self._last_apart(key[:2], ops)):  # asked per action
             key += (last,)  # what the step reads of the last micro-batch ends runs: see _read_later
         repeat = self.node_repeats.get(key)
         if repeat is not None and repeat.replay(self, action.microbatch, here):

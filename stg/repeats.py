@@ -293,10 +293,13 @@ class ActionNodes:
         c, head_of, last = self.compact, builder.head_of, builder.last_compute
         start = len(builder.nodes)
         builder.nodes.extend(c.no_nodes)
-        outside = [head_of.get(last, last) if roles is _CHAIN else head_of.get(resolved[roles], resolved[roles])
+        head = head_of.get
+        outside = [head(last, last) if roles is _CHAIN else head(node := resolved[roles], node)
                    for roles in c.outside_roles]
         builder.pending.append((c, start, outside, (microbatch - self.microbatch) * self.edges))
-        head_of.update((start + tail, start + first) for tail, first in c.tails)
+        if c.tails:
+            tails, firsts = c.tail_offsets
+            head_of.update(zip(map(start.__add__, tails), map(start.__add__, firsts)))
         if c.last_compute is not None:
             builder.last_compute = start + c.last_compute
         if c.last_comm is not None:
@@ -313,16 +316,25 @@ def flush_compact(builder: "_ProgramBuilder") -> None:
     pending, builder.pending = builder.pending, []
     if not pending:
         return
-    sizes = np.array([(len(c.kept), len(c.deps), len(c.exacts)) for c, *_ in pending], dtype=np.int64)
+    by_template: dict[int, list[int]] = {}  # a template's id -> its entries
+    serial: dict[int, int] = {}  # a template's id -> its place among the distinct ones
+    serials = []  # per entry
+    for n, entry in enumerate(pending):
+        key = id(entry[0])
+        if key not in serial:
+            serial[key] = len(serial)
+            by_template[key] = []
+        by_template[key].append(n)
+        serials.append(serial[key])
+    table = np.array([(len(c.kept), len(c.deps), len(c.exacts)) for c in
+                      (pending[entries[0]][0] for entries in by_template.values())], dtype=np.int64)
+    sizes = table[np.array(serials, dtype=np.int64)]
     ends = np.cumsum(sizes, axis=0)
     firsts = ends - sizes  # per entry: its first row, flat dependency and COMP node in the chunk
     rows, n_flat, n_comp = (int(n) for n in ends[-1])
     ids, types, n_deps = (np.empty(rows, dtype=np.int64) for _ in range(3))
     deps, runs, exacts = np.empty(n_flat, dtype=np.int64), np.empty(n_comp, dtype=np.int64), np.empty(n_comp)
     comm: dict[int, tuple] = {}
-    by_template: dict[int, list[int]] = {}
-    for n, entry in enumerate(pending):
-        by_template.setdefault(id(entry[0]), []).append(n)
     row_of = firsts[:, 0].tolist()
     for entries in by_template.values():
         c = pending[entries[0]][0]
@@ -386,6 +398,11 @@ class _Compact:
     last_compute: int | None
     last_comm: int | None
     holes: frozenset
+
+    @cached_property
+    def tail_offsets(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """`tails` as two columns: the last nodes, their runs' first nodes."""
+        return tuple(tail for tail, _ in self.tails), tuple(first for _, first in self.tails)
 
     @cached_property
     def no_nodes(self) -> tuple[None, ...]:
