@@ -60,12 +60,15 @@ def _graph(index: int, rank: int, program: RankProgram, index_of: dict[int, int]
     value = {hole: workload.group_ids.id(rank, hole) if isinstance(hole, GroupHole)
              else index_of.get(workload.peer(rank, hole)) for hole in program.holes}
     chains = _chains(program)
-    # holes looked up by identity: a program's keys share a few hole objects, and a hole's
-    # dataclass hash and equality are Python calls (a slice has 10^5-10^6 comm nodes)
-    holes = {id(hole): hole for key in chains.comm.values() for hole in key[:1 if len(key) == 3 else 2]}
+    # keys and holes looked up by identity: a program's collectives share a few key objects
+    # and its keys a few hole objects, and a hole's dataclass hash and equality are Python
+    # calls (a slice has 10^5-10^6 comm nodes): each distinct key is translated once
+    keys = dict(zip(map(id, chains.comm.values()), chains.comm.values()))
+    holes = {id(hole): hole for key in keys.values() for hole in key[:1 if len(key) == 3 else 2]}
     at = {ident: value[hole] for ident, hole in holes.items()}
-    comm = {p: (at[id(k[0])], k[1], k[2]) if len(k) == 3 else (at[id(k[0])], at[id(k[1])], k[2], k[3])
-            for p, k in chains.comm.items()}
+    translated = {ident: (at[id(k[0])], k[1], k[2]) if len(k) == 3 else (at[id(k[0])], at[id(k[1])], k[2], k[3])
+                  for ident, k in keys.items()}
+    comm = dict(zip(chains.comm, map(translated.__getitem__, map(id, chains.comm.values()))))
     problems: list[Problem] = []
     graph, _ = build_graph(index, chains.ids, chains.types, chains.n_deps, chains.deps, comm, problems)
     assert not problems, problems  # lowering numbers nodes 0..n-1, each depending on earlier ones

@@ -312,8 +312,13 @@ class CompiledReplay:
             colls = list(compress(g.comm.values(), is_coll.tolist()))
             p2ps = list(compress(g.comm.values(), (~is_coll).tolist()))
             at_coll, at_p2p = at[is_coll] + self.rank_start[r], at[~is_coll] + self.rank_start[r]
-            self.slot_key[at_coll] = [slots.setdefault((COLL, key), len(slots)) for key in colls]
-            group = np.array([group_index[key[0]] for key in colls], dtype=np.int64)
+            # a program's collectives share a few key objects: each distinct one looked up once
+            idents = list(map(id, colls))
+            distinct = dict(zip(idents, colls))
+            slot_of = {ident: slots.setdefault((COLL, key), len(slots)) for ident, key in distinct.items()}
+            group_of = {ident: group_index[key[0]] for ident, key in distinct.items()}
+            self.slot_key[at_coll] = list(map(slot_of.__getitem__, idents))
+            group = np.array(list(map(group_of.__getitem__, idents)), dtype=np.int64)
             self.group_of[at_coll] = group
             per_group[r] = np.bincount(group, minlength=per_group.shape[1])
             self.p2p_key[at_p2p] = [keys.setdefault(key, len(keys)) for key in p2ps]
