@@ -38,6 +38,13 @@ class NameTable:
             self.names.append(name)
         return place
 
+    def extend(self, names) -> None:
+        """at(name) for each of `names`, in order (each once)."""
+        index = self.index
+        new = [name for name in dict.fromkeys(names) if name not in index]
+        index.update(zip(new, range(len(self.names), len(self.names) + len(new))))
+        self.names.extend(new)
+
     def attrs(self, attrs) -> tuple:
         """An op's attributes, with the names they hold (gradient targets, an optimizer's
         weight) by place; other values as they are (a block whose values differ has another

@@ -5,6 +5,7 @@ instead of running its ops: stage to stage, a pipeline's actions differ in those
 
 from __future__ import annotations
 
+from operator import attrgetter
 from typing import TYPE_CHECKING
 
 from stg.blocks import NameTable
@@ -51,6 +52,7 @@ class _Alike:
 
 
 _UNKNOWN = object()
+_NAME = attrgetter("name")
 _NAMED = ("grad_of", "weight")  # attributes that hold names (stg.blocks.NameTable.attrs)
 
 
@@ -106,7 +108,7 @@ def _action_shape(builder: _ProgramBuilder, action: Action, ops: list[Op], units
     for edge in builder.received(stage, action.kind, here):
         parts.append(("recv", at(edge.tensor), same.of_name(edge.tensor, tensors)))
         edges.append((edge, edge.source))
-    _layers(builder, at, parts, builder.run_layers(stage, action.kind), units)
+    _layers(builder, at, parts, builder.run_layers(stage, action.kind), units, table)
     if key[2]:  # the gradient buckets a final action sends, after the op that finishes each
         for place, op in enumerate(ops):
             for bucket in builder.flush_after.get(op.name, ()):
@@ -139,20 +141,25 @@ def step_shape(builder: _ProgramBuilder, ops: list[Op]) -> tuple:
 
     for reductions in builder.late_reductions:
         parts += buckets("late", reductions)
-    _layers(builder, at, parts, builder.step_layers(ops), None)
+    _layers(builder, at, parts, builder.step_layers(ops), None, table, alias)
     parts += buckets("gather", builder.step_gathers())
     return tuple(parts), table.names, []
 
 
-def _layers(builder: _ProgramBuilder, at, parts: list, layers: tuple, units: dict | None) -> None:
+def _layers(builder: _ProgramBuilder, at, parts: list, layers: tuple, units: dict | None, table: NameTable,
+            alias: dict | None = None) -> None:
     """Add to a shape's `parts` its run's layers ((layer key, ops) each): per layer its
-    _layer_shape's number and the places (`at`) of the names it reads from before it; then
-    every name it makes gets its place, where later layers, sends and buckets find it."""
+    _layer_shape's number and the places (`at`, `table`'s or, with `alias`, one that also
+    notes the views among the names) of the names it reads from before it; then every name it
+    makes gets its place, where later layers, sends and buckets find it."""
     for layer_key, layer_ops in layers:
         serial, names, outside = _layer_shape(builder, layer_key, layer_ops, units)
-        parts.append((serial, tuple(at(names[place]) for place in outside)))
-        for name in names:
-            at(name)
+        parts.append((serial, tuple(map(at, map(names.__getitem__, outside)))))
+        if alias and not alias.keys().isdisjoint(names):
+            for name in names:
+                at(name)
+        else:  # what at() does for names that are no views, at once
+            table.extend(names)
 
 
 def _bucket(builder: _ProgramBuilder, table: NameTable, at, bucket: list[Op]) -> tuple:
@@ -174,33 +181,56 @@ def _layer_shape(builder: _ProgramBuilder, layer_key: tuple, ops: list[Op],
     memo = _shapes(builder.sharded)
     found = memo.get(layer_key)
     if found is None:
-        table, parts, seen = NameTable(), [], set()
-        tensors, same = builder.graph.tensors, _alike(builder.sharded)
-
-        def tensor(name: str) -> int:
-            """Its place; its tensor's id goes into the shape where the place is first seen."""
-            place = table.at(name)
-            if place not in seen:
-                seen.add(place)
-                parts.append(same.of_name(name, tensors))
-            return place
-
-        def collective(op: Op) -> tuple:
-            return tensor(op.inputs[0]), tensor(op.outputs[0]), same.of_op(op), _named(table, op)
-
-        for op in ops:
-            unit = builder.unit(op) if units is not None else None
-            members = units.get(unit, ()) if unit is not None else ()
-            parts.append((same.of_op(op), _named(table, op), tuple(map(tensor, op.inputs)),
-                          tuple(map(tensor, op.outputs)),
-                          unit and (unit[0], unit[1], unit[3], unit[4], op is members[0], op is members[-1],
-                                    tuple(map(collective, members)))))
+        # the ops of a block's copies (the same origins, ShardedGraph.origins) are alike up to
+        # names: a layer alike to one already shaped has its number and outside places, and
+        # only its names are walked for
+        origins = tuple(map(builder.sharded.origins.get, map(_NAME, ops)))
+        alike = ("alike layer", units is None, origins) if None not in origins else None
+        known = memo.get(alike) if alike is not None else None
+        table = NameTable()
+        if known is not None:
+            _walk(builder, ops, units, table, None)
+            found = memo[layer_key] = (known[0], tuple(table.names), known[1])
+            return found
+        parts = _walk(builder, ops, units, table, _alike(builder.sharded))
         made = {name for op in ops for name in op.outputs}
         outside = tuple(place for place, name in enumerate(table.names) if name not in made)
         serials = memo.setdefault(("layer shapes",), {})
         found = memo[layer_key] = (serials.setdefault((tuple(parts), outside), len(serials)), tuple(table.names),
                                    outside)
+        if alike is not None:
+            memo[alike] = (found[0], outside)
     return found
+
+
+def _walk(builder: _ProgramBuilder, ops: list[Op], units: dict | None, table: NameTable,
+          same: _Alike | None) -> list | None:
+    """A layer's run for _layer_shape: its names into `table` in order of first use and, with
+    `same`, the parts of its shape; without, the names alone (in the same order)."""
+    parts, seen, tensors = [], set(), builder.graph.tensors
+
+    def tensor(name: str) -> int:
+        """Its place; its tensor's id goes into the shape where the place is first seen."""
+        place = table.at(name)
+        if same is not None and place not in seen:
+            seen.add(place)
+            parts.append(same.of_name(name, tensors))
+        return place
+
+    def of_op(op: Op) -> int | None:
+        return None if same is None else same.of_op(op)
+
+    def collective(op: Op) -> tuple:
+        return tensor(op.inputs[0]), tensor(op.outputs[0]), of_op(op), _named(table, op)
+
+    for op in ops:
+        unit = builder.unit(op) if units is not None else None
+        members = units.get(unit, ()) if unit is not None else ()
+        parts.append((of_op(op), _named(table, op), tuple(map(tensor, op.inputs)),
+                      tuple(map(tensor, op.outputs)),
+                      unit and (unit[0], unit[1], unit[3], unit[4], op is members[0], op is members[-1],
+                                tuple(map(collective, members)))))
+    return parts if same is not None else None
 
 
 def moved_here(builder: _ProgramBuilder, found: tuple, shape: tuple, reads_all: bool = False) -> ActionNodes | None:
