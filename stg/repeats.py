@@ -127,23 +127,25 @@ class ActionNodes:
         for role, node in found:
             roles_of.setdefault(node, set()).add(role)
 
-        def ref(node: int):
-            if node >= start:
-                return node - start
-            return frozenset(roles_of[node]) if node in roles_of else None
+        roles = {node: frozenset(its) for node, its in roles_of.items()}.get  # a node from before: its roles
 
-        nodes, computed, prefix = [], chains[("chain", "compute")] is not None, str(microbatch)
+        def ref(node: int):
+            return node - start if node >= start else roles(node)
+
+        nodes, computed, prefix, exact = [], chains[("chain", "compute")] is not None, str(microbatch), builder.exact
         for node in builder.nodes[start:]:
-            deps = tuple(ref(d) for d in node.deps)
+            node_deps = node.deps
+            deps = tuple([d - start if d >= start else roles(d) for d in node_deps])
             if None in deps:
                 return None  # a dependency on something that plays no role: never repeated
-            chained = node.type is NodeType.COMP_NODE and computed  # its first dependency: what ran last
-            computed = computed or node.type is NodeType.COMP_NODE
-            deps = deps[1:] if chained else deps
+            chained = node.type is _COMP and computed  # its first dependency: what ran last
+            computed = computed or node.type is _COMP
+            if chained:
+                deps, node_deps = deps[1:], node_deps[1:]
             suffix = node.name[len(prefix):] if not builder.timing and node.name.startswith(prefix) and \
                 not node.name[len(prefix)].isdigit() else None  # (timing repeats no names)
-            inside = all(type(d) is int for d in deps)
-            nodes.append((node, node.type, suffix, chained, deps, inside, builder.exact.get(node.id)))
+            inside = not node_deps or min(node_deps) >= start  # every dependency one of its own
+            nodes.append((node, node.type, suffix, chained, deps, inside, exact.get(node.id)))
         exit = {("prefetch", phase): ref(node) for phase, node in builder.prefetch.items()
                 if node is not None and chains.get(("prefetch", phase)) != node}
         exit.update((("tensor", t), ref(node)) for t, node in islice(here.items(), known, None))
@@ -422,19 +424,23 @@ class _Compact:
                 if e[3] and previous is not None:
                     chain_of[n] = previous
                 previous = n
-        local = [((chain_of.get(n, -1),) if e[3] else ()) + tuple(d if type(d) is int else -1 for d in e[4])
+        local = [((chain_of.get(n, -1),) if e[3] else ()) + (e[4] if e[5] else tuple(d if type(d) is int else -1
+                                                                                       for d in e[4]))
                  for n, e in enumerate(entries)]
         head = merged_runs([e[1] is _COMP for e in entries], local, kept_by)
         index, kept, types, deps, comm, exacts, runs, holes = {}, [], [], [], [], [], [], set()
-        for n, (node, kind, _, chained, node_deps, _, exact) in enumerate(entries):
+        for n, (node, kind, _, chained, node_deps, own, exact) in enumerate(entries):
             if head[n] == n:
                 index[n] = len(kept)
                 kept.append(n)
                 types.append(int(kind))
                 d = chain_of.get(n)
                 first = (() if not chained else (d,) if d is not None else (_CHAIN,))
-                inside = sorted({head[x] for x in first + node_deps if type(x) is int})
-                deps.append((*inside, *dict.fromkeys(x for x in first + node_deps if type(x) is not int)))
+                if own and first != (_CHAIN,):  # every dependency one of its own (most nodes)
+                    deps.append(tuple(sorted({head[x] for x in first + node_deps})))
+                else:
+                    inside = sorted({head[x] for x in first + node_deps if type(x) is int})
+                    deps.append((*inside, *dict.fromkeys(x for x in first + node_deps if type(x) is not int)))
                 if kind is not _COMP:  # a compute node matches nothing and names no rank
                     comm.append(node.comm_key)
                     holes.update(node.holes)
