@@ -402,17 +402,27 @@ def _run_edges(sharded: ShardedGraph) -> dict:
 
 
 @per_graph
-def _read_by_comm(sharded: ShardedGraph) -> frozenset[str]:
-    """The tensors whose producers a collective looks up (what it reads, through views): of
-    the tensors a compute node makes, the only ones a timed lowering notes (with the cut's
-    edge tensors, _ProgramBuilder._noted): a compute node depends on the compute chain and on
-    comm producers alone, a send's tensor is an edge tensor."""
-    graph = sharded.graph
-    found = set()
+def _collective_readers(sharded: ShardedGraph) -> dict[str, list[tuple[str, bool]]]:
+    """Per tensor, the collectives that read it, directly or through views: each one's name
+    and whether it is the step's (_ProgramBuilder._read_later, _noted)."""
+    graph, found = sharded.graph, {}
     for op in graph.ops:
         if op.kind is OpKind.COLLECTIVE:
-            found.update(_viewed(graph, name) for name in op.inputs)
-    return frozenset(found)
+            reader = (op.name, op.phase is Phase.STEP)
+            for tensor in op.inputs:
+                while True:  # up the views it reads through
+                    found.setdefault(tensor, []).append(reader)
+                    maker = graph.producer.get(tensor)
+                    if maker is None or maker.kind not in VIEWS:
+                        break
+                    tensor = maker.inputs[0]
+    return found
+
+
+@per_graph
+def _noted_names(sharded: ShardedGraph, edges: frozenset[str]) -> frozenset[str]:
+    """_ProgramBuilder._noted, per structure and the cut's edge tensors."""
+    return frozenset(_collective_readers(sharded)) | edges | {_viewed(sharded.graph, name) for name in edges}
 
 
 def _viewed(graph, tensor: str) -> str:
@@ -697,14 +707,12 @@ class _ProgramBuilder:
     @cached_property
     def _noted(self) -> frozenset[str] | None:
         """Timing: the tensors made by compute nodes whose producers `where` notes -- those a
-        later node can look up (_read_by_comm, and the cut's edge tensors, which a receive
-        checks for and a send reads) -- so that a repeated action notes a few of the
+        later node can look up (what collectives read, through views, and the cut's edge
+        tensors, which a receive checks for and a send reads: a compute node depends on the
+        compute chain and on comm producers alone) -- so that a repeated action notes a few of the
         hundreds of tensors it makes (ActionNodes.replay). None: every one (a written set's
         nodes, whose lookups this does not narrow)."""
-        if not self.timing:
-            return None
-        edges = self._edge_tensors
-        return _read_by_comm(self.sharded) | edges | {_viewed(self.graph, name) for name in edges}
+        return _noted_names(self.sharded, self._edge_tensors) if self.timing else None
 
     def received(self, stage: int, kind: Kind, where: dict):
         """The edges into virtual stage `stage` that its run of `kind` receives: of the tensors
@@ -984,14 +992,9 @@ class _ProgramBuilder:
         memo = _reads_later(self.sharded)  # a run's ops are its structure's and cut's: kept across plans
         key = (self.pipeline.stages, self.pipeline.split_backward, run, last)
         if key not in memo:
-            names, consumers = {op.name for op in ops}, self.graph.consumers
-
-            def read(tensor: str) -> bool:
-                return any(user.kind is OpKind.COLLECTIVE and user.name not in names
-                           and (last or user.phase is not Phase.STEP)
-                           or user.kind in VIEWS and read(user.outputs[0])
-                           for user in consumers.get(tensor, ()))
-            memo[key] = frozenset(t for op in ops for t in op.outputs if read(t))
+            names, readers = {op.name for op in ops}, _collective_readers(self.sharded)
+            memo[key] = frozenset(t for op in ops for t in op.outputs
+                                  if any(name not in names and (last or not step) for name, step in readers.get(t, ())))
         self.later[run, last] = memo[key]
         return memo[key]
 

@@ -126,7 +126,19 @@ def step_shape(builder: _ProgramBuilder, ops: list[Op]) -> tuple:
     names in order of first use: the gradient buckets it sends first, its optimizer's ops
     layer by layer (_layer_shape, with the places of the names each layer reads from before
     it), the gathers after it; its buckets cut by this plan's sizes. Two stages' steps of
-    equal shape make the same nodes up to names (timing only; ActionNodes.moved)."""
+    equal shape make the same nodes up to names (timing only; ActionNodes.moved). Kept per
+    structure, stage cut and buckets: the stage's runs, so the views it has noted, are its
+    cut's (a search meets a cut's steps once per micro-batch size)."""
+    pipeline = builder.pipeline
+    key = ("step", pipeline.stages, pipeline.split_backward, builder.rank,
+           tuple(tuple(builder._starts(steps)) for steps in (*builder.late_reductions, builder.step_gathers())))
+    memo = _shapes(builder.sharded)
+    if key not in memo:
+        memo[key] = _step_shape(builder, ops)
+    return memo[key]
+
+
+def _step_shape(builder: _ProgramBuilder, ops: list[Op]) -> tuple:
     table, alias, parts = NameTable(), builder.alias, []
 
     def at(name: str) -> int:
