@@ -959,7 +959,7 @@ class _ProgramBuilder:
         add them to the replay and keep the template for the stages whose work has `shape`
         (found before it ran)."""
         flush_compact(self)  # what it runs reads the carry and follows the repeated actions' nodes
-        start, chains, known = len(self.nodes), self.chain_roles(), len(here)
+        start, chains, known, carry = len(self.nodes), self.chain_roles(), len(here), self.carry
         total, self.stats = self.stats, ClassStats()
         run()
         delta, self.stats = self.stats, total
@@ -967,10 +967,12 @@ class _ProgramBuilder:
         recorded = ActionNodes.record(self, microbatch, start, chains, known, here, delta, read_later)
         if recorded is not None and not made_read:
             recorded = replace(recorded, exit={role: ref for role, ref in recorded.exit.items() if role[0] != "tensor"})
-        if self.timing:
-            self._add_to_replay(start, recorded.compact.head if recorded else range(len(self.nodes) - start))
-            if recorded is not None:
-                self.stage_templates[(shape[0], recorded.present)] = (recorded, shape)
+        if self.timing and recorded is None:
+            self._add_to_replay(start, range(len(self.nodes) - start))
+        elif self.timing:  # its replay nodes as its repeats' are made, from its template
+            recorded.pend_recorded(self, start, chains, here)
+            self.carry = carry
+            self.stage_templates[(shape[0], recorded.present)] = (recorded, shape)
         return recorded
 
     def _views(self, run: tuple, ops: list[Op]) -> None:

@@ -292,20 +292,34 @@ class ActionNodes:
         flush_compact adds them to builder.replay; its node ids are taken (builder.nodes holds
         None for them) but no node is made. What a later action looks up (the merged runs'
         heads, the chains' last nodes) is set at once."""
-        c, head_of, last = self.compact, builder.head_of, builder.last_compute
-        start = len(builder.nodes)
+        c, start = self.compact, len(builder.nodes)
         builder.nodes.extend(c.no_nodes)
-        head = head_of.get
-        outside = [head(last, last) if roles is _CHAIN else head(node := resolved[roles], node)
-                   for roles in c.outside_roles]
-        builder.pending.append((c, start, outside, (microbatch - self.microbatch) * self.edges))
-        if c.tails:
-            tails, firsts = c.tail_offsets
-            head_of.update(zip(map(start.__add__, tails), map(start.__add__, firsts)))
+        self._pend(builder, start, resolved, builder.last_compute, (microbatch - self.microbatch) * self.edges)
         if c.last_compute is not None:
             builder.last_compute = start + c.last_compute
         if c.last_comm is not None:
             builder.last_comm = start + c.last_comm
+
+    def pend_recorded(self, builder: "_ProgramBuilder", start: int, chains: dict, here: dict) -> None:
+        """Timing: the nodes the action just recorded made (from `start` on), put off for
+        flush_compact as its repeats' are, their dependencies from before it found by role among
+        the `chains` and tensors it found (each role of a set names the same node). The caller
+        sets the carry back to where it stood before the action: the flush rounds again."""
+        resolved = {roles: here.get(key) if tensor else chains.get(key) for roles, ((tensor, key), *_) in self._lookups}
+        self._pend(builder, start, resolved, chains[_COMPUTE_ROLE], 0)
+
+    def _pend(self, builder: "_ProgramBuilder", start: int, resolved: dict, last: int | None, shift: int) -> None:
+        """Put the nodes off (builder.pending) from `start` on, `resolved` naming the nodes before
+        them, `last` the compute chain's last; tags shifted by `shift`. What a later action looks
+        up of them (the merged runs' heads) is set at once."""
+        c, head_of = self.compact, builder.head_of
+        head = head_of.get
+        outside = [head(last, last) if roles is _CHAIN else head(node := resolved[roles], node)
+                   for roles in c.outside_roles]
+        builder.pending.append((c, start, outside, shift))
+        if c.tails:
+            tails, firsts = c.tail_offsets
+            head_of.update(zip(map(start.__add__, tails), map(start.__add__, firsts)))
 
 
 def flush_compact(builder: "_ProgramBuilder") -> None:
@@ -361,7 +375,8 @@ def flush_compact(builder: "_ProgramBuilder") -> None:
     builder.replay.add(ids, types, n_deps, deps, sums, comm)
 
 
-_CHAIN = frozenset({("chain", "compute")})  # a COMP node's first dependency: what ran last
+_COMPUTE_ROLE = ("chain", "compute")
+_CHAIN = frozenset({_COMPUTE_ROLE})  # a COMP node's first dependency: what ran last
 
 
 @cache
