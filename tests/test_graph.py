@@ -119,3 +119,21 @@ def test_a_copied_layer_is_the_layer_built_op_by_op(source, monkeypatch):
             m.setattr(model_zoo.described._Builder, "template", lambda *args: None)
             built = model_zoo._forward_graph.__wrapped__(model.config, options)
         assert _graph_fingerprint(copied) == _graph_fingerprint(built)
+
+
+def test_name_table_extend_places_names_as_at_does():
+    """NameTable.extend (shapes put a layer's names into an action's table at once) gives each
+    name the place at() would, one call per name in order: names already there keep theirs,
+    a name twice in the list is placed once."""
+    from stg.blocks import NameTable
+
+    one, many = NameTable(), NameTable()
+    for table in (one, many):
+        table.at("x")
+        table.at("w")
+    names = ["a", "x", "b", "a", "c", "w", "d"]
+    for name in names:
+        one.at(name)
+    many.extend(names)
+    assert many.names == one.names == ["x", "w", "a", "b", "c", "d"]
+    assert many.index == one.index == {"x": 0, "w": 1, "a": 2, "b": 3, "c": 4, "d": 5}
