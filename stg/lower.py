@@ -29,7 +29,6 @@ from collections import Counter
 from dataclasses import dataclass, field, replace
 from functools import cached_property
 from itertools import groupby, pairwise
-from operator import attrgetter
 from typing import Callable, Mapping
 
 import sympy
@@ -43,7 +42,8 @@ from parallelism.pipeline import Edge, StagePlan, layer_crossings
 from stg.blocks import blocks
 from stg.program import (ClassStats, GroupHole, NodeType, RankHole, RankProgram, ReplayChunks, TraceNode,
                          replay_nodes)
-from stg.repeats import ActionNodes, ActionTally, add_to, alike_tally, combined, flush_compact, tallies
+from stg.repeats import (COMM_ROLE, COMPUTE_ROLE, ActionNodes, ActionTally, add_to, alike_tally, combined,
+                         flush_compact, tallies)
 from stg.schedule import Action, Kind, Order, order, virtual_stage
 from stg.shapes import moved_here, shape_of, step_shape
 from stg.sharding import ShardedGraph, op_places, per_graph
@@ -219,10 +219,7 @@ VIEWS = (OpKind.SLICE, OpKind.CONSTRAIN)  # ops that make no node: their output 
 
 def _made_by(graph, tensor: str) -> Op | None:
     """The op that computes `tensor`, looking through views."""
-    op = graph.producer.get(tensor)
-    while op is not None and op.kind in VIEWS:
-        op = graph.producer.get(op.inputs[0])
-    return op
+    return graph.producer.get(_viewed(graph, tensor))
 
 
 @dataclass(frozen=True)
@@ -442,10 +439,6 @@ def _reads_later(sharded: ShardedGraph) -> dict:
 
 
 _TYPE_NAMES = {kind: kind.name for kind in NodeType}
-_NAME = attrgetter("name")
-
-
-_COMPUTE_ROLE, _COMM_ROLE = ("chain", "compute"), ("chain", "comm")
 
 
 class _ProgramBuilder:
@@ -796,7 +789,7 @@ class _ProgramBuilder:
         found = _alike_keys(self.sharded.skeleton)  # the names, so the origins, of every graph bound from it
         alike = found.get(key)
         if alike is None:
-            alike = found[key] = ("alike", step, tuple(map(self.sharded.origins.get, map(_NAME, ops))))
+            alike = found[key] = ("alike", step, self.sharded.origins_of(ops))
         if alike in known:
             tally, places = known[alike]
             return ActionTally(tally.terms, tally.counts, tally.holes, tuple(ops[i].outputs[j] for i, j in places))
@@ -888,7 +881,7 @@ class _ProgramBuilder:
     def chain_roles(self) -> dict:
         """The roles before an action other than its micro-batch's tensors: the compute and
         comm chains' last nodes, the compute that the last unit gather of each phase followed."""
-        roles = {("chain", "compute"): self.last_compute, ("chain", "comm"): self.last_comm}
+        roles = {COMPUTE_ROLE: self.last_compute, COMM_ROLE: self.last_comm}
         roles.update((("prefetch", phase), node) for phase, node in self.prefetch.items())
         return roles
 
@@ -898,11 +891,11 @@ class _ProgramBuilder:
         so as many, each in `present`, are the same)."""
         count = 0
         if self.last_compute is not None:
-            if _COMPUTE_ROLE not in present:
+            if COMPUTE_ROLE not in present:
                 return False
             count = 1
         if self.last_comm is not None:
-            if _COMM_ROLE not in present:
+            if COMM_ROLE not in present:
                 return False
             count += 1
         for phase, node in self.prefetch.items():  # (empty but under FSDP)
@@ -924,7 +917,7 @@ class _ProgramBuilder:
         before found by its role (a chain's last node, a tensor's producer), durations rounded
         on the running carry. An action whose roles do not resolve as that one's runs."""
         last = action.microbatch == self.microbatches - 1
-        if self.timing and (self.last_apart.get(key[:2]) or self._last_apart(key[:2], ops)):  # asked per action
+        if self.timing and self._last_apart(key[:2], ops):
             key += (last,)  # what the step reads of the last micro-batch ends runs: see _read_later
         repeat = self.node_repeats.get(key)
         if repeat is not None and repeat.replay(self, action.microbatch, here):
@@ -968,7 +961,7 @@ class _ProgramBuilder:
         if recorded is not None and not made_read:
             recorded = replace(recorded, exit={role: ref for role, ref in recorded.exit.items() if role[0] != "tensor"})
         if self.timing and recorded is None:
-            self._add_to_replay(start, range(len(self.nodes) - start))
+            self._add_to_replay(start)
         elif self.timing:  # its replay nodes as its repeats' are made, from its template
             recorded.pend_recorded(self, start, chains, here)
             self.carry = carry
@@ -1008,12 +1001,11 @@ class _ProgramBuilder:
             apart = self.last_apart[run] = self._read_later(run, ops, True) != self._read_later(run, ops, False)
         return apart
 
-    def _add_to_replay(self, start: int, head) -> None:
-        """The nodes made from `start` on, as the timed replay reads them: `head[n]` is the
-        first node (an offset) of the run of COMP nodes that node `start + n` joins."""
+    def _add_to_replay(self, start: int) -> None:
+        """The nodes made from `start` on, as the timed replay reads them, each its own run (an
+        action that could not be recorded: a recorded one's come from its template)."""
         made = self.nodes[start:]
-        self.head_of.update((start + n, start + first) for n, first in enumerate(head) if first != n)
-        rows = replay_nodes(made, head, start, self.head_of)
+        rows = replay_nodes(made, range(len(made)), start, self.head_of)
         self.replay.add(rows.ids, rows.types, rows.n_deps, rows.deps, rows.durations, rows.comm)
         self.holes.update(hole for node in made if node.type is not NodeType.COMP_NODE for hole in node.holes)
 

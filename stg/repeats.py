@@ -132,7 +132,7 @@ class ActionNodes:
         def ref(node: int):
             return node - start if node >= start else roles(node)
 
-        nodes, computed, prefix, exact = [], chains[("chain", "compute")] is not None, str(microbatch), builder.exact
+        nodes, computed, prefix, exact = [], chains[COMPUTE_ROLE] is not None, str(microbatch), builder.exact
         for node in builder.nodes[start:]:
             node_deps = node.deps
             deps = tuple([d - start if d >= start else roles(d) for d in node_deps])
@@ -306,7 +306,7 @@ class ActionNodes:
         the `chains` and tensors it found (each role of a set names the same node). The caller
         sets the carry back to where it stood before the action: the flush rounds again."""
         resolved = {roles: here.get(key) if tensor else chains.get(key) for roles, ((tensor, key), *_) in self._lookups}
-        self._pend(builder, start, resolved, chains[_COMPUTE_ROLE], 0)
+        self._pend(builder, start, resolved, chains[COMPUTE_ROLE], 0)
 
     def _pend(self, builder: "_ProgramBuilder", start: int, resolved: dict, last: int | None, shift: int) -> None:
         """Put the nodes off (builder.pending) from `start` on, `resolved` naming the nodes before
@@ -332,18 +332,13 @@ def flush_compact(builder: "_ProgramBuilder") -> None:
     pending, builder.pending = builder.pending, []
     if not pending:
         return
-    by_template: dict[int, list[int]] = {}  # a template's id -> its entries
     serial: dict[int, int] = {}  # a template's id -> its place among the distinct ones
-    serials = []  # per entry
-    for n, entry in enumerate(pending):
-        key = id(entry[0])
-        if key not in serial:
-            serial[key] = len(serial)
-            by_template[key] = []
-        by_template[key].append(n)
-        serials.append(serial[key])
+    serials = [serial.setdefault(id(entry[0]), len(serial)) for entry in pending]  # per entry
+    by_template: list[list[int]] = [[] for _ in serial]  # per distinct template, its entries
+    for n, place in enumerate(serials):
+        by_template[place].append(n)
     table = np.array([(len(c.kept), len(c.deps), len(c.exacts)) for c in
-                      (pending[entries[0]][0] for entries in by_template.values())], dtype=np.int64)
+                      (pending[entries[0]][0] for entries in by_template)], dtype=np.int64)
     sizes = table[np.array(serials, dtype=np.int64)]
     ends = np.cumsum(sizes, axis=0)
     firsts = ends - sizes  # per entry: its first row, flat dependency and COMP node in the chunk
@@ -352,7 +347,7 @@ def flush_compact(builder: "_ProgramBuilder") -> None:
     deps, runs, exacts = np.empty(n_flat, dtype=np.int64), np.empty(n_comp, dtype=np.int64), np.empty(n_comp)
     comm: dict[int, tuple] = {}
     row_of = firsts[:, 0].tolist()
-    for entries in by_template.values():
+    for entries in by_template:
         c = pending[entries[0]][0]
         builder.holes |= c.holes
         at = np.array(entries)
@@ -375,8 +370,8 @@ def flush_compact(builder: "_ProgramBuilder") -> None:
     builder.replay.add(ids, types, n_deps, deps, sums, comm)
 
 
-_COMPUTE_ROLE = ("chain", "compute")
-_CHAIN = frozenset({_COMPUTE_ROLE})  # a COMP node's first dependency: what ran last
+COMPUTE_ROLE, COMM_ROLE = ("chain", "compute"), ("chain", "comm")  # the chains' last nodes' roles
+_CHAIN = frozenset({COMPUTE_ROLE})  # a COMP node's first dependency: what ran last
 
 
 @cache

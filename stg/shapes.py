@@ -5,7 +5,6 @@ instead of running its ops: stage to stage, a pipeline's actions differ in those
 
 from __future__ import annotations
 
-from operator import attrgetter
 from typing import TYPE_CHECKING
 
 from stg.blocks import NameTable
@@ -52,7 +51,6 @@ class _Alike:
 
 
 _UNKNOWN = object()
-_NAME = attrgetter("name")
 _NAMED = ("grad_of", "weight")  # attributes that hold names (stg.blocks.NameTable.attrs)
 
 
@@ -196,7 +194,7 @@ def _layer_shape(builder: _ProgramBuilder, layer_key: tuple, ops: list[Op],
         # the ops of a block's copies (the same origins, ShardedGraph.origins) are alike up to
         # names: a layer alike to one already shaped has its number and outside places, and
         # only its names are walked for
-        origins = tuple(map(builder.sharded.origins.get, map(_NAME, ops)))
+        origins = builder.sharded.origins_of(ops)
         alike = ("alike layer", units is None, origins) if None not in origins else None
         known = memo.get(alike) if alike is not None else None
         table = NameTable()

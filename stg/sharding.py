@@ -105,6 +105,14 @@ class ShardedGraph:
         found on once, for every graph bound from it."""
         return self if self.base is None else self.base
 
+    def origins_of(self, ops: Sequence[Op]) -> tuple[tuple[int, int] | None, ...]:
+        """Each op's origin (None: it has none): runs of ops with equal origins are alike up to
+        names, what a lowering tallies or shapes once for all of them."""
+        return tuple(map(self.origins.get, map(_NAME, ops)))
+
+
+_NAME = attrgetter("name")
+
 
 class _Sharder:
     def __init__(self, graph: Graph, spec: ShardingSpec):
