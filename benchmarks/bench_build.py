@@ -8,16 +8,23 @@
    plan, a new stage cut's and the rest.
 3. Side by side, plans whose structure is cached: the summary with the nodes lowered (what
    generate and count pay) and without (what evaluate pays), and the ratio.
+4. Side by side, stg.evaluate over the same plans in fresh processes, alternating: in one
+   process and with --workers forked workers (each taking whole structures), and the ratio.
 
-    python benchmarks/bench_build.py [--plans 48]
+    python benchmarks/bench_build.py [--plans 48] [--workers 2] [--pairs 2]
 """
 
 from __future__ import annotations
 
 import argparse
 import itertools
+import json
 import random
+import statistics
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 from child import run_stg
 
@@ -95,13 +102,45 @@ def evaluate_rate(count: int) -> None:
     print(f"  ratio: {timings['with nodes (as generate lowers)'] / timings['without nodes (evaluate)']:.1f}x")
 
 
+_EVALUATE = """
+import json, sys, time
+sys.path.insert(0, {folder!r})
+from bench_build import plans
+from stg import evaluate, load_model
+model = load_model("llama3-405b")
+model.graph
+chosen = plans({count})
+start = time.perf_counter()
+rows = list(evaluate(model, chosen, workers={workers}))
+print(json.dumps([time.perf_counter() - start, sum("error" in row for row in rows)]))
+"""
+
+
+def evaluate_workers(count: int, workers: int, pairs: int) -> None:
+    """stg.evaluate's wall time over `count` plans in one process and with `workers`, each run
+    in a fresh child (no cache carried over), the two alternating `pairs` times."""
+    walls: dict[int, list[float]] = {1: [], workers: []}
+    for _ in range(pairs):
+        for n in walls:
+            code = _EVALUATE.format(folder=str(Path(__file__).parent), count=count, workers=n)
+            child = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+            walls[n].append(json.loads(child.stdout)[0])
+    one, many = statistics.median(walls[1]), statistics.median(walls[workers])
+    print(f"  one process {one:.2f} s ({count / one:.0f} plans/s), {workers} workers {many:.2f} s "
+          f"({count / many:.0f} plans/s): {one / many:.2f}x (medians of {pairs} alternating pairs)")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--plans", type=int, default=48)
+    parser.add_argument("--workers", type=int, default=2, help="workers for section 4")
+    parser.add_argument("--pairs", type=int, default=2, help="alternating pairs of section 4")
     args = parser.parse_args()
     fresh_processes()
     print(f"stg.evaluate over {args.plans} llama3-405b plans, one process:")
     evaluate_rate(args.plans)
+    print(f"stg.evaluate over {args.plans} plans, fresh processes, one against {args.workers} workers:")
+    evaluate_workers(args.plans, args.workers, args.pairs)
 
 
 if __name__ == "__main__":

@@ -5,6 +5,7 @@ import json
 import pytest
 
 from stg import Plan, evaluate
+from stg.errors import PlanError
 from test_digests import DEEPSEEK, GPT, MIXTRAL, PLANS, LLAMA, model_of
 from stg.api import build, generate
 from helpers import longest_path_finish
@@ -117,6 +118,22 @@ def test_plans_run_grouped_by_structure_are_answered_in_the_order_given():
     assert "error" in rows[2] and all("error" not in rows[i] for i in (0, 1, 3))
     assert [row["plan"].get("zero", 0) for row in rows] == [0, 1, 0, 0]
     assert rows[0] == next(evaluate(LLAMA, [plans[0]]))
+
+
+def test_workers_give_the_rows_of_one_process_in_the_order_given():
+    """Forked workers, each taking whole structures, answer row i for plan i with the rows one
+    process gives, an invalid plan's error in its place. With 5 workers a worker's share is 3
+    of the 14 plans, so the structure of 4 (zero 0, no recomputation: dp 1, 2, 4 and the pp 2
+    plan) is cut in two."""
+    plans = [dict(dp=dp, zero=zero, recompute=recompute, global_batch=4 * dp, seq=32)
+             for dp in (1, 2, 4) for zero in (0, 1) for recompute in ("none", "full")]
+    plans += [dict(dp=2, pp=2, global_batch=8, seq=32), dict(dp=3, global_batch=4, seq=32)]
+    one = list(evaluate(LLAMA, plans))
+    assert list(evaluate(LLAMA, plans, workers=5)) == one
+    assert [row.get("plan", {}).get("dp") for row in one] == [plan["dp"] for plan in plans]
+    assert "error" in one[-1] and all("error" not in row for row in one[:-1])
+    with pytest.raises(PlanError, match="workers: must be a positive integer, got 0"):
+        next(evaluate(LLAMA, plans, workers=0))
 
 
 @pytest.mark.parametrize("name", sorted(PLANS))
