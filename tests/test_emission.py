@@ -97,5 +97,5 @@ def test_a_counted_record_has_the_length_of_the_written_one(tmp_path):
             for node in program.nodes:
                 wider = replace(node, id=node.id + 20000, name=node.name + " é", duration_us=node.duration_us * 300,
                                 deps=tuple(d + 200 for d in node.deps))
-                assert _head_length(node) == len(_node_parts(node)[0])
-                assert _head_length(wider) == len(_node_parts(wider)[0])
+                assert _head_length(node)[0] == len(_node_parts(node)[0])
+                assert _head_length(wider)[0] == len(_node_parts(wider)[0])
