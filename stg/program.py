@@ -12,6 +12,8 @@ from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import IntEnum
 from functools import cached_property
+from itertools import chain
+from operator import attrgetter
 
 import numpy as np
 
@@ -179,6 +181,51 @@ def replay_nodes(nodes: Sequence[TraceNode], head: Sequence[int], start: int = 0
         flat.extend(deps)
         times.append(durations.get(n, 0))
     return ReplayNodes(ids, types, n_deps, flat, times, comm)
+
+
+def program_replay(nodes: Sequence[TraceNode]) -> ReplayNodes:
+    """A whole program's ReplayNodes (ids 0..n-1): replay_nodes(nodes, merged_runs(...)) when
+    its COMP nodes form one chain (lowering's single compute stream: only a run's next can
+    start), every node kept as it is otherwise; the same numbers, found as arrays (a class
+    has hundreds of thousands of nodes, and `stg generate` replays a slice before writing)."""
+    n = len(nodes)
+    types = np.fromiter(map(attrgetter("type"), nodes), np.int64, n)
+    lengths = np.fromiter(map(len, map(attrgetter("deps"), nodes)), np.int64, n)
+    flat = np.fromiter(chain.from_iterable(map(attrgetter("deps"), nodes)), np.int64, int(lengths.sum()))
+    owner = np.repeat(np.arange(n), lengths)
+    comp = types == NodeType.COMP_NODE
+    places = np.flatnonzero(comp)
+    # one stream: each COMP node depends on the COMP node before it
+    pairs = np.unique(owner * n + flat)
+    wanted = places[1:] * n + places[:-1]
+    one_stream = bool(np.isin(wanted, pairs, assume_unique=True).all()) if len(wanted) else True
+    head = np.arange(n)
+    if one_stream:  # merged_runs: the one dependency is a COMP node nothing else reads
+        readers = np.bincount(flat, minlength=n)
+        single = lengths == 1
+        first = np.where(single, flat[np.minimum(np.cumsum(lengths) - lengths, max(len(flat) - 1, 0))]
+                         if len(flat) else -1, -1)
+        joins = comp & single & (first >= 0)
+        joins[joins] &= comp[first[joins]] & (readers[first[joins]] == 1)
+        head[joins] = first[joins]
+        while True:  # each node's run's first node (a dependency is an earlier node)
+            deeper = head[head]
+            if np.array_equal(deeper, head):
+                break
+            head = deeper
+    kept = head == np.arange(n)
+    durations = np.fromiter(map(attrgetter("duration_us"), nodes), np.float64, n)
+    times = np.bincount(head, weights=np.where(comp, durations, 0), minlength=n)[kept]
+    # each kept node's dependencies, read through the runs, distinct and sorted
+    keep = kept[owner]
+    by_pair = np.unique(owner[keep] * n + head[flat[keep]])
+    dep_owner, deps = np.divmod(by_pair, n)
+    ids = np.flatnonzero(kept)
+    n_deps = np.bincount(dep_owner, minlength=n)[kept]
+    comm_places = np.flatnonzero(~comp)  # never merged
+    at = np.searchsorted(ids, comm_places)
+    comm = {int(place): nodes[node].comm_key for place, node in zip(at, comm_places)}
+    return ReplayNodes(ids, types[kept], n_deps, deps, times, comm)
 
 
 class ReplayChunks:

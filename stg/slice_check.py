@@ -26,7 +26,7 @@ from stg.chakra.rank_graph import Problem, RankGraph
 from stg.chakra.replay import Replay
 from stg.chakra.validate import unread_problems
 from stg.errors import StgError
-from stg.program import GroupHole, NodeType, RankProgram, ReplayNodes, merged_runs, replay_nodes
+from stg.program import GroupHole, RankProgram, ReplayNodes, program_replay
 from stg.sharding import per_graph
 
 
@@ -41,16 +41,9 @@ def _chains(program: RankProgram) -> ReplayNodes:
     merged into its first. Where COMP nodes form one chain (lowering's single compute stream),
     a COMP node whose only dependency is a COMP node with no other dependent starts the moment
     that one ends, so the run is one node lasting their sum, and every start, finish and wait
-    of the replay is unchanged. A program lowered for timing only carries its own."""
-    if program.replay is not None:
-        return program.replay
-    nodes = program.nodes
-    comp = [node.type is NodeType.COMP_NODE for node in nodes]
-    chain = [node.id for node in nodes if node.type is NodeType.COMP_NODE]
-    # do COMP nodes form one chain (so only a run's next can start)?
-    one_stream = all(previous in nodes[n].deps for previous, n in zip(chain, chain[1:]))
-    head = merged_runs(comp, [node.deps for node in nodes]) if one_stream else range(len(nodes))
-    return replay_nodes(nodes, head)
+    of the replay is unchanged (stg.program.program_replay). A program lowered for timing only
+    carries its own."""
+    return program.replay if program.replay is not None else program_replay(program.nodes)
 
 
 def _graph(index: int, rank: int, program: RankProgram, index_of: dict[int, int], workload) -> RankGraph:
