@@ -57,6 +57,19 @@ class Stamper:
             self.skeletons[cls] = build_skeleton(program.nodes, {h: len(v) for h, v in values.items()})
         return self.skeletons[cls]
 
+    def prepare(self, ranks: range, workers: int) -> None:
+        """Build the skeletons of the classes that `ranks` holds a representative of, in
+        `workers` forked processes when there are several (each class's independently), before
+        the writers fork, so that they share them (a class without one is built on use)."""
+        classes = [cls for cls in range(len(self.workload.programs)) if self.workload.representative(cls) in ranks]
+        with closing(forked_map(self._built, classes, workers)) as built:
+            for index, skeleton in built:
+                self.skeletons[classes[index]] = skeleton
+
+    def _built(self, cls: int) -> Skeleton:
+        values = self.workload.hole_values(self.workload.representative(cls), self.workload.programs[cls].holes)
+        return self.skeleton(cls, values)
+
     def rank_bytes(self, rank: int):
         cls = self.workload.class_of(rank)
         values = self.workload.hole_values(rank, self.workload.programs[cls].holes)
@@ -110,11 +123,7 @@ def write_trace_set(out: Path, workload, summary: Mapping, progress: Progress | 
         if before_summary is not None:
             before_summary(folder)
         write_json(folder / "summary.json", summary)
-        for cls in range(len(workload.programs)):
-            # build skeletons before forking, so the workers share them (others build on use)
-            representative = workload.representative(cls)
-            if representative in ranks:
-                stamper.rank_bytes(representative)
+        stamper.prepare(ranks, workers)
         done = 0
         jobs = [(str(folder), c.start, c.stop) for c in split_ranks(ranks, max(1, workers) * 8)]
         _FORKED = stamper
