@@ -1,7 +1,8 @@
 """Build cost of a plan (issue 12, "build once, bind many"), measured side by side.
 
 1. A fresh `stg generate --count-only` process per plan (import included): wall seconds and
-   peak RSS, for the issue's three plans.
+   peak RSS, for the issue's three plans; then fresh `stg generate` processes writing the sets
+   of the plans in the issue's opening table (seq 4096, global batch 64) to a scratch folder.
 2. stg.evaluate over PLANS distinct llama3-405b plans (tp, pp, cp, micro-batch, ZeRO,
    recompute, dp varied) in one process: plans/s, with how many distinct structures (each
    pays the symbolic passes once) they hold, and the time split between a structure's first
@@ -23,6 +24,7 @@ import random
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -37,11 +39,27 @@ COMMANDS = {
 }
 
 
+_ISSUE_TABLE = ["--dp", "4", "--global-batch", "64", "--seq", "4096"]
+WRITTEN = {
+    "llama3-8b tp8 pp2 dp4": ["llama3-8b", "--tp", "8", "--pp", "2", *_ISSUE_TABLE],
+    "llama3-70b tp8 pp4 dp4": ["llama3-70b", "--tp", "8", "--pp", "4", *_ISSUE_TABLE],
+    "llama3-405b tp8 pp2 dp4": ["llama3-405b", "--tp", "8", "--pp", "2", *_ISSUE_TABLE],
+    # 61 layers: two stages need an uneven split
+    "deepseek-v3 tp8 pp2 dp4": ["deepseek-v3", "--tp", "8", "--pp", "2", "--layers-per-stage", "auto", *_ISSUE_TABLE],
+}
+
+
 def fresh_processes() -> None:
     print("fresh process, stg generate --count-only:")
     for label, args in COMMANDS.items():
         wall, rss, _ = run_stg(["generate", *args, "--count-only"])
         print(f"  {label:32s} {wall:6.2f} s  {rss:6.0f} MB")
+    print("fresh process, stg generate writing the set:")
+    for label, args in WRITTEN.items():
+        with tempfile.TemporaryDirectory() as scratch:
+            wall, rss, _ = run_stg(["generate", *args, "-q", "-o", f"{scratch}/set"])
+            size = sum(path.stat().st_size for path in Path(scratch, "set").iterdir())
+        print(f"  {label:32s} {wall:6.2f} s  {rss:6.0f} MB  {size / 1e6:6.0f} MB written")
 
 
 def plans(count: int) -> list[dict]:
