@@ -383,13 +383,27 @@ def validate(
     network: Optional[str] = typer.Option(None, help="With --timed alpha-beta: a network (name in stg/data/networks or a YAML path) whose tiers and NCCL algorithms cost the communication, as `stg explore` does."),
 ):
     """Check a trace set: per-rank structure and attribute types, identical collective sequences within every group, every send matched by a receive, and (replay) no deadlock; --timed also measures busy and idle time per rank."""
-    from stg.chakra.validate import validate as check
+    from stg.chakra.validate import load_set, timed_replay, validate as check
 
     if not (out / "workload.json").is_file():
         err.print(f"[red]error:[/red] {escape(str(out))}: not a trace set (no workload.json)", highlight=False)
         raise typer.Exit(2)
+    # the options are checked before the set is read (a big set takes minutes)
+    if timed is not None and timed not in ("free", "alpha-beta"):
+        err.print(f"[red]error:[/red] timed: must be free or alpha-beta, got {timed!r}", highlight=False)
+        raise typer.Exit(2)
+    if network is not None and timed != "alpha-beta":
+        err.print("[red]error:[/red] network: costs communication only with --timed alpha-beta", highlight=False)
+        raise typer.Exit(2)
+    links = None
+    if network is not None:
+        with _user_errors():
+            from stg.explore.network import load_network
+
+            links = load_network(network)
     with _progress("loading ranks", False) as progress:
-        problems = check(out, replay=replay, progress=progress)
+        loaded = load_set(out, progress=progress, durations=timed is not None)  # read once for both
+        problems = check(out, replay=replay, loaded=loaded)
     if problems:
         for problem in problems[:50]:
             err.print(escape(str(problem)), highlight=False, soft_wrap=True)
@@ -397,23 +411,12 @@ def validate(
             err.print(f"... and {len(problems) - 50} more", highlight=False)
         err.print(f"[red]invalid:[/red] {len(problems)} problem(s) in {escape(str(out))}", highlight=False)
         raise typer.Exit(1)
-    if network is not None and timed != "alpha-beta":
-        err.print("[red]error:[/red] network: costs communication only with --timed alpha-beta", highlight=False)
-        raise typer.Exit(2)
     ranks = len(list(out.glob("workload.*.et")))
     typer.echo(f"ok: {ranks} ranks in {out} are consistent" + (" and replay to completion" if replay else ""))
     _warn_version(out / "workload.0.et")
     if timed is not None:
-        from stg.chakra.validate import timed_replay
-
-        if timed not in ("free", "alpha-beta"):
-            err.print(f"[red]error:[/red] timed: must be free or alpha-beta, got {timed!r}", highlight=False)
-            raise typer.Exit(2)
         with _user_errors():
-            from stg.explore.network import load_network
-
-            links = load_network(network) if network is not None else None
-            timing = timed_replay(out, comm=timed, network=links)
+            timing = timed_replay(out, comm=timed, network=links, loaded=loaded)
         typer.echo(json.dumps(timing.to_dict()) if as_json else str(timing))
 
 

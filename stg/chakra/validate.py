@@ -127,7 +127,7 @@ def unread_problems(graphs: list[RankGraph]) -> list[Problem]:
 
 
 @dataclass(frozen=True)
-class _LoadedSet:
+class LoadedSet:
     graphs: list[RankGraph]
     groups: dict[int, tuple[int, ...]] | None
     durations: list[array | None]  # by rank, when asked for
@@ -135,7 +135,7 @@ class _LoadedSet:
     structural: bool  # problems in the files themselves (not only in cross-rank matching)
 
 
-def _load_and_check(out: Path, progress: Progress | None, durations: bool) -> _LoadedSet:
+def _load_and_check(out: Path, progress: Progress | None, durations: bool) -> LoadedSet:
     """Checks a to e over one pass through the files."""
     problems: list[Problem] = []
     n_ranks, paths = _rank_files(out, problems)
@@ -147,21 +147,34 @@ def _load_and_check(out: Path, progress: Progress | None, durations: bool) -> _L
     problems.extend(_check_point_to_point(graphs))
     if not structural:
         problems.extend(unread_problems(graphs))
-    return _LoadedSet(graphs, groups, per_node, problems, structural)
+    return LoadedSet(graphs, groups, per_node, problems, structural)
 
 
-def validate(out_dir: str | Path, *, replay: bool = True, progress: Progress | None = None) -> list[Problem]:
-    """All problems found in ``out_dir`` (an empty list means ASTRA-sim can run it to the end)."""
-    loaded = _load_and_check(Path(out_dir), progress, durations=False)
-    problems = loaded.problems
+def load_set(out_dir: str | Path, *, progress: Progress | None = None, durations: bool = False) -> LoadedSet:
+    """``out_dir`` read once, with checks a-e: what ``validate`` and ``timed_replay`` (which
+    needs ``durations``) work on, so that `stg validate --timed` reads a set once."""
+    return _load_and_check(Path(out_dir), progress, durations)
+
+
+def validate(out_dir: str | Path, *, replay: bool = True, progress: Progress | None = None,
+             loaded: LoadedSet | None = None) -> list[Problem]:
+    """All problems found in ``out_dir`` (an empty list means ASTRA-sim can run it to the end);
+    ``loaded``: the set as load_set read it."""
+    loaded = loaded or load_set(out_dir, progress=progress)
+    problems = list(loaded.problems)
     if replay and not loaded.structural and loaded.groups is not None:
         problems.extend(Replay(loaded.graphs, loaded.groups).run())
     return problems
 
 
+# Below this many nodes the Python replay (about 400,000 nodes a second here) is done before
+# numba's import and cached loop would load (~0.5 s)
+COMPILED_FROM_NODES = 200_000
+
+
 def timed_replay(out_dir: str | Path, *, comm: CommModel | str = CommModel.FREE, alpha_us: float = 5.0,
                  bandwidth_gbps: float = 50.0, progress: Progress | None = None,
-                 record: Collection[int] = (), network=None) -> Timing:
+                 record: Collection[int] = (), network=None, loaded: LoadedSet | None = None) -> Timing:
     """Makespan and per-rank busy/idle time of ``out_dir`` replayed with time (see TimedReplay).
 
     COMP nodes take their ``duration_micros``. ``comm="free"``: collectives end when their last
@@ -176,6 +189,9 @@ def timed_replay(out_dir: str | Path, *, comm: CommModel | str = CommModel.FREE,
     ``record``: ranks whose per-node start and end times come back in ``Timing.nodes``.
     ``network`` (a stg.explore.network.Network): with alpha-beta, communication costs come from
     its tiers and NCCL's algorithms instead of the flat constants, as `stg explore` charges them.
+    ``loaded``: the set as load_set read it, with durations. Without ``record``, a set of
+    COMPILED_FROM_NODES nodes or more runs the compiled event loop (stg/chakra/replay_kernel.py:
+    the same rules, the same floats), and TimedReplay only for a deadlock's report.
     """
     if isinstance(comm, str):
         try:
@@ -183,7 +199,8 @@ def timed_replay(out_dir: str | Path, *, comm: CommModel | str = CommModel.FREE,
         except ValueError:
             raise ValueError(f"comm must be one of {[m.value for m in CommModel]}, got {comm!r}") from None
     cost = CommCost(comm, alpha_us, bandwidth_gbps)
-    loaded = _load_and_check(Path(out_dir), progress, durations=True)
+    loaded = loaded or load_set(out_dir, progress=progress, durations=True)
+    assert all(d is not None for d in loaded.durations), "load_set(..., durations=True)"
     if loaded.problems:
         n = len(loaded.problems)
         raise ReplayError(f"{out_dir} has {n} problem{'s' * (n != 1)}; fix them before a timed replay",
@@ -194,4 +211,11 @@ def timed_replay(out_dir: str | Path, *, comm: CommModel | str = CommModel.FREE,
         raise ValueError(f"record: ranks {bad} are not in 0..{len(loaded.graphs) - 1}")
     if network is not None and comm is CommModel.ALPHA_BETA:
         cost = network.bind(loaded.groups, world=len(loaded.graphs))
+    if not record and sum(len(g.ids) for g in loaded.graphs) >= COMPILED_FROM_NODES:
+        from stg.chakra.replay_kernel import CompiledReplay  # numba: imported where it pays
+
+        timing = CompiledReplay(loaded.graphs, loaded.groups, loaded.durations).run(cost)
+        if timing is not None:
+            return timing
     return TimedReplay(loaded.graphs, loaded.groups, loaded.durations, cost, record).run()
+

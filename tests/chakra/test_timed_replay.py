@@ -191,16 +191,62 @@ def test_the_compiled_loop_gives_the_replays_numbers_and_none_when_it_hangs(tmp_
     set both give the same floats, free and under alpha-beta; on a set that hangs the compiled
     run returns None (TimedReplay then says why)."""
     from stg.chakra.replay import CommCost, CommModel, TimedReplay
-    from stg.chakra.validate import _load_and_check
+    from stg.chakra.validate import load_set
     from stg.chakra.replay_kernel import CompiledReplay
 
     for name, ranks, groups in [("1f1b", one_f_one_b(2, 3, 1, 2), None),
                                 ("hang", {0: [comp(0, 10), send(1, 0, 1, tag=1, deps=[0]), coll(2, AR, 64, pg="1")],
                                           1: [recv(0, 0, 1, tag=1), coll(1, AR, 64, pg="1", deps=[0])]}, {"1": [0, 1]})]:
-        loaded = _load_and_check(write_set(tmp_path / name, ranks, groups), None, durations=True)
+        loaded = load_set(write_set(tmp_path / name, ranks, groups), durations=True)
         compiled = CompiledReplay(loaded.graphs, loaded.groups, loaded.durations)
         for cost in (CommCost(), CommCost(CommModel.ALPHA_BETA)):
             if name == "hang":
                 assert compiled.run(cost) is None
             else:
                 assert compiled.run(cost) == TimedReplay(loaded.graphs, loaded.groups, loaded.durations, cost).run()
+
+
+def test_a_big_set_is_timed_by_the_compiled_loop_with_the_same_numbers(tmp_path, monkeypatch):
+    """From COMPILED_FROM_NODES nodes on (here: every set) timed_replay runs the compiled loop
+    unless nodes are recorded: the 1F1B set's timings are the Python replay's, free and under
+    alpha-beta; a set that hangs is still reported by TimedReplay, stuck ranks and all."""
+    import stg.chakra.validate as validate_module
+    from stg.chakra.replay_kernel import CompiledReplay
+
+    one = write_set(tmp_path / "1f1b", one_f_one_b(2, 3, 1, 2))
+    python = {comm: timed_replay(one, comm=comm) for comm in ("free", "alpha-beta")}
+    monkeypatch.setattr(validate_module, "COMPILED_FROM_NODES", 0)
+    runs = []
+    run = CompiledReplay.run
+    monkeypatch.setattr(CompiledReplay, "run", lambda self, cost: runs.append(cost) or run(self, cost))
+    for comm, timing in python.items():
+        assert timed_replay(one, comm=comm) == timing
+    assert len(runs) == 2
+    assert timed_replay(one, record=[0]).nodes is not None and len(runs) == 2  # recording: TimedReplay
+    ranks = {0: [comp(0, 10), send(1, 0, 1, tag=1, deps=[0]), coll(2, AR, 64, pg="1")],
+             1: [recv(0, 0, 1, tag=1), coll(1, AR, 64, pg="1", deps=[0])]}
+    with pytest.raises(ReplayError, match="the timed replay deadlocks") as caught:
+        timed_replay(write_set(tmp_path / "hang", ranks, {"1": [0, 1]}))
+    assert [(p.rank, p.node) for p in caught.value.problems] == [(None, None), (0, 2), (1, 0)]
+
+
+def test_the_cli_reads_a_set_once_and_checks_its_options_first(tmp_path, monkeypatch):
+    """`stg validate --timed` checks and times one reading of the set (each rank file is read
+    once, not once for the checks and again for the timing), and a bad option is refused
+    before any file is read."""
+    from typer.testing import CliRunner
+
+    from stg.cli import app
+
+    out = write_set(tmp_path / "1f1b", one_f_one_b(2, 3, 1, 2))
+    expected = timed_replay(out).to_dict()
+    reads = []
+    records = load_module.iter_node_records
+    monkeypatch.setattr(load_module, "iter_node_records", lambda path: reads.append(path) or records(path))
+    done = CliRunner().invoke(app, ["validate", str(out), "--timed", "free", "--json"])
+    assert done.exit_code == 0, done.output
+    assert json.loads(done.stdout.splitlines()[-1]) == expected
+    assert sorted(path.name for path in reads) == ["workload.0.et", "workload.1.et"]
+    reads.clear()
+    bad = CliRunner().invoke(app, ["validate", str(out), "--timed", "ideal"])
+    assert bad.exit_code == 2 and "timed: must be free or alpha-beta" in bad.output and reads == []
