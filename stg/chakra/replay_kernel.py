@@ -250,6 +250,107 @@ def _pop_event(ev_time, ev_kind, ev_a, ev_b, ev_heap, size):
     return size
 
 
+def _logical(types, child_start, children, pending, rank_of, rank_start, group_of, p2p_key, group_size, n_keys,
+             max_instances, max_members):
+    """Replay's zero-time run (stg/chakra/replay.py), step for step: a worklist of ranks in the
+    order they were woken; per rank the lowest-id issuable ready node first, a COLL or SEND
+    behind a busy comm slot waiting in a second heap; a SEND deposits at once, a COLL holds the
+    slot until every member joined. How many nodes of each rank completed."""
+    n, ranks, n_groups = len(types), len(rank_start) - 1, len(group_size)
+    heaps = np.empty((2, n), dtype=np.int64)  # per rank: ready nodes, and those waiting for the slot
+    heap_size = np.zeros((2, ranks), dtype=np.int64)
+    in_slot = np.full(ranks, -1, dtype=np.int64)
+    done = np.zeros(ranks, dtype=np.int64)
+    issued = np.zeros((ranks, n_groups), dtype=np.int64)
+    joined = np.zeros(n_groups * max_instances, dtype=np.int64)
+    members = np.empty((max(1, n_groups * max_instances), max_members), dtype=np.int64)
+    mailbox = np.zeros(n_keys, dtype=np.int64)
+    posted_first = np.full(n_keys, -1, dtype=np.int64)
+    posted_last = np.full(n_keys, -1, dtype=np.int64)
+    posted_next = np.full(n, -1, dtype=np.int64)
+    work = np.arange(ranks, dtype=np.int64)  # a ring: a rank is queued at most once
+    queued = np.ones(ranks, dtype=np.bool_)
+    head, queue = 0, ranks
+    for i in range(n):
+        if pending[i] == 0:  # ascending: each heap is already in order
+            r = rank_of[i]
+            heaps[0, rank_start[r] + heap_size[0, r]] = i
+            heap_size[0, r] += 1
+    while queue:
+        r = work[head]
+        head = (head + 1) % ranks
+        queue -= 1
+        queued[r] = False
+        base = rank_start[r]
+        while True:
+            if heap_size[1, r] and in_slot[r] < 0 and (heap_size[0, r] == 0 or heaps[1, base] < heaps[0, base]):
+                i = _pop(heaps[1], base, heap_size, 1, r)
+            elif heap_size[0, r]:
+                i = _pop(heaps[0], base, heap_size, 0, r)
+            else:
+                break
+            t = types[i]
+            if t == RECV:
+                key = p2p_key[i]
+                if mailbox[key] == 0:  # posted: the SEND that deposits this message completes it
+                    if posted_last[key] < 0:
+                        posted_first[key] = i
+                    else:
+                        posted_next[posted_last[key]] = i
+                    posted_last[key] = i
+                    continue
+                mailbox[key] -= 1
+            elif t != COMP:
+                if in_slot[r] >= 0:
+                    _push(heaps[1], base, heap_size, 1, r, i)
+                    continue
+                if t == COLL:
+                    g = group_of[i]
+                    k = issued[r, g]
+                    issued[r, g] = k + 1
+                    in_slot[r] = i
+                    inst = g * max_instances + k
+                    members[inst, joined[inst]] = i
+                    joined[inst] += 1
+                    if joined[inst] == group_size[g]:
+                        for m in range(joined[inst]):
+                            j = members[inst, m]
+                            owner = rank_of[j]
+                            in_slot[owner] = -1
+                            _finish(j, owner, types, child_start, children, pending, heaps, heap_size, rank_start, done)
+                            if owner != r and not queued[owner]:
+                                queued[owner] = True
+                                work[(head + queue) % ranks] = owner
+                                queue += 1
+                    continue
+                key = p2p_key[i]  # a SEND: eager
+                j = posted_first[key]
+                if j >= 0:
+                    posted_first[key] = posted_next[j]
+                    if posted_first[key] < 0:
+                        posted_last[key] = -1
+                    owner = rank_of[j]
+                    _finish(j, owner, types, child_start, children, pending, heaps, heap_size, rank_start, done)
+                    if not queued[owner]:
+                        queued[owner] = True
+                        work[(head + queue) % ranks] = owner
+                        queue += 1
+                else:
+                    mailbox[key] += 1
+            _finish(i, r, types, child_start, children, pending, heaps, heap_size, rank_start, done)
+    return done
+
+
+def _finish(i, r, types, child_start, children, pending, heaps, heap_size, rank_start, done):
+    """Node i of rank r completes: its children with no other pending parent become ready."""
+    done[r] += 1
+    for e in range(child_start[i], child_start[i + 1]):
+        c = children[e]
+        pending[c] -= 1
+        if pending[c] == 0:
+            _push(heaps[0], rank_start[r], heap_size, 0, r, c)
+
+
 def rounded_run_sums(exacts, runs, kept, carry):
     """A repeated action's COMP nodes rounded to whole microseconds on the running carry, in
     order, as lowering rounds them (stg/repeats.py _replay_nodes), summed per merged run:
@@ -266,8 +367,8 @@ def rounded_run_sums(exacts, runs, kept, carry):
 
 # compiled once per installation (numba's cache beside this file); loading it takes ~0.1 s
 _jit = numba.njit(cache=True)
-_push, _pop, _event_less, _push_event, _pop_event, _complete, _kernel, rounded_run_sums = map(
-    _jit, (_push, _pop, _event_less, _push_event, _pop_event, _complete, _kernel, rounded_run_sums))
+_push, _pop, _event_less, _push_event, _pop_event, _complete, _kernel, _finish, _logical, rounded_run_sums = map(
+    _jit, (_push, _pop, _event_less, _push_event, _pop_event, _complete, _kernel, _finish, _logical, rounded_run_sums))
 
 
 class CompiledReplay:
@@ -327,6 +428,13 @@ class CompiledReplay:
                                             for key in compress(p2ps, sends.tolist())]
         self.n_keys = max(1, len(keys))
         self.max_instances = max(1, int(per_group.max()))
+
+    def completes(self) -> bool:
+        """Whether Replay(graphs, groups).run() finds no deadlock (it alone says why)."""
+        done = _logical(self.types, self.child_start, self.children, self.pending.copy(), self.rank_of,
+                        self.rank_start, self.group_of, self.p2p_key, self.group_size, self.n_keys,
+                        self.max_instances, max(1, int(self.group_size.max(initial=1))))
+        return bool((done == self.sizes).all())
 
     def run(self, cost: CostModel) -> Timing | None:
         """What TimedReplay(graphs, groups, durations, cost).run() returns (without recorded

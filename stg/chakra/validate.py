@@ -162,13 +162,23 @@ def validate(out_dir: str | Path, *, replay: bool = True, progress: Progress | N
     ``loaded``: the set as load_set read it."""
     loaded = loaded or load_set(out_dir, progress=progress)
     problems = list(loaded.problems)
-    if replay and not loaded.structural and loaded.groups is not None:
+    if replay and not loaded.structural and loaded.groups is not None and not _completes(loaded):
         problems.extend(Replay(loaded.graphs, loaded.groups).run())
     return problems
 
 
-# Below this many nodes the Python replay (about 400,000 nodes a second here) is done before
-# numba's import and cached loop would load (~0.5 s)
+def _completes(loaded: LoadedSet) -> bool:
+    """True when the compiled zero-time run (a set of COMPILED_FROM_NODES nodes or more) shows
+    that Replay would find no deadlock; False otherwise, Replay then runs and says why."""
+    if sum(len(g.ids) for g in loaded.graphs) < COMPILED_FROM_NODES:
+        return False
+    from stg.chakra.replay_kernel import CompiledReplay  # numba: imported where it pays
+
+    return CompiledReplay(loaded.graphs, loaded.groups, []).completes()
+
+
+# Below this many nodes the Python replays (about 400,000 nodes a second here) are done before
+# numba's import and cached loops would load (~0.5 s)
 COMPILED_FROM_NODES = 200_000
 
 

@@ -9,9 +9,26 @@ from chakra_nodes import coll as shared_coll
 from chakra_nodes import recv, send
 from stg.chakra.reader import write_trace
 from stg.chakra import load as load_module
+from stg.chakra import validate as validate_module
+from stg.chakra.replay import Replay
 from stg.chakra.validate import Problem, validate
 
 AR, AG, RS = pb.ALL_REDUCE, pb.ALL_GATHER, pb.REDUCE_SCATTER
+
+
+@pytest.fixture(autouse=True, params=["python", "compiled"])
+def zero_time_replay(request, monkeypatch):
+    """Every test twice: as small sets replay (Replay alone), and as big ones do (the compiled
+    zero-time run first, Replay only for a deadlock's report), whose verdict must be Replay's."""
+    if request.param == "compiled":
+        monkeypatch.setattr(validate_module, "COMPILED_FROM_NODES", 0)
+        compiled = validate_module._completes
+
+        def checked(loaded):
+            verdict = compiled(loaded)
+            assert verdict == (Replay(loaded.graphs, loaded.groups).run() == [])
+            return verdict
+        monkeypatch.setattr(validate_module, "_completes", checked)
 
 
 def _a(name, **value):
@@ -385,3 +402,4 @@ def test_long_chain_replays(tmp_path):
                 nodes[-1].data_deps.append(i - 1)
         ranks[r] = nodes
     assert validate(write_set(tmp_path / "out", ranks, {})) == []
+
