@@ -1,5 +1,5 @@
 """TimedReplay's run, compiled: the same rules, the same numbers, for the replays that explore runs
-by the thousand (stg/explore/cost.py).
+by the thousand (stg/explore/cost.py) and `stg validate --timed` of a big set.
 
 TimedReplay (stg/chakra/replay.py) is the reference and the only one that reports a deadlock or
 records per-node times. This is its event loop over flat arrays, compiled with numba: every
@@ -9,6 +9,10 @@ order of events and of issues is TimedReplay's (events by (time, kind, rank, ind
 collective's completion by its first member's rank and index; ranks issue in the order they
 changed), so every time is the same float. A run that does not finish returns None: the caller
 replays it with TimedReplay for the report.
+
+Replay's zero-time run is compiled alike (`CompiledReplay.completes`), for the big sets that
+`stg validate` checks: its worklist of ranks, per-rank heaps and comm slot step for step, so
+it completes exactly when Replay finds no deadlock (Replay alone says why one does not).
 """
 
 from __future__ import annotations

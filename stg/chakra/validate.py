@@ -228,4 +228,3 @@ def timed_replay(out_dir: str | Path, *, comm: CommModel | str = CommModel.FREE,
         if timing is not None:
             return timing
     return TimedReplay(loaded.graphs, loaded.groups, loaded.durations, cost, record).run()
-
