@@ -33,6 +33,20 @@ _SEND = pb.COMM_SEND_NODE
 _COMP_DONE, _SEND_DONE, _RECV_DONE, _COLL_DONE = range(4)
 
 
+def _matching(n, ranks, n_groups, n_keys, max_instances, max_members):
+    """What both loops match communication with: per rank and group, the collectives issued;
+    per collective instance (group x ordinal), its members so far; per p2p message key, the
+    messages deposited and a FIFO of the RECVs posted for it (by node)."""
+    issued = np.zeros((ranks, n_groups), dtype=np.int64)
+    joined = np.zeros(n_groups * max_instances, dtype=np.int64)
+    members = np.empty((max(1, n_groups * max_instances), max_members), dtype=np.int64)
+    mailbox = np.zeros(n_keys, dtype=np.int64)
+    posted_first = np.full(n_keys, -1, dtype=np.int64)
+    posted_last = np.full(n_keys, -1, dtype=np.int64)
+    posted_next = np.full(n, -1, dtype=np.int64)
+    return issued, joined, members, mailbox, posted_first, posted_last, posted_next
+
+
 def _kernel(types, durations, child_start, children, pending, rank_of, rank_start, slot_us, group_of, p2p_key,
             group_size, n_keys, max_instances, max_members):
     n, ranks, n_groups = len(types), len(rank_start) - 1, len(group_size)
@@ -53,13 +67,8 @@ def _kernel(types, durations, child_start, children, pending, rank_of, rank_star
     done = np.zeros(ranks, dtype=np.int64)
     busy = np.zeros(ranks)
     finish = np.zeros(ranks)
-    issued = np.zeros((ranks, n_groups), dtype=np.int64)
-    joined = np.zeros(n_groups * max_instances, dtype=np.int64)
-    members = np.empty((max(1, n_groups * max_instances), max_members), dtype=np.int64)
-    mailbox = np.zeros(n_keys, dtype=np.int64)
-    posted_first = np.full(n_keys, -1, dtype=np.int64)
-    posted_last = np.full(n_keys, -1, dtype=np.int64)
-    posted_next = np.full(n, -1, dtype=np.int64)
+    issued, joined, members, mailbox, posted_first, posted_last, posted_next = _matching(
+        n, ranks, n_groups, n_keys, max_instances, max_members)
     changed = np.empty(ranks, dtype=np.int64)
     is_changed = np.zeros(ranks, dtype=np.bool_)
     work = np.empty(ranks, dtype=np.int64)
@@ -265,13 +274,8 @@ def _logical(types, child_start, children, pending, rank_of, rank_start, group_o
     heap_size = np.zeros((2, ranks), dtype=np.int64)
     in_slot = np.full(ranks, -1, dtype=np.int64)
     done = np.zeros(ranks, dtype=np.int64)
-    issued = np.zeros((ranks, n_groups), dtype=np.int64)
-    joined = np.zeros(n_groups * max_instances, dtype=np.int64)
-    members = np.empty((max(1, n_groups * max_instances), max_members), dtype=np.int64)
-    mailbox = np.zeros(n_keys, dtype=np.int64)
-    posted_first = np.full(n_keys, -1, dtype=np.int64)
-    posted_last = np.full(n_keys, -1, dtype=np.int64)
-    posted_next = np.full(n, -1, dtype=np.int64)
+    issued, joined, members, mailbox, posted_first, posted_last, posted_next = _matching(
+        n, ranks, n_groups, n_keys, max_instances, max_members)
     work = np.arange(ranks, dtype=np.int64)  # a ring: a rank is queued at most once
     queued = np.ones(ranks, dtype=np.bool_)
     head, queue = 0, ranks
@@ -371,8 +375,9 @@ def rounded_run_sums(exacts, runs, kept, carry):
 
 # compiled once per installation (numba's cache beside this file); loading it takes ~0.1 s
 _jit = numba.njit(cache=True)
-_push, _pop, _event_less, _push_event, _pop_event, _complete, _kernel, _finish, _logical, rounded_run_sums = map(
-    _jit, (_push, _pop, _event_less, _push_event, _pop_event, _complete, _kernel, _finish, _logical, rounded_run_sums))
+(_matching, _push, _pop, _event_less, _push_event, _pop_event, _complete, _kernel, _finish, _logical,
+ rounded_run_sums) = map(_jit, (_matching, _push, _pop, _event_less, _push_event, _pop_event, _complete, _kernel,
+                                _finish, _logical, rounded_run_sums))
 
 
 class CompiledReplay:
