@@ -2,7 +2,8 @@
 
 1. A fresh `stg generate --count-only` process per plan (import included): wall seconds and
    peak RSS, for the issue's three plans; then fresh `stg generate` processes writing the sets
-   of the plans in the issue's opening table (seq 4096, global batch 64) to a scratch folder.
+   of the plans in the issue's opening table (seq 4096, global batch 64) to a scratch folder,
+   each then checked by `stg validate` and timed by `stg validate --timed alpha-beta`.
 2. stg.evaluate over PLANS distinct llama3-405b plans (tp, pp, cp, micro-batch, ZeRO,
    recompute, dp varied) in one process: plans/s, with how many distinct structures (each
    pays the symbolic passes once) they hold, and the time split between a structure's first
@@ -54,12 +55,15 @@ def fresh_processes() -> None:
     for label, args in COMMANDS.items():
         wall, rss, _ = run_stg(["generate", *args, "--count-only"])
         print(f"  {label:32s} {wall:6.2f} s  {rss:6.0f} MB")
-    print("fresh process, stg generate writing the set:")
+    print("fresh process, stg generate writing the set, then stg validate and stg validate --timed alpha-beta:")
     for label, args in WRITTEN.items():
         with tempfile.TemporaryDirectory() as scratch:
             wall, rss, _ = run_stg(["generate", *args, "-q", "-o", f"{scratch}/set"])
             size = sum(path.stat().st_size for path in Path(scratch, "set").iterdir())
-        print(f"  {label:32s} {wall:6.2f} s  {rss:6.0f} MB  {size / 1e6:6.0f} MB written")
+            checked, _, _ = run_stg(["validate", f"{scratch}/set"])
+            timed, _, _ = run_stg(["validate", f"{scratch}/set", "--timed", "alpha-beta"])
+        print(f"  {label:32s} {wall:6.2f} s  {rss:6.0f} MB  {size / 1e6:6.0f} MB written; "
+              f"validated in {checked:.1f} s, --timed {timed:.1f} s")
 
 
 def plans(count: int) -> list[dict]:
