@@ -62,8 +62,9 @@ def evaluate(model: Model | str | Path | Mapping, plans: Iterable[Plan | Mapping
         raise PlanError(f"workers: must be a positive integer, got {workers!r}")
     model = model if isinstance(model, Model) else load_model(model)
     plans = [_parsed(plan) for plan in plans]
-    order = sorted(range(len(plans)), key=lambda i: structure_order(plans[i]))
-    chunks = [[index] for index in order] if workers == 1 else _chunks(order, plans, workers)
+    keys = list(map(structure_order, plans))
+    order = sorted(range(len(plans)), key=keys.__getitem__)
+    chunks = [[index] for index in order] if workers == 1 else _chunks(order, keys, workers)
     done: dict[int, dict] = {}
     answered = 0
     with closing(forked_map(lambda chunk: [_row(model, plans[i]) for i in chunk], chunks, workers)) as rows:
@@ -74,14 +75,15 @@ def evaluate(model: Model | str | Path | Mapping, plans: Iterable[Plan | Mapping
                 answered += 1
 
 
-def _chunks(order: list[int], plans: list, workers: int) -> list[list[int]]:
-    """The plans (indices in structure order) by structure, so that a worker pays each
-    structure's symbolic passes once (about half the time of 1,000 plans of 12 structures),
-    a structure of more than a worker's share of the plans cut into shares; the largest first,
-    so that the workers finish together (longest processing time first)."""
+def _chunks(order: list[int], keys: list[tuple], workers: int) -> list[list[int]]:
+    """The plans (indices in structure order; `keys`: their structure_order) by structure, so
+    that a worker pays each structure's symbolic passes once (about half the time of 1,000
+    plans of 12 structures), a structure of more than a worker's share of the plans cut into
+    shares; the largest first, so that the workers finish together (longest processing time
+    first)."""
     share = -(-len(order) // workers)
     chunks = []
-    for _, group in groupby(order, key=lambda i: structure_order(plans[i])[0]):
+    for _, group in groupby(order, key=lambda i: keys[i][0]):
         group = list(group)
         chunks += [group[start:start + share] for start in range(0, len(group), share)]
     return sorted(chunks, key=len, reverse=True)

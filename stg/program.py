@@ -202,12 +202,10 @@ def program_replay(nodes: Sequence[TraceNode]) -> ReplayNodes:
     head = np.arange(n)
     if one_stream:  # merged_runs: the one dependency is a COMP node nothing else reads
         readers = np.bincount(flat, minlength=n)
-        single = lengths == 1
-        first = np.where(single, flat[np.minimum(np.cumsum(lengths) - lengths, max(len(flat) - 1, 0))]
-                         if len(flat) else -1, -1)
-        joins = comp & single & (first >= 0)
-        joins[joins] &= comp[first[joins]] & (readers[first[joins]] == 1)
-        head[joins] = first[joins]
+        alone = np.flatnonzero(comp & (lengths == 1))  # COMP nodes of one dependency
+        first = flat[(np.cumsum(lengths) - lengths)[alone]]  # that dependency
+        joins = comp[first] & (readers[first] == 1)
+        head[alone[joins]] = first[joins]
         while True:  # each node's run's first node (a dependency is an earlier node)
             deeper = head[head]
             if np.array_equal(deeper, head):

@@ -19,6 +19,7 @@ from array import array
 from collections import defaultdict
 from collections.abc import Collection
 from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 
 from stg.chakra.load import Progress, _load_groups, _load_ranks, _rank_files
@@ -134,6 +135,22 @@ class LoadedSet:
     problems: list[Problem]
     structural: bool  # problems in the files themselves (not only in cross-rank matching)
 
+    @cached_property
+    def compiled(self):
+        """The set laid out once for both compiled loops (stg/chakra/replay_kernel.py: the
+        zero-time run and, with durations, the timed one); None below COMPILED_FROM_NODES
+        nodes, where the Python replays are done before numba's import and cached loops
+        would load (~0.5 s; they replay about 400,000 nodes a second here)."""
+        if sum(len(g.ids) for g in self.graphs) < COMPILED_FROM_NODES:
+            return None
+        from stg.chakra.replay_kernel import CompiledReplay  # numba: imported where it pays
+
+        durations = self.durations if all(d is not None for d in self.durations) else []
+        return CompiledReplay(self.graphs, self.groups, durations)
+
+
+COMPILED_FROM_NODES = 200_000
+
 
 def _load_and_check(out: Path, progress: Progress | None, durations: bool) -> LoadedSet:
     """Checks a to e over one pass through the files."""
@@ -168,18 +185,9 @@ def validate(out_dir: str | Path, *, replay: bool = True, progress: Progress | N
 
 
 def _completes(loaded: LoadedSet) -> bool:
-    """True when the compiled zero-time run (a set of COMPILED_FROM_NODES nodes or more) shows
-    that Replay would find no deadlock; False otherwise, Replay then runs and says why."""
-    if sum(len(g.ids) for g in loaded.graphs) < COMPILED_FROM_NODES:
-        return False
-    from stg.chakra.replay_kernel import CompiledReplay  # numba: imported where it pays
-
-    return CompiledReplay(loaded.graphs, loaded.groups, []).completes()
-
-
-# Below this many nodes the Python replays (about 400,000 nodes a second here) are done before
-# numba's import and cached loops would load (~0.5 s)
-COMPILED_FROM_NODES = 200_000
+    """True when the compiled zero-time run (a big set: LoadedSet.compiled) shows that Replay
+    would find no deadlock; False otherwise, Replay then runs and says why."""
+    return loaded.compiled is not None and loaded.compiled.completes()
 
 
 def timed_replay(out_dir: str | Path, *, comm: CommModel | str = CommModel.FREE, alpha_us: float = 5.0,
@@ -199,9 +207,9 @@ def timed_replay(out_dir: str | Path, *, comm: CommModel | str = CommModel.FREE,
     ``record``: ranks whose per-node start and end times come back in ``Timing.nodes``.
     ``network`` (a stg.explore.network.Network): with alpha-beta, communication costs come from
     its tiers and NCCL's algorithms instead of the flat constants, as `stg explore` charges them.
-    ``loaded``: the set as load_set read it, with durations. Without ``record``, a set of
-    COMPILED_FROM_NODES nodes or more runs the compiled event loop (stg/chakra/replay_kernel.py:
-    the same rules, the same floats), and TimedReplay only for a deadlock's report.
+    ``loaded``: the set as load_set read it, with durations. Without ``record``, a big set
+    (LoadedSet.compiled) runs the compiled event loop (the same rules, the same floats), and
+    TimedReplay only for a deadlock's report.
     """
     if isinstance(comm, str):
         try:
@@ -221,10 +229,8 @@ def timed_replay(out_dir: str | Path, *, comm: CommModel | str = CommModel.FREE,
         raise ValueError(f"record: ranks {bad} are not in 0..{len(loaded.graphs) - 1}")
     if network is not None and comm is CommModel.ALPHA_BETA:
         cost = network.bind(loaded.groups, world=len(loaded.graphs))
-    if not record and sum(len(g.ids) for g in loaded.graphs) >= COMPILED_FROM_NODES:
-        from stg.chakra.replay_kernel import CompiledReplay  # numba: imported where it pays
-
-        timing = CompiledReplay(loaded.graphs, loaded.groups, loaded.durations).run(cost)
+    if not record and loaded.compiled is not None:
+        timing = loaded.compiled.run(cost)
         if timing is not None:
             return timing
     return TimedReplay(loaded.graphs, loaded.groups, loaded.durations, cost, record).run()
