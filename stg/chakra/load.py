@@ -11,13 +11,15 @@ import json
 import multiprocessing
 import os
 import re
+import stat
 from array import array
 from collections import Counter, defaultdict
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from contextlib import closing
 from dataclasses import dataclass, field
 from itertools import compress
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 from google.protobuf import descriptor_pb2, descriptor_pool, message_factory
@@ -33,6 +35,9 @@ TAG_LIMIT = 500_000_000
 GROUP_ALIAS_MODULUS = 500  # ASTRA-sim matches collectives on the group id modulo 500
 SIMULATED_COLLECTIVES = frozenset({pb.ALL_REDUCE, pb.ALL_GATHER, pb.REDUCE_SCATTER, pb.ALL_TO_ALL})
 PARALLEL_LOAD_BYTES = 32 << 20  # below this, starting worker processes costs more than it saves
+# from this on, rank files are read by the compiled skim (stg/chakra/skim_kernel.py): below it,
+# loading numba (~0.5 s) costs more than the ~9 us a node it saves
+SKIM_FROM_BYTES = 16 << 20
 
 # Canonical oneof member of every attribute the consumer reads (rule D.4).
 ATTR_KINDS = {
@@ -255,14 +260,41 @@ class _AttrChecker:
 
 
 def _load_rank(rank: int, path: Path, n_ranks: int, groups: dict[int, tuple[int, ...]] | None,
-               durations: bool = False) -> tuple[RankGraph | None, list[Problem], array | None]:
+               durations: bool = False, skim: bool = False) -> tuple[RankGraph | None, list[Problem], array | None]:
     """Checks b and c for one rank file, its compact graph when the file could be read, and (if
-    ``durations``) each node's duration_micros by graph index ('d')."""
-    problems: list[Problem] = []
-    raw_durations: list[int] | None = [] if durations else None
+    ``durations``) each node's duration_micros by graph index ('d'). ``skim``: read it with
+    the compiled skim where it can (stg/chakra/skim_kernel.py; the same results)."""
     checker = _AttrChecker(rank, n_ranks, groups)
+    read = (_skimmed(rank, path, checker) if skim else None) or _parsed(rank, path, checker)
+    if isinstance(read, list):  # what ended the file's reading
+        return None, read, None
+    nodes, raw_comm, problems = read
+    graph, file_pos = build_graph(rank, nodes.ids, nodes.types, nodes.n_deps, nodes.deps, raw_comm, problems)
+    if not durations:
+        return graph, problems, None
+    return graph, problems, array("d", np.array(nodes.durations, dtype=np.float64)[file_pos].tobytes())
+
+
+class _Nodes(NamedTuple):
+    """A rank file's nodes in file order, as the checks read them."""
+
+    ids: Sequence[int]
+    types: Sequence[int]  # 0 for a type not allowed
+    n_deps: Sequence[int]
+    deps: Sequence[int]  # one node's data_deps after another's
+    durations: Sequence[int]
+
+
+_Read = tuple[_Nodes, dict[int, CommKey], list[Problem]]  # and the comm keys by file position, the problems
+
+
+def _parsed(rank: int, path: Path, checker: _AttrChecker) -> _Read | list[Problem]:
+    """A rank file read record by record with protobuf: its nodes, or the problems that ended
+    its reading."""
+    problems: list[Problem] = []
     raw_ids: list[int] = []
     raw_types: list[int] = []
+    raw_durations: list[int] = []
     n_deps: list[int] = []
     flat_deps: list[int] = []
     raw_comm: dict[int, CommKey] = {}  # file position -> key
@@ -283,20 +315,53 @@ def _load_rank(rank: int, path: Path, n_ranks: int, groups: dict[int, tuple[int,
             if key is not None:
                 raw_comm[len(raw_ids)] = key
             raw_ids.append(nid)
-            if raw_durations is not None:
-                raw_durations.append(skim.duration_micros)
+            raw_durations.append(skim.duration_micros)
             raw_types.append(t if t in REQUIRED_ATTRS else 0)
             deps = skim.data_deps[:]
             n_deps.append(len(deps))
             flat_deps += deps
     except TraceFormatError as err:
-        return None, [*problems, Problem(rank, None, str(err))], None
+        return [*problems, Problem(rank, None, str(err))]
     if not raw_ids:
-        return None, [*problems, Problem(rank, None, f"{path.name} has no nodes (ASTRA-sim aborts on it)")], None
-    graph, file_pos = build_graph(rank, raw_ids, raw_types, n_deps, flat_deps, raw_comm, problems)
-    if raw_durations is None:
-        return graph, problems, None
-    return graph, problems, array("d", np.array(raw_durations, dtype=np.float64)[file_pos].tobytes())
+        return [*problems, Problem(rank, None, f"{path.name} has no nodes (ASTRA-sim aborts on it)")]
+    return _Nodes(raw_ids, raw_types, n_deps, flat_deps, raw_durations), raw_comm, problems
+
+
+def _skimmed(rank: int, path: Path, checker: _AttrChecker) -> _Read | None:
+    """A rank file read by the compiled skim, each distinct attribute span checked once (the
+    same problems, in the same order, as _parsed finds); None where the skim leaves the file to
+    _parsed (anything unusual, which _parsed then reports on)."""
+    from stg.chakra.skim_kernel import attr_payloads, skim_file  # numba: imported where it pays
+
+    try:
+        with open(path, "rb") as f:
+            if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
+                return None
+            found = skim_file(f.read())
+    except OSError:
+        return None
+    if found is None:
+        return None
+    metadata, nodes = found
+    try:
+        pb.GlobalMetadata.FromString(metadata)
+    except DecodeError:
+        return None
+    problems: list[Problem] = []
+    raw_comm: dict[int, CommKey] = {}
+    checked: dict[tuple[int, bytes], tuple[CommKey | None, list[str]]] = {}
+    ids = nodes.ids.tolist()
+    for place, (t, span) in enumerate(zip(nodes.types.tolist(), nodes.attrs)):
+        hit = checked.get((t, span))
+        if hit is None:
+            hit = checked[t, span] = checker.check(t, attr_payloads(span))
+        key, bad = hit
+        if bad:
+            problems.extend(Problem(rank, ids[place], reason) for reason in bad)
+        if key is not None:
+            raw_comm[place] = key
+    types = np.where(np.isin(nodes.types, list(REQUIRED_ATTRS)), nodes.types, 0)
+    return _Nodes(nodes.ids, types, nodes.n_deps, nodes.deps, nodes.durations), raw_comm, problems
 
 
 def _load_ranks(paths: list[tuple[int, Path]], n_ranks: int, groups: dict[int, tuple[int, ...]] | None,
@@ -305,8 +370,12 @@ def _load_ranks(paths: list[tuple[int, Path]], n_ranks: int, groups: dict[int, t
     """Load every rank, in worker processes when the set is big enough to repay starting them."""
     loaded: dict[int, tuple[RankGraph | None, list[Problem], array | None]] = {}
 
+    skim = sum(path.stat().st_size for _, path in paths) >= SKIM_FROM_BYTES
+    if skim:  # numba's import and cached loops load once, before any worker is forked
+        import stg.chakra.skim_kernel  # noqa: F401
+
     def load(item: tuple[int, Path]):
-        return _load_rank(*item, n_ranks, groups, durations)
+        return _load_rank(*item, n_ranks, groups, durations, skim)
 
     with closing(forked_map(load, paths, _worker_count(paths))) as results:
         for done, (index, result) in enumerate(results, start=1):

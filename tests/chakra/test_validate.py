@@ -31,6 +31,21 @@ def zero_time_replay(request, monkeypatch):
         monkeypatch.setattr(validate_module, "_completes", checked)
 
 
+@pytest.fixture(autouse=True, params=["protobuf", "skim"])
+def rank_reading(request, monkeypatch):
+    """Every test again with its rank files read as a big set's are, by the compiled skim,
+    whose results must be protobuf's record-by-record reading's, file by file."""
+    if request.param == "skim":
+        monkeypatch.setattr(load_module, "SKIM_FROM_BYTES", 0)
+        load_rank = load_module._load_rank
+
+        def checked(*args):
+            skimmed = load_rank(*args)
+            assert skimmed == load_rank(*args[:-1], False)
+            return skimmed
+        monkeypatch.setattr(load_module, "_load_rank", checked)
+
+
 def _a(name, **value):
     return pb.AttributeProto(name=name, **value)
 

@@ -1,0 +1,185 @@
+"""A rank file's node records skimmed in one compiled pass, for `stg validate` of a big set.
+
+The stock path (stg/chakra/load.py, `_load_rank`) frames each record in Python and parses it
+with protobuf's NodeSkim: about 10 us a node, most of a big set's validation. This decodes the
+same fields (id, name, type, data_deps, duration_micros and where the attributes lie) of every
+record with numba, leaving the attributes' checks to the same code. It is a fast path only: any
+record it does not read exactly as protobuf would -- a field NodeSkim does not have, another
+wire type, a name that is not ASCII (protobuf checks UTF-8), ctrl_deps (which validate reports),
+a negative type, attributes not side by side, a varint over 64 bits, anything cut short --
+makes it give up on the file, which the stock path then reads and reports on as always.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import numpy as np
+
+import numba
+
+# Node's fields that NodeSkim reads (stg/chakra/et_def.proto), by number
+_ID, _NAME, _TYPE, _CTRL_DEPS, _DATA_DEPS, _DURATION, _ATTR = 1, 2, 3, 4, 5, 7, 10
+_VARINT, _LEN = 0, 2
+
+
+@numba.njit(cache=True)
+def _varint(buf, p, end):
+    """(value, position after it), or (0, -1) when it runs past `end` or over 64 bits."""
+    value = np.uint64(0)
+    shift = 0
+    while p < end:
+        byte = buf[p]
+        p += 1
+        if shift == 63 and byte > 1:
+            return np.uint64(0), -1
+        value |= np.uint64(byte & 0x7F) << np.uint64(shift)
+        if byte < 0x80:
+            return value, p
+        shift += 7
+        if shift > 63:
+            return np.uint64(0), -1
+    return np.uint64(0), -1
+
+
+@numba.njit(cache=True)
+def _frame(buf, start):
+    """The records from `start` to the end: (False where a length prefix is malformed or runs
+    past the end, their payloads' starts, their ends)."""
+    count, p, n = 0, start, buf.size
+    while p < n:
+        length, p = _varint(buf, p, n)
+        if p < 0 or length > np.uint64(n - p):
+            return False, np.empty(0, np.int64), np.empty(0, np.int64)
+        p += np.int64(length)
+        count += 1
+    starts = np.empty(count, np.int64)
+    ends = np.empty(count, np.int64)
+    p = start
+    for i in range(count):
+        length, p = _varint(buf, p, n)
+        starts[i] = p
+        p += np.int64(length)
+        ends[i] = p
+    return True, starts, ends
+
+
+@numba.njit(cache=True)
+def _skim(buf, starts, ends, ids, types, durations, n_deps, deps, attr_start, attr_end):
+    """Each record's fields as NodeSkim parses them (a repeated scalar field: the last one) into
+    the arrays given, by record; the dependencies one after another, into `deps` unless it is
+    empty (a first run that counts them). How many dependencies, or -1 where a record holds
+    anything else (see the module's docstring)."""
+    counting = deps.size == 0
+    used = 0
+    for i in range(starts.size):
+        p, end = starts[i], ends[i]
+        first, last = -1, -1  # the span of the attribute fields, key bytes included
+        while p < end:
+            here = p
+            key, p = _varint(buf, p, end)
+            if p < 0:
+                return -1
+            field, wire = key >> np.uint64(3), key & np.uint64(7)
+            if wire == _VARINT and (field == _ID or field == _TYPE or field == _DURATION or field == _DATA_DEPS):
+                value, p = _varint(buf, p, end)
+                if p < 0:
+                    return -1
+                if field == _ID:
+                    ids[i] = value
+                elif field == _DURATION:
+                    durations[i] = value
+                elif field == _DATA_DEPS:  # one unpacked dependency
+                    if not counting:
+                        deps[used] = value
+                    used += 1
+                    n_deps[i] += 1
+                elif value >> np.uint64(63):  # a negative int64: left to protobuf
+                    return -1
+                else:
+                    types[i] = np.int64(value)
+            elif wire == _LEN and (field == _NAME or field == _DATA_DEPS or field == _ATTR):
+                length, p = _varint(buf, p, end)
+                if p < 0 or length > np.uint64(end - p):
+                    return -1
+                stop = p + np.int64(length)
+                if field == _NAME:
+                    for q in range(p, stop):
+                        if buf[q] >= 0x80:
+                            return -1
+                elif field == _DATA_DEPS:  # packed
+                    while p < stop:
+                        value, p = _varint(buf, p, stop)
+                        if p < 0:
+                            return -1
+                        if not counting:
+                            deps[used] = value
+                        used += 1
+                        n_deps[i] += 1
+                elif first < 0:
+                    first = here
+                elif last != here:  # attributes apart: their bytes are no one span
+                    return -1
+                p = stop
+                if field == _ATTR:
+                    last = p
+            else:
+                return -1
+        attr_start[i] = max(first, 0)
+        attr_end[i] = max(last, 0)
+    return used
+
+
+class Skimmed(NamedTuple):
+    """A file's nodes in file order: what NodeSkim gives of each, the dependencies one node's
+    after another's, and each node's attribute records as they lie in the file (attr_payloads
+    parts them)."""
+
+    ids: np.ndarray
+    types: np.ndarray
+    durations: np.ndarray
+    n_deps: np.ndarray
+    deps: np.ndarray
+    attrs: list[bytes]
+
+
+def attr_payloads(span: bytes) -> tuple[bytes, ...]:
+    """The attribute records of a span that _skim found (each a key, a length, a payload), as
+    protobuf gives NodeSkim's `attr`: the payloads."""
+    payloads, p = [], 0
+    while p < len(span):
+        p += 1  # the key: field 10, wire type 2
+        length, shift = 0, 0
+        while True:
+            byte = span[p]
+            p += 1
+            length |= (byte & 0x7F) << shift
+            shift += 7
+            if byte < 0x80:
+                break
+        payloads.append(span[p:p + length])
+        p += length
+    return tuple(payloads)
+
+
+def skim_file(data: bytes) -> tuple[bytes, Skimmed] | None:
+    """(the metadata record's payload, the nodes as NodeSkim gives them), or None where
+    the stock path must read the file (an empty file, a malformed record, a field it reads
+    otherwise)."""
+    buf = np.frombuffer(data, dtype=np.uint8)
+    framed, starts, ends = _frame(buf, 0)
+    if not framed or starts.size < 2:  # no nodes: the stock path says so
+        return None
+    n = starts.size - 1
+    deps = np.empty(0, np.uint64)
+    for _ in range(2):  # count the dependencies, then read them
+        ids, durations = np.zeros(n, np.uint64), np.zeros(n, np.uint64)
+        types, n_deps, attr_start, attr_end = (np.zeros(n, np.int64) for _ in range(4))
+        used = _skim(buf, starts[1:], ends[1:], ids, types, durations, n_deps, deps, attr_start, attr_end)
+        if used < 0:
+            return None
+        if used == deps.size:
+            break
+        deps = np.empty(used, np.uint64)
+    attrs = [data[start:end] for start, end in zip(attr_start.tolist(), attr_end.tolist())]
+    return data[starts[0]:ends[0]], Skimmed(ids, types, durations, n_deps, deps, attrs)
