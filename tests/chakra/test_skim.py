@@ -11,7 +11,7 @@ from stg.chakra import et_def_pb2 as pb
 from stg.chakra.load import _load_rank
 from stg.chakra.skim_kernel import skim_file
 from stg.chakra.writer import varint
-from test_digests import PLANS, model_of
+from test_digests import EXAMPLES, PLANS, model_of
 
 
 def key(field, wire):
@@ -124,5 +124,22 @@ def test_it_reads_stgs_sets(name, tmp_path):
     groups, all-to-alls, embedding lookups, a described model): read by the skim, alike."""
     out = tmp_path / "set"
     generate(model_of(name, tmp_path), {"seq": 32, **PLANS[name][1]}, out)
+    for path in sorted(out.glob("workload.*.et")):
+        assert read_alike(path)
+
+
+@pytest.mark.parametrize("mode, plan", [("decode", dict(tp=2, pp=2)), (
+    "serve", dict(tp=2, prefill_instances=1, decode_instances=1, max_num_batched_tokens=64))])
+def test_it_reads_serving_sets(mode, plan, tmp_path):
+    """Serving runs' sets: streamed iterations, whose ids, dependencies and durations are
+    fixed-width varints (padding bytes with the continuation bit: hundreds of each in the
+    decode set's files), and disaggregated instances' KV-cache transfers: read by the skim,
+    alike."""
+    from stg.serve import ServePlan, generate_serving
+
+    tiny = dict(name="tiny-llama", family="llama", layers=2, hidden=64, ffn=176, heads=8, kv_heads=4, vocab=1000)
+    out = tmp_path / "serve"
+    generate_serving(tiny, ServePlan(**plan), out, mode=mode, batch=2, steps=3,
+                     requests=str(EXAMPLES / "requests-azure.csv") if mode == "serve" else None)
     for path in sorted(out.glob("workload.*.et")):
         assert read_alike(path)
