@@ -328,9 +328,9 @@ def _parsed(rank: int, path: Path, checker: _AttrChecker) -> _Read | list[Proble
 
 
 def _skimmed(rank: int, path: Path, checker: _AttrChecker) -> _Read | None:
-    """A rank file read by the compiled skim, each distinct attribute span checked once (the
-    same problems, in the same order, as _parsed finds); None where the skim leaves the file to
-    _parsed (anything unusual, which _parsed then reports on)."""
+    """A rank file read by the compiled skim, each kind of node (type and attribute bytes)
+    checked once (the same problems, in the same order, as _parsed finds); None where the skim
+    leaves the file to _parsed (anything unusual, which _parsed then reports on)."""
     from stg.chakra.skim_kernel import attr_payloads, skim_file  # numba: imported where it pays
 
     try:
@@ -347,19 +347,12 @@ def _skimmed(rank: int, path: Path, checker: _AttrChecker) -> _Read | None:
         pb.GlobalMetadata.FromString(metadata)
     except DecodeError:
         return None
-    problems: list[Problem] = []
-    raw_comm: dict[int, CommKey] = {}
-    checked: dict[tuple[int, bytes], tuple[CommKey | None, list[str]]] = {}
-    ids = nodes.ids.tolist()
-    for place, (t, span) in enumerate(zip(nodes.types.tolist(), nodes.attrs)):
-        hit = checked.get((t, span))
-        if hit is None:
-            hit = checked[t, span] = checker.check(t, attr_payloads(span))
-        key, bad = hit
-        if bad:
-            problems.extend(Problem(rank, ids[place], reason) for reason in bad)
-        if key is not None:
-            raw_comm[place] = key
+    checked = [checker.check(t, attr_payloads(span)) for t, span in nodes.spans]  # per kind
+    keyed = np.flatnonzero(np.array([key is not None for key, _ in checked])[nodes.kinds])
+    raw_comm = dict(zip(keyed.tolist(), [checked[kind][0] for kind in nodes.kinds[keyed].tolist()]))
+    bad = np.flatnonzero(np.array([bool(reasons) for _, reasons in checked])[nodes.kinds]).tolist()
+    problems = [Problem(rank, int(nodes.ids[place]), reason) for place in bad
+                for reason in checked[nodes.kinds[place]][1]]
     types = np.where(np.isin(nodes.types, list(REQUIRED_ATTRS)), nodes.types, 0)
     return _Nodes(nodes.ids, types, nodes.n_deps, nodes.deps, nodes.durations), raw_comm, problems
 

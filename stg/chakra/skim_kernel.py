@@ -130,17 +130,44 @@ def _skim(buf, starts, ends, ids, types, durations, n_deps, deps, attr_start, at
     return used
 
 
+@numba.njit(cache=True)
+def _kind_hashes(buf, types, attr_start, attr_end):
+    """Per node, a 64-bit FNV-1a hash of its type and attribute bytes."""
+    hashes = np.empty(types.size, np.uint64)
+    for i in range(types.size):
+        h = np.uint64(14695981039346656037) ^ np.uint64(types[i])
+        for q in range(attr_start[i], attr_end[i]):
+            h = (h ^ np.uint64(buf[q])) * np.uint64(1099511628211)
+        hashes[i] = h
+    return hashes
+
+
+@numba.njit(cache=True)
+def _alike(buf, types, attr_start, attr_end, first):
+    """Whether every node's type and attribute bytes are those of node `first[i]`."""
+    for i in range(types.size):
+        j = first[i]
+        length = attr_end[i] - attr_start[i]
+        if types[i] != types[j] or length != attr_end[j] - attr_start[j]:
+            return False
+        for k in range(length):
+            if buf[attr_start[i] + k] != buf[attr_start[j] + k]:
+                return False
+    return True
+
+
 class Skimmed(NamedTuple):
     """A file's nodes in file order: what NodeSkim gives of each, the dependencies one node's
-    after another's, and each node's attribute records as they lie in the file (attr_payloads
-    parts them)."""
+    after another's, and which of the file's distinct kinds each is: a kind is a type and the
+    attribute records as they lie in the file (attr_payloads parts them), each checked once."""
 
     ids: np.ndarray
     types: np.ndarray
     durations: np.ndarray
     n_deps: np.ndarray
     deps: np.ndarray
-    attrs: list[bytes]
+    kinds: np.ndarray  # per node, its kind's place in `spans`
+    spans: list[tuple[int, bytes]]  # per kind, its type and attribute records
 
 
 def attr_payloads(span: bytes) -> tuple[bytes, ...]:
@@ -181,5 +208,13 @@ def skim_file(data: bytes) -> tuple[bytes, Skimmed] | None:
         if used == deps.size:
             break
         deps = np.empty(used, np.uint64)
-    attrs = [data[start:end] for start, end in zip(attr_start.tolist(), attr_end.tolist())]
-    return data[starts[0]:ends[0]], Skimmed(ids, types, durations, n_deps, deps, attrs)
+    # the nodes grouped by kind in arrays, not node by node in Python: by a hash of each one's
+    # type and attribute bytes, every node then compared byte by byte with its kind's first
+    _, first, kinds = np.unique(_kind_hashes(buf, types, attr_start, attr_end), return_index=True,
+                                return_inverse=True)
+    kinds = kinds.reshape(-1)
+    if not _alike(buf, types, attr_start, attr_end, first[kinds]):  # two kinds with one hash
+        return None
+    spans = [(t, data[start:end]) for t, start, end in zip(types[first].tolist(), attr_start[first].tolist(),
+                                                           attr_end[first].tolist())]
+    return data[starts[0]:ends[0]], Skimmed(ids, types, durations, n_deps, deps, kinds, spans)
