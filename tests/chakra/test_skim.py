@@ -143,3 +143,14 @@ def test_it_reads_serving_sets(mode, plan, tmp_path):
                      requests=str(EXAMPLES / "requests-azure.csv") if mode == "serve" else None)
     for path in sorted(out.glob("workload.*.et")):
         assert read_alike(path)
+
+
+def test_kinds_that_share_a_hash_leave_the_file_to_protobuf(tmp_path, monkeypatch):
+    """Nodes are grouped by a hash of their type and attribute bytes, then compared byte by byte:
+    with every hash alike, a file of two kinds is left to protobuf, one of a single kind read."""
+    import numpy as np
+    from stg.chakra import skim_kernel
+
+    monkeypatch.setattr(skim_kernel, "_kind_hashes", lambda buf, types, *_: np.zeros(types.size, np.uint64))
+    assert read_alike(rank_file(tmp_path, comp(0), comp(1, deps=[0]), comp(2, deps=[1])))
+    assert not read_alike(rank_file(tmp_path, comp(0), READ["no attributes"], comp(2, deps=[0])))
