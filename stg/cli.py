@@ -23,7 +23,7 @@ from stg.interrupts import OneLineGroup
 
 app = typer.Typer(
     cls=OneLineGroup,  # argument errors and interrupts: one line, not click's usage block
-    help="Synthesize per-rank Chakra execution traces of distributed training from a model description.",
+    help="Synthesize per-rank Chakra execution traces of distributed training and inference from a model description.",
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,
