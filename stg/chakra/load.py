@@ -365,7 +365,8 @@ def _load_ranks(paths: list[tuple[int, Path]], n_ranks: int, groups: dict[int, t
 
     skim = sum(path.stat().st_size for _, path in paths) >= SKIM_FROM_BYTES
     if skim:  # numba's import and cached loops load once, before any worker is forked
-        import stg.chakra.skim_kernel  # noqa: F401
+        from stg.chakra.skim_kernel import load_compiled
+        load_compiled()
 
     def load(item: tuple[int, Path]):
         return _load_rank(*item, n_ranks, groups, durations, skim)

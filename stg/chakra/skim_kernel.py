@@ -65,12 +65,11 @@ def _frame(buf, start):
 
 
 @numba.njit(cache=True)
-def _skim(buf, starts, ends, ids, types, durations, n_deps, deps, attr_start, attr_end):
+def _skim(buf, starts, ends, ids, types, durations, n_deps, attr_start, attr_end):
     """Each record's fields as NodeSkim parses them (a repeated scalar field: the last one) into
-    the arrays given, by record; the dependencies one after another, into `deps` unless it is
-    empty (a first run that counts them). How many dependencies, or -1 where a record holds
-    anything else (see the module's docstring)."""
-    counting = deps.size == 0
+    the arrays given, by record; (False, ...) where a record holds anything else (see the
+    module's docstring), else (True, the dependencies one record's after another's)."""
+    deps = np.empty(max(16, starts.size), np.uint64)  # grown by doubling
     used = 0
     for i in range(starts.size):
         p, end = starts[i], ends[i]
@@ -79,55 +78,65 @@ def _skim(buf, starts, ends, ids, types, durations, n_deps, deps, attr_start, at
             here = p
             key, p = _varint(buf, p, end)
             if p < 0:
-                return -1
+                return False, deps
             field, wire = key >> np.uint64(3), key & np.uint64(7)
             if wire == _VARINT and (field == _ID or field == _TYPE or field == _DURATION or field == _DATA_DEPS):
                 value, p = _varint(buf, p, end)
                 if p < 0:
-                    return -1
+                    return False, deps
                 if field == _ID:
                     ids[i] = value
                 elif field == _DURATION:
                     durations[i] = value
                 elif field == _DATA_DEPS:  # one unpacked dependency
-                    if not counting:
-                        deps[used] = value
+                    deps = _room(deps, used)
+                    deps[used] = value
                     used += 1
                     n_deps[i] += 1
                 elif value >> np.uint64(63):  # a negative int64: left to protobuf
-                    return -1
+                    return False, deps
                 else:
                     types[i] = np.int64(value)
             elif wire == _LEN and (field == _NAME or field == _DATA_DEPS or field == _ATTR):
                 length, p = _varint(buf, p, end)
                 if p < 0 or length > np.uint64(end - p):
-                    return -1
+                    return False, deps
                 stop = p + np.int64(length)
                 if field == _NAME:
                     for q in range(p, stop):
                         if buf[q] >= 0x80:
-                            return -1
+                            return False, deps
                 elif field == _DATA_DEPS:  # packed
                     while p < stop:
                         value, p = _varint(buf, p, stop)
                         if p < 0:
-                            return -1
-                        if not counting:
-                            deps[used] = value
+                            return False, deps
+                        deps = _room(deps, used)
+                        deps[used] = value
                         used += 1
                         n_deps[i] += 1
                 elif first < 0:
                     first = here
                 elif last != here:  # attributes apart: their bytes are no one span
-                    return -1
+                    return False, deps
                 p = stop
                 if field == _ATTR:
                     last = p
             else:
-                return -1
+                return False, deps
         attr_start[i] = max(first, 0)
         attr_end[i] = max(last, 0)
-    return used
+    return True, deps[:used]
+
+
+@numba.njit(cache=True)
+def _room(array, used):
+    """`array`, or a copy twice its size when it is full."""
+    if used < array.size:
+        return array
+    grown = np.empty(2 * array.size, array.dtype)
+    grown[:used] = array[:used]
+    return grown
 
 
 @numba.njit(cache=True)
@@ -198,16 +207,11 @@ def skim_file(data: bytes) -> tuple[bytes, Skimmed] | None:
     if not framed or starts.size < 2:  # no nodes: the stock path says so
         return None
     n = starts.size - 1
-    deps = np.empty(0, np.uint64)
-    for _ in range(2):  # count the dependencies, then read them
-        ids, durations = np.zeros(n, np.uint64), np.zeros(n, np.uint64)
-        types, n_deps, attr_start, attr_end = (np.zeros(n, np.int64) for _ in range(4))
-        used = _skim(buf, starts[1:], ends[1:], ids, types, durations, n_deps, deps, attr_start, attr_end)
-        if used < 0:
-            return None
-        if used == deps.size:
-            break
-        deps = np.empty(used, np.uint64)
+    ids, durations = np.zeros(n, np.uint64), np.zeros(n, np.uint64)
+    types, n_deps, attr_start, attr_end = (np.zeros(n, np.int64) for _ in range(4))
+    skimmed, deps = _skim(buf, starts[1:], ends[1:], ids, types, durations, n_deps, attr_start, attr_end)
+    if not skimmed:
+        return None
     # the nodes grouped by kind in arrays, not node by node in Python: by a hash of each one's
     # type and attribute bytes, every node then compared byte by byte with its kind's first
     _, first, kinds = np.unique(_kind_hashes(buf, types, attr_start, attr_end), return_index=True,
@@ -218,3 +222,9 @@ def skim_file(data: bytes) -> tuple[bytes, Skimmed] | None:
     spans = [(t, data[start:end]) for t, start, end in zip(types[first].tolist(), attr_start[first].tolist(),
                                                            attr_end[first].tolist())]
     return data[starts[0]:ends[0]], Skimmed(ids, types, durations, n_deps, deps, kinds, spans)
+
+
+def load_compiled() -> None:
+    """Load the compiled functions from numba's cache (about 0.3 s, paid at their first call in
+    a process): before worker processes are forked, so that they share them."""
+    skim_file(b"\x00\x00")  # an empty metadata record and an empty node
