@@ -1,8 +1,9 @@
 """Loading a trace set for validation: the directory, workload.json and each rank file, read
 once into compact per-rank arrays (stg/chakra/rank_graph.py), with the checks that need only
 one file (a. layout and groups, b. graph structure, c. attribute types and values). Worker
-processes load the ranks when the set is large. stg/chakra/validate.py does the cross-rank
-checks and the replays.
+processes load the ranks when the set is large, and a big set's files are read by a compiled
+skim (stg/chakra/skim_kernel.py) where it reads them as protobuf does. stg/chakra/validate.py
+does the cross-rank checks and the replays.
 """
 
 from __future__ import annotations

@@ -18,8 +18,9 @@ import numpy as np
 
 import numba
 
-# Node's fields that NodeSkim reads (stg/chakra/et_def.proto), by number
-_ID, _NAME, _TYPE, _CTRL_DEPS, _DATA_DEPS, _DURATION, _ATTR = 1, 2, 3, 4, 5, 7, 10
+# Node's fields that NodeSkim reads (stg/chakra/et_def.proto), by number; its ctrl_deps (4) are
+# left to protobuf
+_ID, _NAME, _TYPE, _DATA_DEPS, _DURATION, _ATTR = 1, 2, 3, 5, 7, 10
 _VARINT, _LEN = 0, 2
 
 
