@@ -8,6 +8,7 @@ does the cross-rank checks and the replays.
 
 from __future__ import annotations
 
+import functools
 import json
 import multiprocessing
 import os
@@ -175,6 +176,20 @@ def _skim_class() -> type[Message]:
 _NodeSkim = _skim_class()
 
 
+@functools.lru_cache(maxsize=1 << 16)
+def _attribute(raw: bytes) -> tuple[str, str | None, int | str | bool | None] | None:
+    """An attribute record's name, set member and (for one that the checks read, of the member
+    they want) value; None when it is not an AttributeProto. Parsed once per distinct record
+    in a process: a set's ranks repeat their classes' records, which only their own groups and
+    peers tell apart."""
+    try:
+        attr = pb.AttributeProto.FromString(raw)
+    except DecodeError:
+        return None
+    name, kind = attr.name, attr.WhichOneof("value")
+    return name, kind, getattr(attr, kind) if kind is not None and kind == ATTR_KINDS.get(name) else None
+
+
 @dataclass
 class _AttrChecker:
     """Rule D.4 and the value rules for one rank; returns a node's comm key and what is wrong."""
@@ -194,19 +209,18 @@ class _AttrChecker:
     def _check(self, t: int, raw_attrs: tuple[bytes, ...], bad: list[str]) -> CommKey | None:
         attrs: dict[str, int | str | bool] = {}
         for raw in raw_attrs:
-            try:
-                attr = pb.AttributeProto.FromString(raw)
-            except DecodeError:
+            parsed = _attribute(raw)
+            if parsed is None:
                 bad.append(f"an attribute record ({len(raw)} bytes) is not a valid AttributeProto")
                 continue
-            name, kind = attr.name, attr.WhichOneof("value")
+            name, kind, value = parsed
             if name in attrs:
                 bad.append(f"attribute {name} appears more than once")
             want = ATTR_KINDS.get(name)
             if want is not None and kind != want:
                 bad.append(f"attribute {name} is {kind or 'unset'}, must be {want}")
             elif want is not None:
-                attrs[name] = getattr(attr, kind)
+                attrs[name] = value
         required = REQUIRED_ATTRS.get(t)
         if required is None:
             bad.append(f"node type {type_name(t)} is not allowed "

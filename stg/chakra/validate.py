@@ -31,12 +31,20 @@ from stg.chakra.replay import CommCost, CommModel, Replay, ReplayError, TimedRep
 
 
 def _check_collectives(graphs: list[RankGraph], groups: dict[int, tuple[int, ...]] | None) -> list[Problem]:
-    seqs: dict[int, dict[int, list[tuple[int, int, int]]]] = defaultdict(dict)
+    # per group and rank, its collectives' keys (group, type, size) in issue order, and their
+    # nodes' indices: a member's keys are compared with the first member's as lists (a million
+    # collectives on a thousand ranks), and node by node only when they differ
+    seqs: dict[int, dict[int, tuple[RankGraph, list[int], list[CommKey]]]] = defaultdict(dict)
     for g in graphs:
-        for i in sorted(g.comm):
-            if g.types[i] == COLL:
-                group, ctype, size = g.comm[i]
-                seqs[group].setdefault(g.rank, []).append((g.ids[i], ctype, size))
+        types, comm, mine = g.types, g.comm, {}
+        for i in sorted(comm):
+            if types[i] == COLL:
+                key = comm[i]
+                found = mine.get(key[0])
+                if found is None:
+                    found = mine[key[0]] = seqs[key[0]][g.rank] = (g, [], [])
+                found[1].append(i)
+                found[2].append(key)
     loaded = {g.rank for g in graphs}
     problems = []
     for group, by_rank in sorted(seqs.items()):
@@ -47,13 +55,22 @@ def _check_collectives(graphs: list[RankGraph], groups: dict[int, tuple[int, ...
         if not members:
             continue
         ref = members[0]
-        ref_seq = by_rank.get(ref, [])
+        ref_keys = by_rank[ref][2] if ref in by_rank else []
         for m in members[1:]:
-            seq = by_rank.get(m, [])
-            problem = _compare_sequences(group, ref, ref_seq, m, seq)
+            if (by_rank[m][2] if m in by_rank else []) == ref_keys:
+                continue
+            problem = _compare_sequences(group, ref, _sequence(by_rank.get(ref)), m, _sequence(by_rank.get(m)))
             if problem is not None:
                 problems.append(problem)
     return problems
+
+
+def _sequence(found: tuple[RankGraph, list[int], list[CommKey]] | None) -> list[tuple[int, int, int]]:
+    """A rank's collectives on a group as (node id, type, size), in issue order."""
+    if found is None:
+        return []
+    g, places, keys = found
+    return [(g.ids[i], ctype, size) for i, (_, ctype, size) in zip(places, keys)]
 
 
 def _compare_sequences(group: int, ref: int, ref_seq: list[tuple[int, int, int]], m: int,

@@ -7,6 +7,7 @@ import pytest
 from stg.chakra import et_def_pb2 as pb
 from chakra_nodes import coll as shared_coll
 from chakra_nodes import recv, send
+from stg.chakra.reader import _encode_varint as _varint
 from stg.chakra.reader import write_trace
 from stg.chakra import load as load_module
 from stg.chakra import validate as validate_module
@@ -265,6 +266,29 @@ def test_missing_attribute(tmp_path, rank, nid, name):
     del_attr(node(ranks, rank, nid), name)
     problems = validate(write_set(tmp_path / "out", ranks))
     assert has(problems, rank, nid, f"attribute {name}", "is missing")
+
+
+def test_repeated_unset_and_unparsable_attributes(tmp_path):
+    """Attribute records each rank repeats (their parses are shared across ranks) still give
+    each node its own problems: a name twice, no value set, bytes that are no AttributeProto."""
+    ranks = base()
+    for rank in (0, 2):
+        node(ranks, rank, 0).attr.append(_a("num_ops", int64_val=5))
+        del_attr(node(ranks, rank, 1), "comm_size")
+        node(ranks, rank, 1).attr.append(_a("comm_size"))
+    out = write_set(tmp_path / "out", ranks)
+    path = out / "workload.3.et"
+    records = [pb.GlobalMetadata(version="0.0.4").SerializeToString()]
+    for n in ranks[3]:
+        payload = n.SerializeToString()
+        records.append(payload + b"\x52\x02\x0a\xff" if n.id == 4 else payload)  # attr: a name cut short
+    path.write_bytes(b"".join(_varint(len(r)) + r for r in records))
+    problems = validate(out)
+    for rank in (0, 2):
+        assert has(problems, rank, 0, "attribute num_ops appears more than once")
+        assert has(problems, rank, 1, "attribute comm_size is unset, must be int64_val")
+    assert has(problems, 3, 4, "an attribute record (2 bytes) is not a valid AttributeProto")
+    assert not has(problems, 1, 0, "more than once") and not has(problems, 3, 0, "not a valid")
 
 
 def test_rank_not_in_group(tmp_path):
