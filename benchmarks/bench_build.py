@@ -2,8 +2,9 @@
 
 1. A fresh `stg generate --count-only` process per plan (import included): wall seconds and
    peak RSS, for the issue's three plans; then fresh `stg generate` processes writing the sets
-   of the plans in the issue's opening table (seq 4096, global batch 64) to a scratch folder,
-   each then checked by `stg validate` and timed by `stg validate --timed alpha-beta`.
+   of the plans in the issue's opening table (seq 4096, global batch 64) and of one of 1,024
+   ranks to a scratch folder, each then checked by `stg validate` and timed by
+   `stg validate --timed alpha-beta`.
 2. stg.evaluate over PLANS distinct llama3-405b plans (tp, pp, cp, micro-batch, ZeRO,
    recompute, dp varied) in one process: plans/s, with how many distinct structures (each
    pays the symbolic passes once) they hold, and the time split between a structure's first
@@ -47,6 +48,9 @@ WRITTEN = {
     "llama3-405b tp8 pp2 dp4": ["llama3-405b", "--tp", "8", "--pp", "2", *_ISSUE_TABLE],
     # 61 layers: two stages need an uneven split
     "deepseek-v3 tp8 pp2 dp4": ["deepseek-v3", "--tp", "8", "--pp", "2", "--layers-per-stage", "auto", *_ISSUE_TABLE],
+    # many ranks (issue 13 had stg validate --timed of 1,024 ranks at ~38 s)
+    "llama3-8b tp8 pp2 dp64": ["llama3-8b", "--tp", "8", "--pp", "2", "--dp", "64", "--global-batch", "256",
+                               "--seq", "2048"],
 }
 
 
