@@ -284,7 +284,9 @@ def _load_rank(rank: int, path: Path, n_ranks: int, groups: dict[int, tuple[int,
     if isinstance(read, list):  # what ended the file's reading
         return None, read, None
     nodes, raw_comm, problems = read
-    graph, file_pos = build_graph(rank, nodes.ids, nodes.types, nodes.n_deps, nodes.deps, raw_comm, problems)
+    types = np.asarray(nodes.types, dtype=np.int64)
+    types = np.where(np.isin(types, list(REQUIRED_ATTRS)), types, 0)  # 0: a type not allowed
+    graph, file_pos = build_graph(rank, nodes.ids, types, nodes.n_deps, nodes.deps, raw_comm, problems)
     if not durations:
         return graph, problems, None
     return graph, problems, array("d", np.array(nodes.durations, dtype=np.float64)[file_pos].tobytes())
@@ -294,7 +296,7 @@ class _Nodes(NamedTuple):
     """A rank file's nodes in file order, as the checks read them."""
 
     ids: Sequence[int]
-    types: Sequence[int]  # 0 for a type not allowed
+    types: Sequence[int]
     n_deps: Sequence[int]
     deps: Sequence[int]  # one node's data_deps after another's
     durations: Sequence[int]
@@ -331,7 +333,7 @@ def _parsed(rank: int, path: Path, checker: _AttrChecker) -> _Read | list[Proble
                 raw_comm[len(raw_ids)] = key
             raw_ids.append(nid)
             raw_durations.append(skim.duration_micros)
-            raw_types.append(t if t in REQUIRED_ATTRS else 0)
+            raw_types.append(t)
             deps = skim.data_deps[:]
             n_deps.append(len(deps))
             flat_deps += deps
@@ -346,7 +348,7 @@ def _skimmed(rank: int, path: Path, checker: _AttrChecker) -> _Read | None:
     """A rank file read by the compiled skim, each kind of node (type and attribute bytes)
     checked once (the same problems, in the same order, as _parsed finds); None where the skim
     leaves the file to _parsed (anything unusual, which _parsed then reports on)."""
-    from stg.chakra.skim_kernel import attr_payloads, skim_file  # numba: imported where it pays
+    from stg.chakra.skim_kernel import skim_file  # numba: imported where it pays
 
     try:
         with open(path, "rb") as f:
@@ -362,14 +364,14 @@ def _skimmed(rank: int, path: Path, checker: _AttrChecker) -> _Read | None:
         pb.GlobalMetadata.FromString(metadata)
     except DecodeError:
         return None
-    checked = [checker.check(t, attr_payloads(span)) for t, span in nodes.spans]  # per kind
+    # per kind; its attribute records are NodeSkim's `attr` field as they lie in the file
+    checked = [checker.check(t, tuple(_NodeSkim.FromString(span).attr)) for t, span in nodes.spans]
     keyed = np.flatnonzero(np.array([key is not None for key, _ in checked])[nodes.kinds])
     raw_comm = dict(zip(keyed.tolist(), [checked[kind][0] for kind in nodes.kinds[keyed].tolist()]))
     bad = np.flatnonzero(np.array([bool(reasons) for _, reasons in checked])[nodes.kinds]).tolist()
     problems = [Problem(rank, int(nodes.ids[place]), reason) for place in bad
                 for reason in checked[nodes.kinds[place]][1]]
-    types = np.where(np.isin(nodes.types, list(REQUIRED_ATTRS)), nodes.types, 0)
-    return _Nodes(nodes.ids, types, nodes.n_deps, nodes.deps, nodes.durations), raw_comm, problems
+    return _Nodes(nodes.ids, nodes.types, nodes.n_deps, nodes.deps, nodes.durations), raw_comm, problems
 
 
 def _load_ranks(paths: list[tuple[int, Path]], n_ranks: int, groups: dict[int, tuple[int, ...]] | None,
@@ -378,7 +380,8 @@ def _load_ranks(paths: list[tuple[int, Path]], n_ranks: int, groups: dict[int, t
     """Load every rank, in worker processes when the set is big enough to repay starting them."""
     loaded: dict[int, tuple[RankGraph | None, list[Problem], array | None]] = {}
 
-    skim = sum(path.stat().st_size for _, path in paths) >= SKIM_FROM_BYTES
+    size = sum(path.stat().st_size for _, path in paths)
+    skim = size >= SKIM_FROM_BYTES
     if skim:  # numba's import and cached loops load once, before any worker is forked
         from stg.chakra.skim_kernel import load_compiled
         load_compiled()
@@ -386,7 +389,7 @@ def _load_ranks(paths: list[tuple[int, Path]], n_ranks: int, groups: dict[int, t
     def load(item: tuple[int, Path]):
         return _load_rank(*item, n_ranks, groups, durations, skim)
 
-    with closing(forked_map(load, paths, _worker_count(paths))) as results:
+    with closing(forked_map(load, paths, _worker_count(paths, size))) as results:
         for done, (index, result) in enumerate(results, start=1):
             loaded[paths[index][0]] = result
             if progress is not None:
@@ -396,10 +399,9 @@ def _load_ranks(paths: list[tuple[int, Path]], n_ranks: int, groups: dict[int, t
             [loaded[rank][2] for rank, _ in paths if loaded[rank][0] is not None])
 
 
-def _worker_count(paths: list[tuple[int, Path]]) -> int:
-    if "fork" not in multiprocessing.get_all_start_methods() or len(paths) < 2:
-        return 1
-    if sum(path.stat().st_size for _, path in paths) < PARALLEL_LOAD_BYTES:
+def _worker_count(paths: list[tuple[int, Path]], size: int) -> int:
+    """Processes to load `paths` (`size` bytes in all) with."""
+    if "fork" not in multiprocessing.get_all_start_methods() or len(paths) < 2 or size < PARALLEL_LOAD_BYTES:
         return 1
     return min(_cpu_count(), len(paths))
 

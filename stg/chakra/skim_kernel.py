@@ -169,7 +169,7 @@ def _alike(buf, types, attr_start, attr_end, first):
 class Skimmed(NamedTuple):
     """A file's nodes in file order: what NodeSkim gives of each, the dependencies one node's
     after another's, and which of the file's distinct kinds each is: a kind is a type and the
-    attribute records as they lie in the file (attr_payloads parts them), each checked once."""
+    attribute records as they lie in the file (NodeSkim's `attr` field), each checked once."""
 
     ids: np.ndarray
     types: np.ndarray
@@ -178,25 +178,6 @@ class Skimmed(NamedTuple):
     deps: np.ndarray
     kinds: np.ndarray  # per node, its kind's place in `spans`
     spans: list[tuple[int, bytes]]  # per kind, its type and attribute records
-
-
-def attr_payloads(span: bytes) -> tuple[bytes, ...]:
-    """The attribute records of a span that _skim found (each a key, a length, a payload), as
-    protobuf gives NodeSkim's `attr`: the payloads."""
-    payloads, p = [], 0
-    while p < len(span):
-        p += 1  # the key: field 10, wire type 2
-        length, shift = 0, 0
-        while True:
-            byte = span[p]
-            p += 1
-            length |= (byte & 0x7F) << shift
-            shift += 7
-            if byte < 0x80:
-                break
-        payloads.append(span[p:p + length])
-        p += length
-    return tuple(payloads)
 
 
 def skim_file(data: bytes) -> tuple[bytes, Skimmed] | None:
