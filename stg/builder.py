@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from itertools import islice
+from operator import attrgetter
 from typing import Any, Iterable, Mapping, Sequence
 
 import sympy
@@ -289,7 +290,7 @@ class GraphBuilder:
         their outputs by name, registered as they are: no checks, no sympy."""
         self.tensors.update(outputs)
         self.ops.extend(ops)
-        self._op_names.update(op.name for op in ops)
+        self._op_names.update(map(attrgetter("name"), ops))
 
     def mark(self) -> tuple[int, int]:
         """How many ops and tensors the graph has: what is added after a mark is a block."""

@@ -25,6 +25,8 @@ from __future__ import annotations
 from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 from functools import cached_property
+from itertools import filterfalse
+from operator import attrgetter
 
 import sympy
 
@@ -34,6 +36,7 @@ from stg.lower import Evaluator
 from stg.sharding import ShardedGraph, per_graph
 
 _BACKWARD = (Phase.BACKWARD_INPUT, Phase.BACKWARD_WEIGHT)
+_LAYER = attrgetter("layer")
 
 
 @dataclass(frozen=True)
@@ -129,10 +132,10 @@ def _index(sharded: ShardedGraph) -> _Index:
     table_states = frozenset(name for op in graph.ops if op.attrs.get("weight") in tables for name in op.inputs
                              if tensors[name].role is Role.OPTIMIZER_STATE) if tables else frozenset()
     leaves: defaultdict[tuple, Counter] = defaultdict(Counter)
-    for name, t in tensors.items():
-        if name not in producer:
-            group = (t.role, frozenset(op.layer for op in users.get(name, ())), name in tables, name in table_states)
-            leaves[group][t.nbytes] += 1
+    for name in filterfalse(producer.__contains__, tensors):  # (tens of thousands of tensors)
+        t = tensors[name]
+        group = (t.role, frozenset(map(_LAYER, users.get(name, ()))), name in tables, name in table_states)
+        leaves[group][t.nbytes] += 1
     return _Index(tuple((*group, tuple(sizes.items())) for group, sizes in leaves.items()), tuple(casts), tuple(grads),
                   {layer: tuple((nbytes, n, w) for nbytes, (n, w) in kept.items()) for layer, kept in saved.items()})
 

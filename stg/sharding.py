@@ -142,14 +142,15 @@ class _Sharder:
         self.g.tensors[tensor.name] = local or _shaped(tensor, tensor.name, layout.local_shape(tensor.shape))
 
     def run(self, templates: bool = True) -> ShardedGraph:
-        alike: dict[tuple, tuple[Layout, Tensor]] = {}  # the leaves of a block's copies differ in name only
-        for tensor in _leaves(self.src):
-            key = tensor.signature
-            if key not in alike:
-                layout = self.spec.leaf_layout(tensor)
-                alike[key] = layout, _sized(_shaped(tensor, tensor.name, layout.local_shape(tensor.shape)))
-            layout, local = alike[key]
-            self.define(tensor, layout, local.renamed(tensor.name))
+        # the leaves of a block's copies differ in name only: each kind laid out once, all
+        # defined at once (tens of thousands of weights and optimizer states)
+        leaves, names, (firsts, kind_of) = _leaves(self.src), _leaf_names(self.src), _leaf_kinds(self.src)
+        kinds = [(layout := self.spec.leaf_layout(tensor),
+                  _sized(_shaped(tensor, tensor.name, layout.local_shape(tensor.shape)))) for tensor in firsts]
+        layouts, locals_ = zip(*map(kinds.__getitem__, kind_of)) if leaves else ((), ())
+        self.global_tensors.update(zip(names, leaves))
+        self.layouts.update(zip(names, layouts))
+        self.g.tensors.update(zip(names, map(Tensor.renamed, locals_, names)))
         for block in _block_bodies(self.src)[self.resume() if templates else 0:]:
             self.marks.append(self.mark())
             if templates:
@@ -194,8 +195,7 @@ class _Sharder:
         self.layouts.update(islice(donor.sharded.layouts.items(), leaves, layouts))
         self.global_tensors.update(islice(donor.sharded.global_tensors.items(), leaves, globals_))
         self.g.add_costed(donor.sharded.graph.ops[:ops], islice(donor.sharded.graph.tensors.items(), leaves, tensors))
-        for change in islice(donor.changes, changes):
-            self.apply(change)
+        self.apply_all(islice(donor.changes, changes))
         self.derived.update(islice(donor.derived.items(), derived))
         self.templates.update(islice(donor.templates.items(), templates))
         self.origins.update(islice(donor.sharded.origins.items(), origins))
@@ -248,12 +248,14 @@ class _Sharder:
         at, state, names = table.at, [], table.names
         base = len(names)
 
-        def state_of(name: str) -> tuple:
-            rebound = self.rebound.get(name)
-            copies = tuple((layout, group, at(self.memo[(name, layout, group)]))
-                           for layout, group in self.copies.get(name, ()))
-            return (signature_of(self.global_tensors.get(name)), self.layouts.get(name),
-                    None if rebound is None else at(rebound), copies)
+        rebound_of, copies_of, tensor_of, layout_of, memo = (self.rebound.get, self.copies.get, self.global_tensors.get,
+                                                             self.layouts.get, self.memo)
+
+        def state_of(name: str) -> tuple:  # (asked of every name every block copy reads)
+            rebound, listed = rebound_of(name), copies_of(name)
+            copies = () if listed is None else tuple(
+                (layout, group, at(memo[(name, layout, group)])) for layout, group in listed)
+            return (signature_of(tensor_of(name)), layout_of(name), None if rebound is None else at(rebound), copies)
 
         state.extend(map(state_of, outside))
         for name in islice(names, base, None):  # grows as rebound copies and earlier copies are named
@@ -287,18 +289,24 @@ class _Sharder:
         copies = list(map(Op.renamed, template.ops, op_names, inputs, outputs, repeat(ops[0].layer), attrs))
         self.g.add_costed(copies, zip(made, map(Tensor.renamed, template.locals, made)))
         self.origins.update(zip(op_names, template.places))
-        for change in template.changes:
-            self.apply(change, at)
+        self.apply_all(template.changes, at)
         return True
 
-    def apply(self, change: tuple, at=str) -> None:
-        """Make a recorded write to the memo or the rebound copies again, its names mapped by `at`
-        (a replayed block's renaming; `str` keeps them)."""
-        if change[0] == "memo":
-            _, (name, layout, group), result = change
-            self.remember(at(name), layout, group, at(result))
-        else:
-            self.rebind(at(change[1]), at(change[2]))
+    def apply_all(self, changes: list[tuple], at=str) -> None:
+        """Make recorded writes to the memo, the copies and the rebound copies again, in order,
+        their names mapped by `at` (a replayed block's renaming; `str` keeps them)."""
+        memo, copies, rebound, mapped = self.memo, self.copies, self.rebound, []
+        for kind, first, second in changes:
+            if kind == "memo":
+                name, layout, group = first
+                change = (kind, (at(name), layout, group), at(second))
+                memo[change[1]] = change[2]
+                copies.setdefault(change[1][0], []).append((layout, group))
+            else:
+                change = (kind, at(first), at(second))
+                rebound[change[1]] = change[2]
+            mapped.append(change)
+        self.changes += mapped
 
     def remember(self, name: str, layout: Layout, group: str | None, result: str) -> None:
         self.memo[(name, layout, group)] = result
@@ -498,7 +506,7 @@ class OpPlaces:
 def op_places(skeleton: ShardedGraph) -> OpPlaces:
     ops = skeleton.graph.ops
     collectives = tuple(n for n, op in enumerate(ops) if op.kind is OpKind.COLLECTIVE)
-    return OpPlaces({op.name: n for n, op in enumerate(ops)}, collectives,
+    return OpPlaces(dict(zip(map(_NAME, ops), range(len(ops)))), collectives,
                     tuple(n for n in collectives if ops[n].phase is Phase.STEP))
 
 
@@ -528,9 +536,11 @@ def _block_bodies(graph: Graph) -> list[tuple[list[Op], NameTable, int | None, t
         table, body, made = NameTable(), [], set()
         at = table.at
         for op in ops:
-            summed = tuple(any(user.attrs.get("grad_of") == (target,) and user.kind is OpKind.POINTWISE
-                               for user in graph.consumers.get(out, ()))
-                           for out, target in zip(op.outputs, op.attrs.get("grad_of", ())))
+            grad_of = op.attrs.get("grad_of")
+            summed = () if not grad_of else tuple(
+                any(user.attrs.get("grad_of") == (target,) and user.kind is OpKind.POINTWISE
+                    for user in graph.consumers.get(out, ()))
+                for out, target in zip(op.outputs, grad_of))
             body.append((op.kind, op.phase, table.attrs(op.attrs), at(op.name), tuple(map(at, op.inputs)),
                          tuple(map(at, op.outputs)), summed))
             made.update(op.outputs)
@@ -581,6 +591,24 @@ def _leaves(graph: Graph) -> tuple[Tensor, ...]:
     """The graph's tensors that no op makes (inputs, weights, optimizer states), in order: the
     first entries of every sharder table."""
     return tuple(tensor for tensor in graph.tensors.values() if tensor.name not in graph.producer)
+
+
+@per_graph(limit=4)
+def _leaf_names(graph: Graph) -> tuple[str, ...]:
+    return tuple(map(_NAME, _leaves(graph)))
+
+
+@per_graph(limit=4)
+def _leaf_kinds(graph: Graph) -> tuple[list[Tensor], list[int]]:
+    """The graph's leaves by kind (alike but for the name): each kind's first leaf, and per
+    leaf its kind's place among them."""
+    kinds: dict[tuple, int] = {}
+    kind_of = [kinds.setdefault(tensor.signature, len(kinds)) for tensor in _leaves(graph)]
+    firsts: list[Tensor] = [None] * len(kinds)
+    for tensor, kind in zip(_leaves(graph), kind_of):
+        if firsts[kind] is None:
+            firsts[kind] = tensor
+    return firsts, kind_of
 
 
 @per_graph(limit=4)
