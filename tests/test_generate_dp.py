@@ -96,3 +96,27 @@ def test_fp32_gradients_double_the_reduction(tiny_llama):
     for dtype, width in (("bf16", 2), ("fp32", 4)):
         stats = build(tiny_llama, Plan(dp=2, seq=32, grad_dtype=dtype)).summary()["rank_classes"][0]
         assert stats["comm_bytes"]["ALL_REDUCE"] == width * params
+
+
+def _starts(ops, values, limit):
+    from types import SimpleNamespace
+
+    from stg.lower import _BucketSteps, _ProgramBuilder
+
+    steps = _BucketSteps(ops, [], [None] * len(values), {})
+    return _ProgramBuilder._bucket_starts(SimpleNamespace(bucket_bytes=limit), steps, values)
+
+
+def test_buckets_fill_to_the_limit_then_open_the_next():
+    """PyTorch DDP's rule, by hand: a bucket takes gradients until its bytes reach bucket_cap,
+    the next gradient opens another; one kind of collective a bucket."""
+    three = [(0, 0, 0)] * 4  # four gradients of 3 bytes
+    assert _starts(three, (3,), 5) == [0, 2]  # 3 + 3 reaches 5: [0, 1], [2, 3]
+    assert _starts(three, (3,), 6) == [0, 2]
+    assert _starts(three, (3,), 7) == [0, 3]  # 3 + 3 + 3 reaches 7
+    assert _starts(three, (3,), 0) == [0, 1, 2, 3]
+    assert _starts(three, (0,), 5) == [0]  # empty gradients never fill one
+    assert _starts([(0, 0, 0), (1, 0, 0), (1, 0, 0), (0, 0, 0)], (3,), 100) == [0, 1, 3]  # a kind apart
+    assert _starts([(0, 0, 0)] * 3, (2**62,), 2**63) == [0, 2]  # exact for any sizes
+    assert _starts([(0, 0, 0)] * 3, (2**62,), 2**62) == [0, 1, 2]
+
