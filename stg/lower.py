@@ -146,7 +146,14 @@ def _segments(sharded: ShardedGraph, split_backward: bool) -> list[tuple[int, Ki
     found, graph = [], sharded.graph
     reductions, deferred = _step_collectives(sharded)
     apart = {op.name for op, _ in reductions} | {op.name for op in deferred}
-    for start, end, layer, kind, collectives in _segment_places(sharded.skeleton, split_backward):
+    # a graph bound from another (unit_bound) has its ops but for some collectives: a run of a
+    # micro-batch's ops (no step op is apart) whose collectives it kept is that graph's run
+    base = None if sharded.base is None else sharded.base.graph.ops
+    inherited = () if base is None else _segments(sharded.base, split_backward)
+    for run, (start, end, layer, kind, collectives) in enumerate(_segment_places(sharded.skeleton, split_backward)):
+        if base is not None and kind is not None and all(graph.ops[place] is base[place] for place in collectives):
+            found.append(inherited[run])
+            continue
         ops = list(graph.ops[start:end]) if kind is not None else \
             [op for op in graph.ops[start:end] if op.name not in apart]
         units: dict[tuple, list[Op]] = {}
