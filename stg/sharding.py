@@ -144,7 +144,7 @@ class _Sharder:
     def run(self, templates: bool = True) -> ShardedGraph:
         # the leaves of a block's copies differ in name only: each kind laid out once, all
         # defined at once (tens of thousands of weights and optimizer states)
-        leaves, names, (firsts, kind_of) = _leaves(self.src), _leaf_names(self.src), _leaf_kinds(self.src)
+        leaves, (names, firsts, kind_of) = _leaves(self.src), _leaf_kinds(self.src)
         kinds = [(layout := self.spec.leaf_layout(tensor),
                   _sized(_shaped(tensor, tensor.name, layout.local_shape(tensor.shape)))) for tensor in firsts]
         layouts, locals_ = zip(*map(kinds.__getitem__, kind_of)) if leaves else ((), ())
@@ -293,8 +293,9 @@ class _Sharder:
         return True
 
     def apply_all(self, changes: list[tuple], at=str) -> None:
-        """Make recorded writes to the memo, the copies and the rebound copies again, in order,
-        their names mapped by `at` (a replayed block's renaming; `str` keeps them)."""
+        """Write to the memo, the copies and the rebound copies, in order, and record the writes
+        (`changes`): a block's own, or recorded ones again with their names mapped by `at` (a
+        replayed block's renaming; `str` keeps them)."""
         memo, copies, rebound, mapped = self.memo, self.copies, self.rebound, []
         for kind, first, second in changes:
             if kind == "memo":
@@ -309,13 +310,10 @@ class _Sharder:
         self.changes += mapped
 
     def remember(self, name: str, layout: Layout, group: str | None, result: str) -> None:
-        self.memo[(name, layout, group)] = result
-        self.copies.setdefault(name, []).append((layout, group))
-        self.changes.append(("memo", (name, layout, group), result))
+        self.apply_all([("memo", (name, layout, group), result)])
 
     def rebind(self, name: str, copy: str) -> None:
-        self.rebound[name] = copy
-        self.changes.append(("rebound", name, copy))
+        self.apply_all([("rebound", name, copy)])
 
     def reduce_final_gradients(self, op: Op) -> None:
         """An activation's gradient that comes out as a partial sum over an axis that splits its
@@ -594,21 +592,16 @@ def _leaves(graph: Graph) -> tuple[Tensor, ...]:
 
 
 @per_graph(limit=4)
-def _leaf_names(graph: Graph) -> tuple[str, ...]:
-    return tuple(map(_NAME, _leaves(graph)))
-
-
-@per_graph(limit=4)
-def _leaf_kinds(graph: Graph) -> tuple[list[Tensor], list[int]]:
-    """The graph's leaves by kind (alike but for the name): each kind's first leaf, and per
-    leaf its kind's place among them."""
+def _leaf_kinds(graph: Graph) -> tuple[tuple[str, ...], list[Tensor], list[int]]:
+    """The graph's leaves by kind (alike but for the name): their names, each kind's first
+    leaf, and per leaf its kind's place among them."""
     kinds: dict[tuple, int] = {}
     kind_of = [kinds.setdefault(tensor.signature, len(kinds)) for tensor in _leaves(graph)]
     firsts: list[Tensor] = [None] * len(kinds)
     for tensor, kind in zip(_leaves(graph), kind_of):
         if firsts[kind] is None:
             firsts[kind] = tensor
-    return firsts, kind_of
+    return tuple(map(_NAME, _leaves(graph))), firsts, kind_of
 
 
 @per_graph(limit=4)
