@@ -18,6 +18,8 @@ import sympy
 
 from stg.errors import GraphError
 
+_set_attr = object.__setattr__  # (frozen dataclasses: their copies are made without __init__)
+
 
 class FastEnum(Enum):
     """An Enum hashed in C by identity (equality is identity already): Enum's own __hash__ is
@@ -145,8 +147,10 @@ class Tensor:
     def renamed(self, name: str) -> "Tensor":
         """This tensor under another name, without re-checking its shape (and with its sizes,
         if computed): the copies of a repeated block make thousands."""
+        fields = self.__dict__.copy()
+        fields["name"] = name
         copy = object.__new__(Tensor)
-        copy.__dict__.update(self.__dict__, name=name)
+        _set_attr(copy, "__dict__", fields)  # (a copied dict is set faster than one filled)
         return copy
 
     @cached_property
@@ -185,8 +189,10 @@ class Op:
                 attrs: Mapping[str, Any]) -> "Op":
         """This op (kind, costs, phase) under other names, without the dataclass's __init__: the
         copies of a repeated block make thousands."""
+        fields = self.__dict__.copy()
+        fields.update(name=name, inputs=inputs, outputs=outputs, layer=layer, attrs=attrs)
         copy = object.__new__(Op)
-        copy.__dict__.update(self.__dict__, name=name, inputs=inputs, outputs=outputs, layer=layer, attrs=attrs)
+        _set_attr(copy, "__dict__", fields)
         return copy
 
     def changed(self, **fields) -> "Op":
@@ -214,9 +220,17 @@ class Graph:
     @cached_property
     def consumers(self) -> Mapping[str, tuple[Op, ...]]:
         users: dict[str, list[Op]] = {}
-        for op in self.ops:
-            for name in dict.fromkeys(op.inputs):
-                users.setdefault(name, []).append(op)
+        found = users.get
+        for op in self.ops:  # (tens of thousands: each input's list found once, no list made per call)
+            inputs = op.inputs
+            if len(inputs) > 1 and len(set(inputs)) < len(inputs):
+                inputs = dict.fromkeys(inputs)  # an op reading a tensor twice is its user once
+            for name in inputs:
+                ops = found(name)
+                if ops is None:
+                    users[name] = [op]
+                else:
+                    ops.append(op)
         return {name: tuple(ops) for name, ops in users.items()}
 
     def tensors_with(self, role: Role) -> Iterator[Tensor]:

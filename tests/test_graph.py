@@ -137,3 +137,26 @@ def test_name_table_extend_places_names_as_at_does():
     many.extend(names)
     assert many.names == one.names == ["x", "w", "a", "b", "c", "d"]
     assert many.index == one.index == {"x": 0, "w": 1, "a": 2, "b": 3, "c": 4, "d": 5}
+
+
+def test_consumers_list_each_reader_once_in_program_order():
+    g = GraphBuilder()
+    x = g.input("x", [B, S, H], ["batch", "seq", "embed"], DType.BF16)
+    sq = g.pointwise("sq", Pointwise.MUL, x, x)  # reads x twice: one consumer
+    y = g.pointwise("y", Pointwise.ADD, sq, x)
+    g.pointwise("z", Pointwise.MUL, y, sq)
+    graph = g.build()
+    ops = {op.name: op for op in graph.ops}
+    assert graph.consumers == {"x": (ops["sq"], ops["y"]), "sq": (ops["y"], ops["z"]), "y": (ops["z"],)}
+
+
+def test_a_renamed_copy_keeps_everything_but_its_names():
+    graph = mlp()
+    op, tensor = graph.producer["h"], graph.tensors["h"]
+    copy = op.renamed("h2", ("x", "w9"), ("h2",), 7, {"spec": "bsh,hf->bsf"})
+    assert (copy.name, copy.inputs, copy.outputs, copy.layer) == ("h2", ("x", "w9"), ("h2",), 7)
+    assert (copy.kind, copy.flops, copy.bytes, copy.phase) == (op.kind, op.flops, op.bytes, op.phase)
+    assert (op.name, op.inputs, op.layer) == ("h", ("x", "w1"), 0)  # the original is untouched
+    renamed = tensor.renamed("h2")
+    assert renamed.name == "h2" and tensor.name == "h" and renamed.nbytes == tensor.nbytes
+    assert renamed == type(tensor)("h2", tensor.shape, tensor.dims, tensor.dtype, tensor.role)
