@@ -330,7 +330,7 @@ class _Backward:
 
     def _step(self, weight: Tensor, layer: int, templates: dict[tuple, tuple] | None) -> None:
         """The optimizer step of `weight`, or, with `templates`, that of an earlier weight of its
-        kind (a model's layers repeat a few: 1,134 weights of Llama 3 405B, 9 kinds) under its
+        kind (a model's layers repeat a few: 1,137 weights of Llama 3 405B, 7 kinds) under its
         names: the same ops, whose costs follow from the same shapes."""
         grad = self.stored_grads[weight.name]
         fn = self.optimizer.get(weight.name, self.default_optimizer)

@@ -751,13 +751,13 @@ class _ProgramBuilder:
     def _tally_action(self, action: Action, units: dict, where: dict, final: bool) -> None:
         """What `action` adds without nodes, from its layers' tallies -- kept per structure: a
         layer's ops and units are the same on whichever stage the cut puts it, so a plan with
-        another pp binds them -- and its own receives, sends and gradient buckets."""
+        another pp binds them -- and its own receives and sends (the gradient buckets its ops
+        finish are counted per plan: _count_actions)."""
         stage = virtual_stage(self.rank, action.chunk, self.pipeline.stages.pp)
         self.receive(stage, action.kind, action.microbatch, where)
         self._add_layers(self.run_layers(stage, action.kind), units, where)
-        for name, _ in self.flushes.get((stage, action.kind), ()) if final else ():  # in the run's order
-            for bucket in self.flush_after[name]:
-                self.collective(self._bucket_name("S", bucket), bucket, where)
+        if final and (stage, action.kind) in self.flushes:  # its gradient buckets: _count_actions counts them
+            where.update(dict.fromkeys(op.outputs[0] for op in self._step_plan().reductions[stage, action.kind]))
         self.send_made(stage, action.kind, action.microbatch, where)
 
     def run_layers(self, stage: int, kind: Kind) -> tuple:
@@ -871,11 +871,11 @@ class _ProgramBuilder:
         """An action's tally without nodes -- how many times each expression is added to each
         field, its node counts, and the tensors it makes that a later action of its micro-batch
         may ask for (received, or the cut's edge tensors: _add_layers) -- which holds for every
-        plan of this structure and stage cut (a final action's buckets are part of the key), so a
-        later plan binds it to its own numbers instead of running the ops again."""
-        flushes = self.flushes.get(key[:2], ()) if key[2] else ()
+        plan of this structure and stage cut (a final action's gradient buckets, which the plan's
+        sizes cut, are counted apart: _count_actions), so a later plan binds it to its own
+        numbers instead of running the ops again."""
         known = tallies(self.sharded)
-        shared = (self.pipeline.stages, self.pipeline.split_backward, self.rank, key, flushes)
+        shared = (self.pipeline.stages, self.pipeline.split_backward, self.rank, key)
         if shared not in known:  # `found()`: the tensors its micro-batch's earlier actions made
             here = found()
             known[shared] = self._tallied(lambda: self._tally_action(action, units, here, key[2]), here)
@@ -1133,15 +1133,19 @@ class _ProgramBuilder:
 
     def _count_actions(self, units: dict) -> None:
         """Without nodes: the stats of every action, from one tally of the stage's actions kept
-        per structure, stage cut, schedule and gradient buckets (_stage_tally): a further plan
-        binds it once."""
+        per structure, stage cut and schedule (_stage_tally): a further plan binds it once. The
+        gradient buckets that a run's final action sends (without a pipeline) are counted as the
+        step's are, per sizes: the plan's sizes cut them, and the tally holds however they are cut."""
         pipeline = self.pipeline
-        key = ("stage", pipeline.order, self.rank, pipeline.stages, pipeline.split_backward, tuple(self.flushes.items()))
+        key = ("stage", pipeline.order, self.rank, pipeline.stages, pipeline.split_backward)
         known = tallies(self.sharded)
         if key not in known:
             known[key] = alike_tally(known, self._stage_tally(units))
         self.holes |= known[key].holes
         self.stats.add(self._bound(known[key]))
+        reductions = self._step_plan().reductions
+        for run in self.flushes:  # (each run's final action runs once a step)
+            self._step_buckets(reductions[run], {})
 
     def _bound(self, tally: ActionTally) -> ClassStats:
         """tally.bind(...), once per plan for the rank classes whose tallies are alike (a

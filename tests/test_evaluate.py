@@ -183,6 +183,23 @@ def test_a_plan_with_another_pp_binds_the_layers_tallies():
     assert layer_keys[0] and layer_keys[0] == layer_keys[1] == layer_keys[2]
 
 
+
+def test_gradient_buckets_are_cut_by_each_plans_sizes():
+    """Without a pipeline the last backward sends the gradient buckets as it finishes them
+    (PyTorch DDP); plans of one structure and cut whose bucket caps differ cut them apart. In
+    one process, a plan with one bucket per gradient and one with all in one bucket each equal
+    their lowered nodes' summaries (the first plan's action tallies hold for the second, its
+    buckets do not)."""
+    base = {"seq": 32, "dp": 2, "global_batch": 4}
+    few, many = ({**base, "bucket_mb": size} for size in (1000.0, 1e-6))
+    counts = []
+    for plan in (few, many, few):
+        counted = build(LLAMA, plan, nodes=False).summary(per_rank=False)
+        assert counted == build(LLAMA, plan).summary(per_rank=False), plan
+        counts.append(counted["rank_classes"][0]["comm_count"])
+    assert counts[0] == counts[2] and sum(counts[1].values()) > sum(counts[0].values())
+
+
 DEEP = {**LLAMA, "layers": 8}
 TIMING_CASES = {  # beyond the digest matrix: stages 1 and 2 of a 4-stage pipeline run alike
     "gpt-tied-pp-dp1": (GPT, dict(pp=2, global_batch=1)),
