@@ -6,9 +6,10 @@ measurement behind a template/instance graph (docs/performance.md, "Layer classe
 Two layers are alike here when their ops, in program order over every phase, have the same
 origins (ShardedGraph.origins: the same op of copies of a block), and each output of each op
 is read by ops of the same origins at the same layer distance. What a pass reads of a layer
-through its ops and their readers -- memory's saved activations and leaf layers, the step's
-reductions and their makers, the runs a stage cut deals out -- is then the same for both, so
-such a pass could work once per class and shift the answer by the layer. Prints each
+through its ops and their readers -- memory's saved activations, the step's reductions and
+their makers, the runs a stage cut deals out -- is then the same for both, so such a pass
+could work once per class and shift the answer by the layer (which layers read a weight is
+not covered: a model that shares weights across layers needs that too). Prints each
 structure's classes (layer ranges with how many layers) and the time of the walk that finds
 them, beside the time of memory's index (one of the walks a class would spare).
 """
