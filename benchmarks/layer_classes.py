@@ -12,12 +12,20 @@ could work once per class and shift the answer by the layer (which layers read a
 not covered: a model that shares weights across layers needs that too). Prints each
 structure's classes (layer ranges with how many layers) and the time of the walk that finds
 them, beside the time of memory's index (one of the walks a class would spare).
+
+That walk costs more than the passes it would spare, so a template graph has to get its
+classes by construction. `window_classes` checks the rule proposed for that (what the sharder
+can record per block as it goes): each block by its template and, per name it reads from
+outside, the maker's origin and layer distance (a leaf by its role); d, the largest such
+distance; two layers alike when the blocks of the layers within d around them are. The script
+prints those classes too and whether each lies within one class of the walk.
 """
 
 from __future__ import annotations
 
 import time
 from collections import defaultdict
+from itertools import groupby
 
 from stg.api import build
 from stg.memory import _index
@@ -43,6 +51,28 @@ def layer_classes(sharded: ShardedGraph) -> list[list[int]]:
     return sorted(groups.values())
 
 
+def window_classes(sharded: ShardedGraph) -> tuple[list[list[int]], int]:
+    """The layers grouped by the rule a sharder could apply as it goes (see above), and d."""
+    graph, origins, producer = sharded.graph, sharded.origins, sharded.graph.producer
+    blocks, distance = defaultdict(list), 0
+    for layer, block in groupby(graph.ops, key=lambda op: op.layer):
+        block = list(block)
+        made, reads = {out for op in block for out in op.outputs}, []
+        for name in (name for op in block for name in op.inputs if name not in made):
+            maker = producer.get(name)
+            if maker is None:
+                reads.append(("leaf", graph.tensors[name].role.value))
+            else:
+                distance = max(distance, abs(maker.layer - layer))
+                reads.append((origins.get(maker.name), maker.layer - layer))
+        template = origins.get(block[0].name)
+        blocks[layer].append((template and template[0], len(block), tuple(reads)))
+    groups = defaultdict(list)
+    for layer in sorted(blocks):
+        groups[tuple(tuple(blocks.get(layer + k, ())) for k in range(-distance, distance + 1))].append(layer)
+    return sorted(groups.values()), distance
+
+
 def _ranges(layers: list[int]) -> str:
     return f"{layers[0]}..{layers[-1]} ({len(layers)})" if len(layers) > 2 else str(layers)
 
@@ -65,10 +95,14 @@ def main() -> None:
         started = time.perf_counter()
         _index.__wrapped__(sharded)
         index = time.perf_counter() - started
+        windows, distance = window_classes(sharded)
+        class_of = {layer: n for n, layers in enumerate(classes) for layer in layers}
+        within = all(len({class_of[layer] for layer in layers}) == 1 for layers in windows)
         degrees = " ".join(f"{k}{v}" for k, v in plan.to_dict().items() if k in ("tp", "cp", "ep") and v > 1)
         print(f"{model} {degrees} zero {plan.zero} recompute {plan.recompute.value}: {len(sharded.graph.ops)} ops, "
               f"{len(classes)} classes: {', '.join(map(_ranges, classes))} "
-              f"(the walk {walk * 1e3:.0f} ms, memory's index {index * 1e3:.0f} ms)")
+              f"(the walk {walk * 1e3:.0f} ms, memory's index {index * 1e3:.0f} ms); by blocks within {distance} "
+              f"layer: {len(windows)} classes: {', '.join(map(_ranges, windows))}, each within one of the walk's: {within}")
 
 
 if __name__ == "__main__":
