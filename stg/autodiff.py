@@ -352,8 +352,9 @@ class _Backward:
         rename = renaming([first, first_grad], [weight, grad], made, self.derived)
         if any(self.g.named(rename[name]) for name in made):
             return False
-        for name in made:  # (all named by _name, from the weight's name)
-            self.derived[rename[name]] = (weight, self.derived[name][1])
+        for name in made:  # (each named by _name, as replay's are)
+            base, suffix = self.derived[name]
+            self.derived[rename[name]] = (rename[base], suffix)
         at = rename.__getitem__
         self.g.add_costed([op.renamed(at(op.name), tuple(map(at, op.inputs)), tuple(map(at, op.outputs)), layer,
                                       renamed_attrs(op.attrs, rename)) for op in ops],

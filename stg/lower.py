@@ -479,6 +479,7 @@ class _ProgramBuilder:
         self.prefetch: dict[Phase, int | None] = {}  # compute running when the last unit gather went out
         self.flush_after: dict[str, list[list[Op]]] = {}  # op -> gradient buckets that go out after it
         # by run: its ops that buckets go out after, in run order, with their buckets' sizes
+        # (without nodes: empty, the buckets are counted per plan, _count_actions)
         self.flushes: dict[tuple, tuple] = {}
         self.late_reductions: list[list[Op]] = []  # with a pipeline: per run, what the step buckets
         self.stats = ClassStats()
@@ -1038,6 +1039,9 @@ class _ProgramBuilder:
             if self.pipeline.stages.pp > 1:
                 self.late_reductions.append(ops)
                 continue
+            if not self.keep_nodes:  # counted, not cut into lists: that the run flushes is all a count reads
+                self.flushes[run] = ()
+                continue
             def flushed(steps: _BucketSteps, values: tuple[int, ...]) -> tuple[dict, tuple]:
                 after: dict[str, list[list[Op]]] = {}  # (shared by plans whose sizes agree: read, never changed)
                 for bucket in self.buckets(ops):
@@ -1116,7 +1120,7 @@ class _ProgramBuilder:
         received) are those of its micro-batch's earlier actions, `history`; the last run of a
         chunk and kind sends the gradient buckets its ops finish (one whose ops finish none is
         like any other, and repeats the others' nodes)."""
-        return stage, kind, last and bool(self.flushes.get((stage, kind))), history
+        return stage, kind, last and (stage, kind) in self.flushes, history
 
     def _run_actions(self, actions: list[Action], runs: dict, units: dict) -> dict[int, dict[str, int]]:
         """Run (or repeat) every action's nodes; per micro-batch, the producer of each tensor."""

@@ -596,11 +596,13 @@ def _leaf_kinds(graph: Graph) -> tuple[tuple[str, ...], list[Tensor], list[int]]
     """The graph's leaves by kind (alike but for the name): their names, each kind's first
     leaf, and per leaf its kind's place among them."""
     kinds: dict[tuple, int] = {}
-    kind_of = [kinds.setdefault(tensor.signature, len(kinds)) for tensor in _leaves(graph)]
-    firsts: list[Tensor] = [None] * len(kinds)
-    for tensor, kind in zip(_leaves(graph), kind_of):
-        if firsts[kind] is None:
-            firsts[kind] = tensor
+    firsts: list[Tensor] = []
+    kind_of = []
+    for tensor in _leaves(graph):
+        kind = kinds.setdefault(tensor.signature, len(kinds))
+        if kind == len(firsts):
+            firsts.append(tensor)
+        kind_of.append(kind)
     return tuple(map(_NAME, _leaves(graph))), firsts, kind_of
 
 
