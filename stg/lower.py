@@ -107,13 +107,16 @@ def _padded(logical: str) -> bool:
     return logical == "capacity" or logical.endswith((".rows", ".ids"))
 
 
+_MOVED = (Role.WEIGHT, Role.GRADIENT)  # what FSDP's units move
+
+
 def _unit(op: Op, graph) -> tuple | None:
     """The coalescing unit of a collective that moves parameters or gradients (FSDP's unit:
     one block, one phase); None for activation traffic, which runs where it stands."""
     if op.kind is not OpKind.COLLECTIVE:
         return None
     role = graph.tensors[op.inputs[0]].role
-    if role not in (Role.WEIGHT, Role.GRADIENT):
+    if role not in _MOVED:
         return None
     return (role, op.phase, op.layer, op.attrs["collective"], op.attrs["axes"])
 
@@ -150,14 +153,15 @@ def _segments(sharded: ShardedGraph, split_backward: bool) -> list[tuple[int, Ki
     # micro-batch's ops (no step op is apart) whose collectives it kept is that graph's run
     base = None if sharded.base is None else sharded.base.graph.ops
     inherited = () if base is None else _segments(sharded.base, split_backward)
-    for run, (start, end, layer, kind, collectives) in enumerate(_segment_places(sharded.skeleton, split_backward)):
+    for run, (start, end, layer, kind, collectives, movers) in enumerate(_segment_places(sharded.skeleton,
+                                                                                         split_backward)):
         if base is not None and kind is not None and all(graph.ops[place] is base[place] for place in collectives):
             found.append(inherited[run])
             continue
         ops = list(graph.ops[start:end]) if kind is not None else \
             [op for op in graph.ops[start:end] if op.name not in apart]
         units: dict[tuple, list[Op]] = {}
-        for place in collectives:
+        for place in movers:
             op = graph.ops[place]
             if op.kind is OpKind.COLLECTIVE and op.name not in apart and (unit := _unit(op, graph)) is not None:
                 units.setdefault(unit, []).append(op)
@@ -166,19 +170,25 @@ def _segments(sharded: ShardedGraph, split_backward: bool) -> list[tuple[int, Ki
 
 
 @per_graph
-def _segment_places(skeleton: ShardedGraph, split_backward: bool) -> list[tuple[int, int, int, Kind | None, list[int]]]:
-    """_segments's runs by place (start, end, layer, kind, and the places of the collectives
-    among them): the same in every graph bound from the skeleton."""
-    ops, step = skeleton.graph.ops, Phase.STEP
+def _segment_places(skeleton: ShardedGraph, split_backward: bool) -> list[tuple[int, int, int, Kind | None, list[int],
+                                                                               list[int]]]:
+    """_segments's runs by place (start, end, layer, kind, the places of the collectives among
+    them, and of those that move a weight or a gradient, which alone may have a coalescing
+    unit): the same in every graph bound from the skeleton (a binding changes a collective's
+    axes or kind, never what it reads)."""
+    ops, step, tensors = skeleton.graph.ops, Phase.STEP, skeleton.graph.tensors
     kinds = {phase: None if phase is step else _kind(phase, split_backward) for phase in Phase}
     found, start = [], 0
     for (layer, kind), run in groupby(ops, key=lambda op: (op.layer, kinds[op.phase])):
         end = start + sum(1 for _ in run)
-        found.append((start, end, layer, kind, []))
+        found.append((start, end, layer, kind, [], []))
         start = end
-    ends = [end for _, end, _, _, _ in found]
-    for place in op_places(skeleton).collectives:
+    ends = [end for _, end, _, _, _, _ in found]
+    collectives = op_places(skeleton).collectives
+    for place in collectives:
         found[bisect_right(ends, place)][4].append(place)
+    for place in [place for place in collectives if tensors[ops[place].inputs[0]].role in _MOVED]:
+        found[bisect_right(ends, place)][5].append(place)
     return found
 
 
