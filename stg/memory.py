@@ -22,10 +22,9 @@ All in bytes, per rank, from local shapes: right by construction for every strat
 
 from __future__ import annotations
 
-from collections import Counter, defaultdict
+from collections import Counter
 from dataclasses import dataclass, field
 from functools import cached_property
-from itertools import filterfalse
 from operator import attrgetter
 
 import sympy
@@ -110,33 +109,32 @@ class _Index:
 @per_graph
 def _index(sharded: ShardedGraph) -> _Index:
     graph = sharded.graph
-    users, producer, tensors = graph.consumers, graph.producer, graph.tensors
-    tables, casts, grads = set(), [], []
+    users, producer, tensors, ops = graph.consumers, graph.producer, graph.tensors, graph.ops
+    # (tens of thousands of ops: each question a comprehension over them)
     saved: dict[int, dict] = {}  # what the backward reads of what the forward makes, by the maker's layer
-    for op in graph.ops:  # one walk for the ops it reads
-        kind = op.kind
-        if op.phase is Phase.FORWARD:
-            for name in op.outputs:
-                backward = [user for user in users.get(name, ()) if user.phase in _BACKWARD]
-                if backward:
-                    counts = saved.setdefault(op.layer, {}).setdefault(tensors[name].memory_bytes, [0, 0])
-                    counts[0] += 1
-                    counts[1] += any(user.phase is Phase.BACKWARD_WEIGHT for user in backward)
-        elif kind is OpKind.OPTIMIZER:
-            g = stored_gradient(sharded, op.inputs[0])
-            grads.append((op.layer, g, tensors[g].nbytes))
-        elif kind is OpKind.POINTWISE and op.phase is Phase.STEP and op.attrs["fn"] is Pointwise.CAST:
-            casts.append((op.layer, tensors[op.outputs[0]].nbytes))
-        if kind is OpKind.EMBEDDING_BAG:
-            tables.add(op.inputs[0])
-    table_states = frozenset(name for op in graph.ops if op.attrs.get("weight") in tables for name in op.inputs
+    forward, backward_phases, weight_pass = Phase.FORWARD, _BACKWARD, Phase.BACKWARD_WEIGHT
+    for op in [op for op in ops if op.phase is forward]:
+        for name in op.outputs:
+            backward = [user for user in users.get(name, ()) if user.phase in backward_phases]
+            if backward:
+                counts = saved.setdefault(op.layer, {}).setdefault(tensors[name].memory_bytes, [0, 0])
+                counts[0] += 1
+                counts[1] += any(user.phase is weight_pass for user in backward)
+    stored = [(op.layer, stored_gradient(sharded, op.inputs[0])) for op in ops if op.kind is OpKind.OPTIMIZER]
+    grads = tuple((layer, g, tensors[g].nbytes) for layer, g in stored)
+    step, pointwise, cast = Phase.STEP, OpKind.POINTWISE, Pointwise.CAST
+    casts = tuple((op.layer, tensors[op.outputs[0]].nbytes) for op in ops
+                  if op.kind is pointwise and op.phase is step and op.attrs["fn"] is cast)
+    tables = {op.inputs[0] for op in ops if op.kind is OpKind.EMBEDDING_BAG}
+    table_states = frozenset(name for op in ops if op.attrs.get("weight") in tables for name in op.inputs
                              if tensors[name].role is Role.OPTIMIZER_STATE) if tables else frozenset()
-    leaves: defaultdict[tuple, Counter] = defaultdict(Counter)
-    for name in filterfalse(producer.__contains__, tensors):  # (tens of thousands of tensors)
-        t = tensors[name]
-        group = (t.role, frozenset(map(_LAYER, users.get(name, ()))), name in tables, name in table_states)
-        leaves[group][t.nbytes] += 1
-    return _Index(tuple((*group, tuple(sizes.items())) for group, sizes in leaves.items()), tuple(casts), tuple(grads),
+    # leaves by (role, layers of their users, embedding table?, table state?), then bytes
+    counted = Counter((t.role, frozenset(map(_LAYER, users.get(name, ()))), name in tables, name in table_states,
+                       t.nbytes) for name, t in tensors.items() if name not in producer)
+    leaves: dict[tuple, list] = {}
+    for (*group, nbytes), n in counted.items():
+        leaves.setdefault(tuple(group), []).append((nbytes, n))
+    return _Index(tuple((*group, tuple(sizes)) for group, sizes in leaves.items()), casts, grads,
                   {layer: tuple((nbytes, n, w) for nbytes, (n, w) in kept.items()) for layer, kept in saved.items()})
 
 
