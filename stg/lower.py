@@ -407,11 +407,24 @@ def _crossing_made(sharded: ShardedGraph, stages: StagePlan, split_backward: boo
     return {}
 
 
+@dataclass(frozen=True)
+class _LayerKeys:
+    """What _ProgramBuilder._layer_tally finds of the layer runs of a skeleton, for every graph
+    bound from it (the same names, so the same origins): per layer tally key (_stage_work,
+    _step_layers), the key of the tally its ops share with every run of the same ops of a
+    block's copies (the run's origins numbered, a short key); the places of the tensors such a
+    tally makes, one object per distinct tuple; and per (layer key, those places' id) the
+    names they are in that run."""
+
+    alike: dict[tuple, tuple] = field(default_factory=dict)
+    numbers: dict[tuple, int] = field(default_factory=dict)
+    places: dict[tuple, tuple] = field(default_factory=dict)
+    made: dict[tuple, tuple[str, ...]] = field(default_factory=dict)
+
+
 @per_graph
-def _alike_keys(skeleton: ShardedGraph) -> dict[tuple, tuple]:
-    """Per layer tally key (_stage_work, _step_layers), the key of the tally its ops share
-    with every run of the same ops of a block's copies (_ProgramBuilder._layer_tally)."""
-    return {}
+def _alike_keys(skeleton: ShardedGraph) -> _LayerKeys:
+    return _LayerKeys()
 
 
 @per_graph
@@ -810,13 +823,18 @@ class _ProgramBuilder:
         layer key. A run whose ops have the origins of an earlier one's (ShardedGraph.origins:
         the same ops of two copies of a block) adds what that one adds, and makes its tensors
         under its own names: it is not run again."""
-        found = _alike_keys(self.sharded.skeleton)  # the names, so the origins, of every graph bound from it
-        alike = found.get(key)
+        found = _alike_keys(self.sharded.skeleton)
+        alike = found.alike.get(key)
         if alike is None:
-            alike = found[key] = ("alike", step, self.sharded.origins_of(ops))
+            origins = self.sharded.origins_of(ops)
+            alike = found.alike[key] = ("alike", step, None if None in origins else
+                                        found.numbers.setdefault(origins, len(found.numbers)))
         if alike in known:
             tally, places = known[alike]
-            return ActionTally(tally.terms, tally.counts, tally.holes, tuple(ops[i].outputs[j] for i, j in places))
+            made = found.made.get((key, id(places)))
+            if made is None:
+                made = found.made[key, id(places)] = tuple(ops[i].outputs[j] for i, j in places)
+            return ActionTally(tally.terms, tally.counts, tally.holes, made)
         made: dict = {}
 
         def run_layer() -> None:
@@ -827,8 +845,9 @@ class _ProgramBuilder:
                     self.run(op, units, "", made)
         tally = self._tallied(run_layer, made)
         place = {out: (i, j) for i, op in enumerate(ops) for j, out in enumerate(op.outputs)}
-        if None not in alike[2] and all(name in place for name in tally.made):
-            known[alike] = tally, tuple(place[name] for name in tally.made)
+        if alike[2] is not None and all(name in place for name in tally.made):
+            places = tuple(place[name] for name in tally.made)
+            known[alike] = tally, found.places.setdefault(places, places)
         return tally
 
     def _steps_of(self, ops: list[Op], alike: bool = False) -> _BucketSteps:
