@@ -284,8 +284,10 @@ class _Sharder:
         op_names, read = list(map(at, template.op_names)), list(map(at, template.reads))
         inputs = map(tuple, map(read.__getitem__, template.inputs))
         outputs = map(tuple, map(made.__getitem__, template.outputs))
-        sources = map(dict, map(attrgetter("attrs"), ops))  # a source op's attributes are its own (names in them)
-        attrs = [next(sources) if own is None else dict(own) for own in template.own_attrs]
+        # a source op's attributes are its own (names in them); no pass changes an op's attributes,
+        # so a copy shares them
+        sources = map(attrgetter("attrs"), ops)
+        attrs = [next(sources) if own is None else own for own in template.own_attrs]
         copies = list(map(Op.renamed, template.ops, op_names, inputs, outputs, repeat(ops[0].layer), attrs))
         self.g.add_costed(copies, zip(made, map(Tensor.renamed, template.locals, made)))
         self.origins.update(zip(op_names, template.places))
