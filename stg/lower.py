@@ -43,7 +43,7 @@ from parallelism.pipeline import Edge, StagePlan, layer_crossings
 from stg.blocks import blocks
 from stg.program import (ClassStats, GroupHole, NodeType, RankHole, RankProgram, ReplayChunks, TraceNode,
                          replay_nodes)
-from stg.repeats import (COMM_ROLE, COMPUTE_ROLE, ActionNodes, ActionTally, add_to, alike_tally, combined,
+from stg.repeats import (COMM_ROLE, COMPUTE_ROLE, ActionNodes, ActionTally, add_terms, add_to, alike_tally, combined,
                          flush_compact, tallies)
 from stg.schedule import Action, Kind, Order, order, virtual_stage
 from stg.shapes import moved_here, shape_of, step_shape
@@ -814,7 +814,7 @@ class _ProgramBuilder:
             if crossing[key]:
                 where.update(dict.fromkeys(crossing[key]))
         for layer, times in added.values():  # each distinct tally added once, `times` over
-            self.terms.update({term: n * times for term, n in layer.terms.items()})
+            add_terms(self.terms, layer.terms, times)
             self.stats.add(layer.counts, times)  # its node and collective counts (flops come from the terms)
             self.holes |= layer.holes
 

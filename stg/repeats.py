@@ -59,10 +59,21 @@ def combined(parts: Iterable[tuple[ActionTally, int]]) -> ActionTally:
     terms: Counter = Counter()
     counts, holes = ClassStats(), set()
     for tally, times in parts:
-        terms.update({term: n * times for term, n in tally.terms.items()})
+        add_terms(terms, tally.terms, times)
         counts.add(tally.counts, times)
         holes |= tally.holes
     return ActionTally(terms, counts, frozenset(holes), ())
+
+
+def add_terms(terms: Counter, other: Counter, times: int) -> None:
+    """terms += times * other, in one pass over `other` (a stage's tallies hold thousands of
+    terms, added for every layer and action of every new cut)."""
+    if times == 1:
+        terms.update(other)
+        return
+    found = terms.get
+    for term, n in other.items():
+        terms[term] = found(term, 0) + n * times
 
 
 def alike_tally(known: dict, tally: ActionTally) -> ActionTally:
