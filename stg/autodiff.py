@@ -289,19 +289,12 @@ class _Backward:
     def replay(self, template: _Template, names: list[str], layer: int) -> bool:
         """Add `template`'s ops and bookkeeping under this block's names; False (nothing
         changed) when a name it would make exists already."""
-        made = [n for op in template.ops for n in (op.name, *op.outputs)]
-        rename = renaming(template.names, names, made, self.derived)
-        if any(self.g.named(rename[n]) for n in made if n not in template.names):
+        shift, ops = layer - template.layer, template.ops
+        rename = self._add_renamed(template.names, names, [n for op in ops for n in (op.name, *op.outputs)], ops,
+                                   [self.g.tensors[out] for op in ops for out in op.outputs],
+                                   lambda op: op.layer + shift)
+        if rename is None:
             return False
-        g, shift = self.g, layer - template.layer
-        for name in made:
-            if name in self.derived and name not in template.names:
-                base, suffix = self.derived[name]
-                self.derived[rename[name]] = (rename[base], suffix)
-        at, tensors = rename.__getitem__, g.tensors
-        g.add_costed([op.renamed(at(op.name), tuple(map(at, op.inputs)), tuple(map(at, op.outputs)), op.layer + shift,
-                                 renamed_attrs(op.attrs, rename)) for op in template.ops],
-                     [(at(out), tensors[out].renamed(at(out))) for op in template.ops for out in op.outputs])
         for name, parts in template.contributions.items():
             self.contributions[rename[name]] = [rename[p] for p in parts]
         for name, offset in template.layers.items():
@@ -349,17 +342,26 @@ class _Backward:
         make exists already."""
         first, first_grad, ops, tensors = template
         made = [*(t.name for t in tensors), *(op.name for op in ops)]
-        rename = renaming([first, first_grad], [weight, grad], made, self.derived)
-        if any(self.g.named(rename[name]) for name in made):
-            return False
-        for name in made:  # (each named by _name, as replay's are)
-            base, suffix = self.derived[name]
-            self.derived[rename[name]] = (rename[base], suffix)
+        return self._add_renamed([first, first_grad], [weight, grad], made, ops, tensors, lambda op: layer) is not None
+
+    def _add_renamed(self, names: list[str], renamed_to: list[str], made: list[str], ops: list[Op],
+                     tensors: list[Tensor], layer_of) -> dict[str, str] | None:
+        """`ops` and `tensors` again, `names` read as `renamed_to` and each name of `made` (in the
+        order it was made) from its base and suffix as _name made it, each op in layer
+        `layer_of(op)`: added without checks and without sympy, the names' bases recorded. The
+        renaming; None (nothing changed) when a name it would make exists already."""
+        rename = renaming(names, renamed_to, made, self.derived)
+        if any(self.g.named(rename[name]) for name in made if name not in names):
+            return None
+        for name in made:
+            if name in self.derived and name not in names:
+                base, suffix = self.derived[name]
+                self.derived[rename[name]] = (rename[base], suffix)
         at = rename.__getitem__
-        self.g.add_costed([op.renamed(at(op.name), tuple(map(at, op.inputs)), tuple(map(at, op.outputs)), layer,
+        self.g.add_costed([op.renamed(at(op.name), tuple(map(at, op.inputs)), tuple(map(at, op.outputs)), layer_of(op),
                                       renamed_attrs(op.attrs, rename)) for op in ops],
                           [(at(t.name), t.renamed(at(t.name))) for t in tensors])
-        return True
+        return rename
 
     def _optimizer(self, weight: Tensor, grad: str, fn: Optimizer, fp8: bool, layer: int) -> None:
         states = self._states(weight, fn)

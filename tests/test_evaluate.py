@@ -183,7 +183,6 @@ def test_a_plan_with_another_pp_binds_the_layers_tallies():
     assert layer_keys[0] and layer_keys[0] == layer_keys[1] == layer_keys[2]
 
 
-
 def test_gradient_buckets_are_cut_by_each_plans_sizes():
     """Without a pipeline the last backward sends the gradient buckets as it finishes them
     (PyTorch DDP); plans of one structure and cut whose bucket caps differ cut them apart. In
