@@ -27,6 +27,11 @@ class StagePlan:
     pp: int
     vpp: int
     first_block: tuple[int, ...]  # per virtual stage: its first block (1-based), then the next's
+    # per block, how many blocks of a longer model it stands for (stg/short.py; () -- each one)
+    weights: tuple[int, ...] = ()
+
+    def weight(self, layer: int) -> int:
+        return self.weights[layer] if self.weights else 1
 
     @property
     def stages(self) -> int:

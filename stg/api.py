@@ -33,16 +33,17 @@ from stg.errors import PlanError
 from stg.groups import GroupIds
 from stg.graph import OpKind, Phase
 from stg.limits import MAX_EMBEDDING_RANKS, MAX_NODES
-from parallelism.pipeline import cut, stage_plan
+from parallelism.pipeline import StagePlan, cut, stage_plan
 from stg.chakra.writer import fixed_varint, rank_width
 from stg.lower import VIEWS, Evaluator, Pipeline, check_divisibility, crossings, lower
 from stg.program import GroupHole, RankHole, RankProgram
 from stg.schedule import SPLIT_BACKWARD, Order, order
-from stg.memory import Memory, memory
+from stg.memory import Memory, memory, shared_leaves
 from stg.mesh import DeviceMesh, axis_symbol
 from stg.passes import held_leaves, passes_cached, structure_of, symbolic_passes, uncut_passes, unit_bound
 from stg.plan import Plan
-from stg.sharding import ShardedGraph, per_graph
+from stg.sharding import CUT_LIMIT, ShardedGraph, per_graph
+from stg.short import ShortForm, short_form
 from model_zoo.moe import CF, LOAD, E
 from stg.symbols import ATTN_FRACTION, B, S
 
@@ -236,15 +237,18 @@ class MemoryLimitError(PlanError):
 
 
 def build(model: Model | str | Path | Mapping, plan: Plan | Mapping, *, memory_limit: int | None = None,
-          nodes: bool = True, timing: bool = False) -> Workload:
+          nodes: bool = True, timing: bool = False, short: bool = False) -> Workload:
     """Every pass from the model description to the rank-class programs; with `memory_limit`
     (bytes per rank), MemoryLimitError before lowering when a rank class's peak exceeds it.
     `nodes=False` lowers the programs' stats and holes without their nodes: the summary
     without what only writing needs (stg.evaluate); `timing=True` lowers, instead of their
     nodes (whatever `nodes` says), the compact form the timed replay reads (what stg explore
-    times)."""
+    times). `short=True`, with `nodes=False` and no memory limit: the passes run on the
+    model's short form where it has one (stg/short.py; one chunk per stage), which gives the
+    same summary at a fraction of the cost; the workload's sharded graph is then the short
+    model's."""
     with collector_paused():
-        return _build(model, plan, memory_limit, nodes, timing)
+        return _build(model, plan, memory_limit, nodes, timing, short=short)
 
 
 @contextmanager
@@ -270,7 +274,8 @@ def collector_paused() -> Iterator[None]:
 
 
 def _build(model, plan, memory_limit: int | None, nodes: bool, timing: bool,
-           lower_all: Callable[[list[Callable[[], RankProgram]]], list[RankProgram]] | None = None) -> Workload:
+           lower_all: Callable[[list[Callable[[], RankProgram]]], list[RankProgram]] | None = None,
+           short: bool = False) -> Workload:
     """build(); `lower_all` runs the rank classes' lowering jobs (default: each in turn)."""
     model = model if isinstance(model, Model) else load_model(model)
     plan = plan if isinstance(plan, Plan) else Plan.from_dict(plan)
@@ -287,7 +292,10 @@ def _build(model, plan, memory_limit: int | None, nodes: bool, timing: bool,
     # degrees are above 1 where its are 1 (unit_bound): it writes nothing that names an op
     units = frozenset(axis for axis, size in mesh.axes if size == 1 and axis in _WIDENED) \
         if (timing or not nodes) and isinstance(model.config, TransformerConfig) else frozenset()
-    structure = structure_of(model, plan, options, stages, units)
+    form = short_form(model) if short and not nodes and not timing and memory_limit is None and plan.vpp == 1 \
+        else None
+    structure = structure_of(form.model, plan, options, None, units) if form else \
+        structure_of(model, plan, options, stages, units)
     bindings = {
         **model.config.sizes(vocab_multiple=plan.make_vocab_divisible_by * plan.tp),
         B: plan.micro_batch * plan.data_ranks,
@@ -310,7 +318,8 @@ def _build(model, plan, memory_limit: int | None, nodes: bool, timing: bool,
         # the cut's own passes (a search meets many cuts).
         _check_graph(model, plan, uncut, bindings)
         schedule = order(plan.schedule, plan.pp, plan.microbatches, plan.vpp)
-        _refuse_over(memory_limit, _memories(uncut, plan, stages, schedule, variants, evaluators, shared), "at least ")
+        _refuse_over(memory_limit, _memories(uncut, plan, [stages] * plan.pp, schedule, variants, evaluators, shared),
+                     "at least ")
     if memory_limit is not None and variants == [{}] and not passes_cached(structure) \
             and (held := held_leaves(structure)) is not None:
         # one stage of pp holds at least an even share of the weights and optimizer states:
@@ -319,9 +328,14 @@ def _build(model, plan, memory_limit: int | None, nodes: bool, timing: bool,
         order(plan.schedule, plan.pp, plan.microbatches, plan.vpp)
         _refuse_peak(memory_limit, -(-sum(n * shared(nbytes) for nbytes, n in held.items()) // plan.pp), "at least ")
     sharded = symbolic_passes(structure)
-    _check_graph(model, plan, sharded, bindings)
-    pipeline = _pipeline(model, plan, sharded, stages)
-    memories = _memories(sharded, plan, pipeline.stages, pipeline.order, variants, evaluators, shared)
+    if form and shared_leaves(sharded):  # a leaf that several blocks read: counted by the real blocks
+        form, structure = None, structure_of(model, plan, options, stages, units)
+        sharded = symbolic_passes(structure)
+    _check_graph(model, plan, sharded, bindings, form.stage_plans(None)[0] if form else None)
+    pipelines = _short_pipelines(plan, sharded, stages, form) if form else \
+        [_pipeline(model, plan, sharded, stages)] * plan.pp
+    pipeline = pipelines[0]
+    memories = _memories(sharded, plan, [p.stages for p in pipelines], pipeline.order, variants, evaluators, shared)
     _refuse_over(memory_limit, memories)  # before the costly lowering
     sharded = unit_bound(structure, units) if units else sharded
     device, bucket_bytes = device_spec(plan.device), int(plan.bucket_mb * 2**20)
@@ -333,7 +347,7 @@ def _build(model, plan, memory_limit: int | None, nodes: bool, timing: bool,
                                  frozenset(shared.bindings.items()))
         templates = {id(evaluate): kept.setdefault(frozenset(evaluate.bindings.items()), {})
                      for evaluate in evaluators}
-    jobs = [partial(lower, sharded, evaluate, device, pipeline=pipeline, bucket_bytes=bucket_bytes, rank=rank,
+    jobs = [partial(lower, sharded, evaluate, device, pipeline=pipelines[rank], bucket_bytes=bucket_bytes, rank=rank,
                     comm_evaluate=shared, keep_nodes=nodes, timing=timing, stage_templates=templates.get(id(evaluate)))
             for rank in range(plan.pp) for evaluate in evaluators]  # one per rank class
     programs = lower_all(jobs) if lower_all else [job() for job in jobs]
@@ -350,26 +364,29 @@ def _timing_templates(sharded: ShardedGraph, *key) -> dict:
     return {}
 
 
-def _check_graph(model: Model, plan: Plan, sharded: ShardedGraph, bindings: Mapping) -> None:
+def _check_graph(model: Model, plan: Plan, sharded: ShardedGraph, bindings: Mapping,
+                 whole: StagePlan | None = None) -> None:
     """What the plan asks of the sharded graph: sp for routed experts, sizes that divide, a
-    program that fits in memory, no ignored fields."""
+    program that fits in memory, no ignored fields. `whole`: the short model's blocks weighed
+    as the real model's (stg/short.py), when the graph is a short model's."""
     if plan.tp > 1 and not plan.sp and _routes_tokens(sharded):
         # without sp every tp rank holds every token and would route and compute them all;
         # Megatron-Core refuses MoE with tp but without sp for the same reason
         raise PlanError(f"sp: model {model.name} routes tokens to experts; with tp={plan.tp} it needs sequence "
                         "parallelism (--sp), so each tp rank routes its own tokens, as Megatron-Core requires")
     check_divisibility(sharded, bindings)
-    _check_sensible(model, plan, sharded)
+    _check_sensible(model, plan, sharded, whole)
 
 
-def _memories(sharded: ShardedGraph, plan: Plan, stages, schedule: Order, variants: list[dict], evaluators: list,
-              shared: Evaluator) -> list[Memory]:
-    """Per rank class (pipeline stage, then variant), its memory."""
+def _memories(sharded: ShardedGraph, plan: Plan, stage_plans: list, schedule: Order, variants: list[dict],
+              evaluators: list, shared: Evaluator) -> list[Memory]:
+    """Per rank class (pipeline stage, then variant), its memory; `stage_plans`: the stage cut
+    each pipeline stage reads (a short model's are its own, stg/short.py)."""
     # a variant whose symbols size no tensor (an expert slot's load) shares its stage's memory
     in_shapes = _shape_symbols(sharded)
     memories = []
     for rank in range(plan.pp):
-        stage_memory = None
+        stage_memory, stages = None, stage_plans[rank]
         for variant, evaluate in zip(variants, evaluators):
             if in_shapes & set(variant):
                 memories.append(memory(sharded, evaluate, stages, schedule.digest(rank).in_flight, rank))
@@ -392,11 +409,12 @@ def _refuse_peak(limit: int, peak: int, bound: str = "") -> None:
                                "GiB usable", peak)
 
 
-def _check_sensible(model: Model, plan: Plan, sharded: ShardedGraph) -> None:
+def _check_sensible(model: Model, plan: Plan, sharded: ShardedGraph, whole: StagePlan | None = None) -> None:
     """Refuse, before lowering, a program too large to hold in memory (every micro-batch is
     its own nodes: about the per-micro-batch ops of a stage times the micro-batches), and plan
     fields that would be silently ignored by this model."""
-    per_microbatch = _work_ops(sharded) // plan.pp
+    weight = whole.weight if whole else None
+    per_microbatch = sum(n * (weight(layer) if weight else 1) for layer, n in _work_ops(sharded).items()) // plan.pp
     if plan.microbatches * per_microbatch > MAX_NODES:
         raise PlanError(f"global_batch={plan.global_batch}: {plan.microbatches:,} micro-batches of about "
                         f"{per_microbatch:,} nodes each is more than {MAX_NODES:,} trace nodes per rank; "
@@ -418,9 +436,9 @@ def _routes_tokens(sharded: ShardedGraph) -> bool:
 
 
 @per_graph
-def _work_ops(sharded: ShardedGraph) -> int:
-    """Ops of one micro-batch that make a node (all but the step's and views)."""
-    return sum(1 for op in sharded.graph.ops if op.phase is not Phase.STEP and op.kind not in VIEWS)
+def _work_ops(sharded: ShardedGraph) -> Counter:
+    """Per layer, its ops of one micro-batch that make a node (all but the step's and views)."""
+    return Counter(op.layer for op in sharded.graph.ops if op.phase is not Phase.STEP and op.kind not in VIEWS)
 
 
 @per_graph
@@ -450,7 +468,7 @@ def _weight_on_stages(sharded: ShardedGraph, stages) -> tuple[str, list[int]] | 
     return None
 
 
-@per_graph
+@per_graph(limit=CUT_LIMIT)
 def _cut(sharded: ShardedGraph, stages) -> tuple:
     return tuple(cut(sharded.graph, stages, crossings(sharded)))
 
@@ -522,9 +540,27 @@ def _pipeline(model: Model, plan: Plan, sharded: ShardedGraph, stages) -> Pipeli
                         f"{shared[1]}; a weight shared across stages (tied embeddings) is not supported yet")
     schedule = order(plan.schedule, plan.pp, plan.microbatches, plan.vpp)
     edges = _cut(sharded, stages)
-    if plan.microbatches * len(edges) >= TAG_LIMIT:
-        raise PlanError(f"microbatches={plan.microbatches}: too many for unique send/recv tags below {TAG_LIMIT:,}")
+    _check_tags(plan, len(edges))
     return Pipeline(stages, schedule, plan.schedule in SPLIT_BACKWARD, edges)
+
+
+def _check_tags(plan: Plan, edges: int) -> None:
+    if plan.microbatches * edges >= TAG_LIMIT:
+        raise PlanError(f"microbatches={plan.microbatches}: too many for unique send/recv tags below {TAG_LIMIT:,}")
+
+
+def _short_pipelines(plan: Plan, sharded: ShardedGraph, stages, form: ShortForm) -> list[Pipeline]:
+    """Per pipeline stage, its pipeline on the short model of `form` (stg/short.py): the
+    real schedule on that stage's own cut of the short model."""
+    if stages is None:
+        return [Pipeline(form.stage_plans(None)[0], order("1f1b", 1, plan.microbatches), False, ())]
+    schedule = order(plan.schedule, plan.pp, plan.microbatches, plan.vpp)
+    split = plan.schedule in SPLIT_BACKWARD
+    pipelines = [Pipeline(cut, schedule, split, _cut(sharded, cut)) for cut in form.stage_plans(stages)]
+    # the real cut's edges: each stage boundary's, as the stage after it sees them
+    _check_tags(plan, sum(1 for rank, pipeline in enumerate(pipelines) if rank for edge in pipeline.edges
+                          if {edge.source, edge.target} == {rank - 1, rank}))
+    return pipelines
 
 
 def generate(

@@ -100,6 +100,6 @@ def _row(model: Model, plan: Plan | dict) -> dict:
     if not isinstance(plan, Plan):
         return plan
     try:
-        return build(model, plan, nodes=False).summary(per_rank=False)
+        return build(model, plan, nodes=False, short=True).summary(per_rank=False)
     except StgError as error:
         return {"plan": plan.to_dict(), "error": str(error)}

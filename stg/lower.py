@@ -29,8 +29,8 @@ from collections import Counter
 from dataclasses import dataclass, field, replace
 from functools import cached_property
 from itertools import groupby, pairwise
-from operator import attrgetter
-from typing import Callable, Mapping
+from operator import attrgetter, itemgetter
+from typing import Callable, Iterable, Iterator, Mapping
 
 import sympy
 
@@ -47,7 +47,7 @@ from stg.repeats import (COMM_ROLE, COMPUTE_ROLE, ActionNodes, ActionTally, add_
                          flush_compact, tallies)
 from stg.schedule import Action, Kind, Order, order, virtual_stage
 from stg.shapes import moved_here, shape_of, step_shape
-from stg.sharding import ShardedGraph, op_places, per_graph
+from stg.sharding import CUT_LIMIT, ShardedGraph, op_places, per_graph
 
 
 class Evaluator:
@@ -207,7 +207,7 @@ def _run(op: Op, stages: StagePlan, split_backward: bool) -> tuple[int, Kind]:
     return stages.virtual_stage(op.layer), _kind(op.phase, split_backward)
 
 
-@per_graph
+@per_graph(limit=CUT_LIMIT)
 def _stage_work(sharded: ShardedGraph, stages: StagePlan, split_backward: bool) -> dict[int, tuple]:
     """Per pipeline stage, its share of the graph: per (virtual stage, action kind) its ops in
     program order, the parameter/gradient collectives per coalescing unit, its optimizer's ops, and
@@ -221,7 +221,7 @@ def _stage_work(sharded: ShardedGraph, stages: StagePlan, split_backward: bool) 
             stage = stage_of[layer] = stages.virtual_stage(layer)
         runs, units, step, layers = work[stages.rank_and_chunk(stage)[0]]
         if kind is None:
-            step += ops
+            step += ops * stages.weight(layer)
             continue
         runs.setdefault((stage, kind), []).extend(ops)
         for unit, unit_ops in op_units.items():
@@ -231,9 +231,11 @@ def _stage_work(sharded: ShardedGraph, stages: StagePlan, split_backward: bool) 
             pieces[-1][1].extend(ops)
         else:
             pieces.append((layer, list(ops)))
+    weight = stages.weight  # (a short model's block stands for several: stg/short.py)
     for _, _, _, layers in work.values():
         for run, pieces in layers.items():
-            layers[run] = tuple((("layer", ops[0].name, len(ops)), ops) for _, ops in pieces)
+            layers[run] = tuple((("layer", ops[0].name, len(ops)), ops) for layer, ops in pieces
+                                for _ in range(weight(layer)))
     return work
 
 
@@ -278,7 +280,7 @@ def _step_collectives(sharded: ShardedGraph) -> tuple[list[tuple[Op, Op]], list[
     return reductions, deferred
 
 
-@per_graph
+@per_graph(limit=CUT_LIMIT)
 def _step_plans(sharded: ShardedGraph, stages: StagePlan, split_backward: bool) -> dict[int, _StepPlan]:
     """Per pipeline stage, its _StepPlan: the step collectives of the layers the cut gives it."""
     # A reduction over pipeline stages (a tied embedding's) waits for the flush, as Megatron's
@@ -292,14 +294,24 @@ def _step_plans(sharded: ShardedGraph, stages: StagePlan, split_backward: bool) 
         return rank_of[layer]
     by_run: dict[int, dict[tuple, list[Op]]] = {r: {} for r in range(stages.pp)}
     made: dict[int, dict[str, Op]] = {r: {} for r in range(stages.pp)}
-    for layer, by_layer, kind, ops, made_by in _reduction_runs(sharded, split_backward):
+    for layer, by_layer, kind, ops, made_by in _weighted(_reduction_runs(sharded, split_backward), itemgetter(0),
+                                                         stages):
         r = rank(layer)  # a step op is its layer's stage's (_stage_work)
         made[r].update(made_by)
         by_run[r].setdefault((stages.virtual_stage(by_layer), kind), []).extend(ops)
     later: dict[int, list[Op]] = {r: [] for r in range(stages.pp)}
-    for op in _step_collectives(sharded)[1]:
+    for op in _weighted(_step_collectives(sharded)[1], attrgetter("layer"), stages):
         later[rank(op.layer)].append(op)
     return {r: _StepPlan(by_run[r], made[r], later[r]) for r in range(stages.pp)}
+
+
+def _weighted(items: list, layer_of: Callable, stages: StagePlan) -> Iterable:
+    """`items` in order, each stretch of one layer's as often as `stages` weighs that layer
+    (a short model's block standing for several, stg/short.py: the real blocks' items follow
+    one another block by block)."""
+    if not stages.weights:
+        return items
+    return (item for layer, stretch in groupby(items, key=layer_of) for item in list(stretch) * stages.weight(layer))
 
 
 @per_graph
@@ -357,11 +369,17 @@ def _step_kinds(sharded: ShardedGraph) -> tuple[dict[str, tuple[int, int, int]],
             expr_list)
 
 
-@per_graph
+@per_graph(limit=CUT_LIMIT)
 def _bucket_lists(sharded: ShardedGraph, stages: StagePlan, split_backward: bool) -> dict[int, tuple]:
     """_bucket_steps's answers for the step lists of a stage cut, by the id of the list (kept
-    beside its answer, with the first list that buckets alike, kept by its content): a list is
+    beside its answer, with the first list that buckets alike, _alike_steps): a list is
     bucketed for every plan of the structure and cut."""
+    return {}
+
+
+@per_graph
+def _alike_steps(sharded: ShardedGraph) -> dict[tuple, _BucketSteps]:
+    """The first _BucketSteps of each content (_ProgramBuilder._steps_of)."""
     return {}
 
 
@@ -378,7 +396,17 @@ def _bucket_steps(sharded: ShardedGraph, ops: list[Op]) -> _BucketSteps:
 def _step_layers(ops: list[Op]) -> tuple:
     """A stage's optimizer ops layer by layer, keyed like _stage_work's (a run of one layer's ops
     in program order is its first and how many): the step runs those the cut leaves it."""
-    return tuple((("step layer", layer[0].name, len(layer)), layer) for layer in blocks(ops))
+    return tuple((("step layer", layer[0].name, len(layer)), layer) for layer in _repeats(ops))
+
+
+def _repeats(ops: list[Op]) -> Iterator[list[Op]]:
+    """blocks(ops), a block repeated in place (a weighted layer's, _stage_work) once per copy."""
+    for block in blocks(ops):
+        first, start = block[0], 0
+        for end in [i for i, op in enumerate(block) if op is first][1:]:
+            yield block[start:end]
+            start = end
+        yield block[start:]
 
 
 @per_graph
@@ -400,7 +428,7 @@ def _crossable(sharded: ShardedGraph) -> dict[tuple, tuple[str, ...]]:
     return {}
 
 
-@per_graph
+@per_graph(limit=CUT_LIMIT)
 def _crossing_made(sharded: ShardedGraph, stages: StagePlan, split_backward: bool) -> dict[tuple, tuple[str, ...]]:
     """Per layer tally key (_stage_work), the cut's edge tensors that layer makes, by stage cut
     and backward split (filled by _ProgramBuilder._add_layers)."""
@@ -858,7 +886,8 @@ class _ProgramBuilder:
         found = memo.get(id(ops))
         if found is None or found[0] is not ops:
             steps = _bucket_steps(self.sharded, ops)
-            found = memo[id(ops)] = ops, steps, memo.setdefault(("alike", tuple(steps.ops)), steps)
+            # (alike lists of every cut: a short model's stages have a cut each, stg/short.py)
+            found = memo[id(ops)] = ops, steps, _alike_steps(self.sharded).setdefault(tuple(steps.ops), steps)
         return found[2 if alike else 1]
 
     def _bucket_starts(self, steps: _BucketSteps, values: tuple[int, ...]) -> list[int]:

@@ -32,7 +32,7 @@ import sympy
 from stg.costs import Pointwise
 from stg.graph import OpKind, Phase, Role
 from stg.lower import Evaluator
-from stg.sharding import ShardedGraph, per_graph
+from stg.sharding import CUT_LIMIT, ShardedGraph, per_graph
 
 _BACKWARD = (Phase.BACKWARD_INPUT, Phase.BACKWARD_WEIGHT)
 _LAYER = attrgetter("layer")
@@ -138,7 +138,16 @@ def _index(sharded: ShardedGraph) -> _Index:
                   {layer: tuple((nbytes, n, w) for nbytes, (n, w) in kept.items()) for layer, kept in saved.items()})
 
 
-@per_graph
+def _one(layer: int) -> int:
+    return 1
+
+
+def shared_leaves(sharded: ShardedGraph) -> list[frozenset[int]]:
+    """The layers of each group of leaves that ops of more than one layer read."""
+    return [used for _, used, _, _, _ in _index(sharded).leaves if len(used) > 1]
+
+
+@per_graph(limit=CUT_LIMIT)
 def _stage_shares(sharded: ShardedGraph, stages) -> dict[int, tuple]:
     """_stage_share's answers per pipeline stage, kept per structure and cut."""
     return {}
@@ -154,13 +163,25 @@ def _stage_share(sharded: ShardedGraph, stages, rank: int) -> tuple:
         index = _index(sharded)
         mine = index.layers if stages is None else frozenset(
             layer for layer in index.layers if stages.rank_and_chunk(stages.virtual_stage(layer))[0] == rank)
+        # a short model's block may stand for several (stg/short.py): its own leaves, casts and
+        # gradients count once per block it stands for
+        weight = _one if stages is None else stages.weight
         leaves: Counter = Counter()
         for n in sorted({n for layer in mine for n in index.by_layer[layer][0]}):
-            role, _, table, table_state, sizes = index.leaves[n]
+            role, used, table, table_state, sizes = index.leaves[n]
+            copies = weight(next(iter(used))) if len(used) == 1 else 1
             for nbytes, count in sizes:
-                leaves[(role, table, table_state, nbytes)] += count
-        casts = Counter(nbytes for layer in mine for nbytes in index.by_layer[layer][1])
-        grads = Counter({g: nbytes for layer in mine for g, nbytes in index.by_layer[layer][2]}.values())
+                leaves[(role, table, table_state, nbytes)] += count * copies
+        casts: Counter = Counter()
+        stored: dict[str, tuple] = {}
+        for layer in mine:
+            for nbytes in index.by_layer[layer][1]:
+                casts[nbytes] += weight(layer)
+            for g, nbytes in index.by_layer[layer][2]:
+                stored.setdefault(g, (nbytes, weight(layer)))  # a gradient counted once
+        grads: Counter = Counter()
+        for nbytes, copies in stored.values():
+            grads[nbytes] += copies
         shares[rank] = (tuple(leaves.items()), tuple(casts.items()), tuple(grads.items()),
                         _Saved.of(index, sorted(layer for layer in mine if layer in index.saved), stages))
     return shares[rank]
@@ -186,7 +207,8 @@ class _Saved:
             place = places.setdefault(index.saved[layer], len(places))
             if place == len(chunks):
                 chunks.append(Counter())
-            chunks[place][0 if stages is None else stages.rank_and_chunk(stages.virtual_stage(layer))[1]] += 1
+            chunks[place][0 if stages is None else stages.rank_and_chunk(stages.virtual_stage(layer))[1]] += \
+                1 if stages is None else stages.weight(layer)
             found.append((layer, place))
         return cls(tuple(places), tuple(found), tuple(tuple(sorted(counts.items())) for counts in chunks))
 

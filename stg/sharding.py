@@ -472,6 +472,11 @@ def _phase_group(phase: Phase) -> str:
     return {Phase.FORWARD: "F", Phase.STEP: "S"}.get(phase, "B")
 
 
+# per_graph's limit for what is kept per stage cut: a plan on a short model reads one cut per
+# pipeline stage (stg/short.py), and the plans of one cut come together (stg.evaluate)
+CUT_LIMIT = 64
+
+
 def per_graph(fn=None, *, limit: int = 8):
     """Memoise fn(sharded, *args) on the graph object itself (a ShardedGraph is never mutated)
     and the other, hashable, arguments: what a pass reads of a structure is gathered once,
