@@ -2,9 +2,9 @@
 for llama3-405b as published (126 layers) and for the same model cut to fewer layers, side by
 side in alternating fresh processes, each plan put down as bench_build.py does (a structure's
 first plan, a new unit binding, a new stage cut, a plan whose structure, units and cut were
-seen). A template/instance graph (docs/performance.md, "Layer classes") would make each
-category cost what the short model's does; what the short model still costs is what it cannot
-save.
+seen). It measured what a template/instance graph would save (docs/performance.md, "What grows
+with the layers"); since stg.evaluate runs both models on their short forms (stg/short.py,
+5 blocks each) it measures what still grows with the layers: what a stage cut weighs per block.
 
     python benchmarks/layer_scaling.py [--layers 18] [--pairs 2]
 

@@ -402,6 +402,9 @@ def _step_layers(ops: list[Op]) -> tuple:
 def _repeats(ops: list[Op]) -> Iterator[list[Op]]:
     """blocks(ops), a block repeated in place (a weighted layer's, _stage_work) once per copy."""
     for block in blocks(ops):
+        if len(set(map(id, block))) == len(block):  # (no op twice: no weights)
+            yield block
+            continue
         first, start = block[0], 0
         for end in [i for i, op in enumerate(block) if op is first][1:]:
             yield block[start:end]
