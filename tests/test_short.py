@@ -72,3 +72,17 @@ def test_models_without_a_short_form_run_whole():
     workload = build(LONG, interleaved, nodes=False, short=True)
     assert max(op.layer for op in workload.sharded.graph.ops) == LONG["layers"] + 1
     assert next(evaluate(LONG, [interleaved])) == build(LONG, interleaved, nodes=False).summary(per_rank=False)
+
+
+@pytest.mark.parametrize("plan", [
+    # more trace nodes per rank than MAX_NODES counted on the real blocks (not on the short ones)
+    dict(global_batch=8192),
+    dict(tp=3, global_batch=4),  # tp=3 does not divide heads=4: the same tensor named
+    dict(pp=5, global_batch=10),  # pp=5 does not divide 12 blocks
+])
+def test_refusals_are_those_of_the_full_passes(plan):
+    plan = {"seq": 32, **plan}
+    row = next(evaluate(LONG, [plan]))
+    with pytest.raises(Exception) as full:
+        build(LONG, plan, nodes=False)
+    assert row["error"] == str(full.value)
