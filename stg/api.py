@@ -244,9 +244,8 @@ def build(model: Model | str | Path | Mapping, plan: Plan | Mapping, *, memory_l
     without what only writing needs (stg.evaluate); `timing=True` lowers, instead of their
     nodes (whatever `nodes` says), the compact form the timed replay reads (what stg explore
     times). `short=True`, with `nodes=False` and no memory limit: the passes run on the
-    model's short form where it has one (stg/short.py; one chunk per stage), which gives the
-    same summary at a fraction of the cost; the workload's sharded graph is then the short
-    model's."""
+    model's short form where it has one (stg/short.py), which gives the same summary at a
+    fraction of the cost; the workload's sharded graph is then the short model's."""
     with collector_paused():
         return _build(model, plan, memory_limit, nodes, timing, short=short)
 
@@ -292,8 +291,7 @@ def _build(model, plan, memory_limit: int | None, nodes: bool, timing: bool,
     # degrees are above 1 where its are 1 (unit_bound): it writes nothing that names an op
     units = frozenset(axis for axis, size in mesh.axes if size == 1 and axis in _WIDENED) \
         if (timing or not nodes) and isinstance(model.config, TransformerConfig) else frozenset()
-    form = short_form(model) if short and not nodes and not timing and memory_limit is None and plan.vpp == 1 \
-        else None
+    form = short_form(model, plan.vpp) if short and not nodes and not timing and memory_limit is None else None
     structure = structure_of(form.model, plan, options, None, units) if form else \
         structure_of(model, plan, options, stages, units)
     bindings = {
@@ -557,10 +555,17 @@ def _short_pipelines(plan: Plan, sharded: ShardedGraph, stages, form: ShortForm)
     schedule = order(plan.schedule, plan.pp, plan.microbatches, plan.vpp)
     split = plan.schedule in SPLIT_BACKWARD
     pipelines = [Pipeline(cut, schedule, split, _cut(sharded, cut)) for cut in form.stage_plans(stages)]
-    # the real cut's edges: each stage boundary's, as the stage after it sees them
-    _check_tags(plan, sum(1 for rank, pipeline in enumerate(pipelines) if rank for edge in pipeline.edges
-                          if {edge.source, edge.target} == {rank - 1, rank}))
+    _check_tags(plan, _short_edges(plan, pipelines))
     return pipelines
+
+
+def _short_edges(plan: Plan, pipelines: list[Pipeline]) -> int:
+    """How many edges the real cut has, from each stage's cut of the short model: those
+    between each of its virtual stages and an earlier one (each (tensor, reading stage) is an
+    edge, and the blocks before a virtual stage are alike to the real ones)."""
+    return sum(1 for rank, pipeline in enumerate(pipelines) for chunk in range(plan.vpp)
+               if (stage := chunk * plan.pp + rank) for edge in pipeline.edges
+               if stage in (edge.source, edge.target) and min(edge.source, edge.target) < stage)
 
 
 def generate(

@@ -4,117 +4,152 @@ A transformer's blocks are copies of one template per kind (dense, MoE), and wha
 adds to a rank's summary -- its ops' FLOPs and bytes, its collectives, its weights, gradients
 and saved activations, what it sends to and receives from a neighbouring stage -- depends on
 its kind and its neighbours' alone (measured on the sharded graphs: the largest distance at
-which a block reads another is one block, benchmarks/layer_classes.py). So every run of more
-than three blocks whose kind and both neighbours' kinds agree is cut to three -- its first,
-one that stands for its middle blocks, its last -- and the symbolic passes run once on that
-short model: llama3-405b's 126 blocks become 5, deepseek-v3's 61 become 8.
+which a block reads another is one block, benchmarks/layer_classes.py). Blocks whose kind
+and both neighbours' kinds agree are alike; a run of alike blocks has a first block, a last
+one, and interior blocks between, all alike.
 
-Each pipeline stage of the real model is then a range of the short model's blocks, each
-counted as often as the real blocks it stands for (StagePlan.weights), on a stage plan of
-its own whose stages before and after it hold the short model's blocks before and after
-the range: the blocks at the ends of the range and their neighbours are alike to the real
-ones, so what the stage receives and sends is too. Nothing in a summary names an op, so the
-rows are the real model's exactly (tests/test_short.py checks them against the full passes)."""
+So the symbolic passes run once on a short model, where every run of more than 2 v + 1
+alike blocks (v: the plan's chunks per pipeline stage) keeps its first block, its last and
+2 v - 1 interior ones: llama3-405b's 126 blocks become 5 for v = 1. Each pipeline stage of
+the real plan then reads a cut of its own of the short model (ShortForm.stage_plans): real
+block j maps to short block f(j), f monotone, a run's first and last blocks on the first and
+last kept, the stage's interior blocks on interior ones, so that each of its blocks is
+alike to the real one; each short block of the stage counts as often as the real blocks of
+the stage that map to it (StagePlan.weights). Other stages' blocks are there as the stage's
+neighbours: what a stage receives from them and sends to them is what the blocks next to it
+make and read, so a stretch of other stages' interior blocks next to a run's first or last
+block goes with that block, and any other stretch has an interior block of its own (at most
+v stretches of the stage's chunks and v - 1 of others between them: 2 v - 1). Nothing in a
+summary names an op, so the rows are the real model's exactly (tests/test_short.py checks
+them against the full passes)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
-from functools import cached_property
+from itertools import groupby
 
 from model_zoo import Model
 from model_zoo.transformer import TransformerConfig
 from parallelism.pipeline import StagePlan
 
-_KEPT = 3  # blocks a run keeps: its first, one for its middle, its last
+
+@dataclass(frozen=True)
+class _Run:
+    """Real blocks first..last, alike; short blocks start..start + kept - 1 keep them."""
+
+    first: int
+    last: int
+    start: int
+    kept: int
 
 
 @dataclass(frozen=True)
 class ShortForm:
-    """A model's short form: `image[j]` is the short block that real block j (0: the
-    embedding, L + 1: the head) maps to."""
+    """A model's short form for plans of some number of chunks per pipeline stage."""
 
     model: Model  # the short model
-    image: tuple[int, ...]
+    runs: tuple[_Run, ...]  # every real block in one, in order
     _plans: dict = field(default_factory=dict, compare=False, repr=False)  # stage_plans's, by cut
 
-    @cached_property
-    def middles(self) -> frozenset[int]:
-        """The short blocks that stand for more than one real block."""
-        counts: dict[int, int] = {}
-        for block in self.image:
-            counts[block] = counts.get(block, 0) + 1
-        return frozenset(block for block, n in counts.items() if n > 1)
-
-    def weights(self, first: int, last: int) -> tuple[int, ...]:
-        """Per short block, how many of real blocks first..last it stands for (1 outside them)."""
-        weights = [1] * (self.model.layers + 2)
-        for block in range(self.image[first], self.image[last] + 1):
-            weights[block] = 0
-        for j in range(first, last + 1):
-            weights[self.image[j]] += 1
-        return tuple(weights)
+    @property
+    def blocks(self) -> int:
+        """Real blocks, the embedding and the head included."""
+        return self.runs[-1].last + 1
 
     def stage_plans(self, stages: StagePlan | None) -> tuple[StagePlan, ...]:
-        """Per pipeline stage of `stages` (None: one stage), its stage_plan."""
+        """Per pipeline stage of `stages` (None: one stage), its cut of the short model."""
         if stages not in self._plans:
-            self._plans[stages] = tuple(self.stage_plan(stages, rank) for rank in range(stages.pp if stages else 1))
+            self._plans[stages] = tuple(self._stage_plan(stages, rank) for rank in range(stages.pp if stages else 1))
         return self._plans[stages]
 
-    def stage_plan(self, stages: StagePlan | None, rank: int) -> StagePlan:
-        """Pipeline stage `rank` of `stages` (None: one stage) on the short model: its real
-        blocks' range, weighted, with the short blocks before it on stage rank - 1 and those
-        after it on stage rank + 1 (whose work the rank class does not read)."""
-        last_real = len(self.image) - 1
-        if stages is None:
-            return StagePlan(1, 1, (0,), self.weights(0, last_real))
-        assert stages.vpp == 1, "short forms cut plans of one chunk per stage"
-        first = 0 if rank == 0 else stages.first_block[rank]
-        last = stages.first_block[rank + 1] - 1 if rank + 1 < stages.pp else last_real
-        start, end = self.image[first], self.image[last]
-        starts = [0] * rank + [start]
-        if rank + 1 < stages.pp:
-            starts += [end + 1] + [self.model.layers + 2] * (stages.pp - rank - 2)
-        return StagePlan(stages.pp, 1, tuple(starts), self.weights(first, last))
+    def _stage_plan(self, stages: StagePlan | None, rank: int) -> StagePlan:
+        """Pipeline stage `rank`'s cut: the short blocks that its chunks' real blocks map to,
+        weighed by how many do, on its virtual stages; other stages' real blocks on theirs."""
+        stage_of = [0] * self.blocks if stages is None else [stages.virtual_stage(j) for j in range(self.blocks)]
+        pp = stages.pp if stages else 1
+        mine = [stage % pp == rank for stage in stage_of]
+        image = self._image([stage if own else None for stage, own in zip(stage_of, mine)])
+        weights = [0] * (self.model.layers + 2)
+        for j, block in enumerate(image):
+            weights[block] += mine[j]
+        starts = [0] * (pp * (stages.vpp if stages else 1))
+        for j in reversed(range(self.blocks)):  # each virtual stage starts where its first real block maps
+            starts[stage_of[j]] = image[j]
+        # stages whose first real blocks map to one short block (other stages' blocks in one
+        # stretch): the first of them runs it, the others none (they start where the next does)
+        for stage in reversed(range(1, len(starts))):
+            if starts[stage] == starts[stage - 1]:
+                starts[stage] = starts[stage + 1] if stage + 1 < len(starts) else self.model.layers + 2
+        # (a short block stands for blocks of this stage alone or of others alone: those weigh 1)
+        return StagePlan(pp, stages.vpp if stages else 1, tuple(starts), tuple(w or 1 for w in weights))
+
+    def _image(self, owner: list) -> list[int]:
+        """f: per real block, its short block, given each real block's owner (the stage's
+        virtual stage that runs it, or None: another stage's)."""
+        image = []
+        for run in self.runs:
+            n = run.last - run.first + 1
+            if n == run.kept:
+                image += range(run.start, run.start + n)
+                continue
+            # the first and last blocks on the first and last kept; the interior's stretches of
+            # one owner each on interior blocks of their own (the spare ones to the longest),
+            # but for other stages' blocks next to a first or last block of other stages, which
+            # go with it (what a stage reads of its neighbours' blocks is what their block makes)
+            # where the rest have blocks enough
+            stretches = [(who, len(list(group))) for who, group in groupby(owner[run.first + 1:run.last])]
+            head = stretches[0][1] if stretches and stretches[0][0] is None is owner[run.first] else 0
+            tail = stretches[-1][1] if len(stretches) > bool(head) and stretches[-1][0] is None is owner[run.last] \
+                else 0
+            rest = stretches[bool(head):len(stretches) - bool(tail)]
+            if sum(length for _, length in rest) < run.kept - 2:
+                head, tail, rest = 0, 0, stretches
+            assert len(rest) <= run.kept - 2, "a run's stretches outnumber its interior blocks"
+            given = [1] * len(rest)
+            for _ in range(run.kept - 2 - len(rest)):
+                longest = max(range(len(rest)), key=lambda s: rest[s][1] - given[s])
+                given[longest] += 1
+            image += [run.start] * (1 + head)
+            block = run.start + 1
+            for (_, length), count in zip(rest, given):
+                image += [block + min(i, count - 1) for i in range(length)]
+                block += count
+            image += [run.start + run.kept - 1] * (tail + 1)
+        return image
 
 
-def short_form(model: Model) -> ShortForm | None:
-    """The model's short form, or None where it has none (not a transformer, tied weights,
-    or no run long enough to cut); one per model config in a process."""
+def short_form(model: Model, chunks: int = 1) -> ShortForm | None:
+    """The model's short form for plans of `chunks` chunks per pipeline stage, or None where
+    it has none (not a transformer, tied weights, or no run long enough to cut); one per model
+    config and chunks in a process."""
     if not isinstance(model.config, TransformerConfig):
         return None
-    if model.config not in _FORMS:
-        _FORMS[model.config] = _short_form(model)
-    return _FORMS[model.config]
+    key = (model.config, chunks)
+    if key not in _FORMS:
+        _FORMS[key] = _short_form(model, chunks)
+    return _FORMS[key]
 
 
-_FORMS: dict = {}  # short_form's, by model config (a handful per process)
+_FORMS: dict = {}  # short_form's, by model config and chunks (a handful per process)
 
 
-def _short_form(model: Model) -> ShortForm | None:
+def _short_form(model: Model, chunks: int) -> ShortForm | None:
     config = model.config
     if config.tied_embeddings:
         return None
-    layers = config.layers
+    layers, keep = config.layers, 2 * chunks + 1
     kinds = ["embedding"] + ["moe" if config.experts is not None and i > config.first_dense_layers else "dense"
                              for i in range(1, layers + 1)] + ["head"]
     keys = [(kinds[j - 1] if j else None, kinds[j], kinds[j + 1] if j <= layers else None)
             for j in range(layers + 2)]
-    image, short = [], 0
-    j = 0
-    while j < len(keys):
-        end = j
-        while end + 1 < len(keys) and keys[end + 1] == keys[j]:
-            end += 1
-        n = end - j + 1
-        if n > _KEPT:
-            image += [short] + [short + 1] * (n - 2) + [short + 2]
-            short += _KEPT
-        else:
-            image += list(range(short, short + n))
-            short += n
-        j = end + 1
-    if short == len(keys):
+    runs, first, start = [], 0, 0
+    for _, group in groupby(keys):
+        n = len(list(group))
+        runs.append(_Run(first, first + n - 1, start, min(n, keep)))
+        first, start = first + n, start + min(n, keep)
+    if start == len(keys):
         return None
-    dense = image[config.first_dense_layers] if config.experts is not None and config.first_dense_layers else 0
-    cut = replace(config, layers=short - 2, first_dense_layers=dense)
-    return ShortForm(Model(cut, model.source), tuple(image))
+    # the short model's kinds are the kept blocks' (its dense blocks: those the last dense one's run keeps)
+    dense = next(run.start + min(config.first_dense_layers - run.first, run.kept - 1) for run in runs
+                 if run.first <= config.first_dense_layers <= run.last) if config.first_dense_layers else 0
+    return ShortForm(Model(replace(config, layers=start - 2, first_dense_layers=dense), model.source), tuple(runs))

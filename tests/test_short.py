@@ -8,7 +8,7 @@ from stg.short import short_form
 from test_digests import DEEPSEEK, GPT, LLAMA
 
 LONG = {**LLAMA, "name": "long-llama", "layers": 12}
-LONG_MOE = {**DEEPSEEK, "name": "long-ds", "layers": 12, "first_dense_layers": 5}
+LONG_MOE = {**DEEPSEEK, "name": "long-ds", "layers": 16, "first_dense_layers": 5}
 
 PLANS = [
     (LONG, dict(dp=2, global_batch=8)),
@@ -30,27 +30,37 @@ PLANS = [
     (LONG, dict(pp=4, layers_per_stage=[2, 8, 1, 1], tp=2, global_batch=8)),
     (LONG, dict(pp=3, layers_per_stage="auto", global_batch=6)),
     (LONG_MOE, dict(dp=4, ep=2, tp=2, global_batch=8)),
-    (LONG_MOE, dict(dp=2, ep=2, pp=3, expert_skew=1.0, global_batch=12)),
-    (LONG_MOE, dict(ep=2, pp=4, layers_per_stage=[5, 1, 5, 1], zero=1, dp=2, global_batch=8)),
+    (LONG_MOE, dict(dp=2, ep=2, pp=4, expert_skew=1.0, global_batch=16)),
+    (LONG_MOE, dict(ep=2, pp=4, layers_per_stage=[5, 1, 9, 1], zero=1, dp=2, global_batch=8)),
+    # interleaved: a stage's chunks, and the other stages' blocks between them, inside one run
+    (LONG, dict(pp=2, vpp=2, schedule="interleaved", global_batch=8)),
+    (LONG, dict(pp=2, vpp=3, schedule="interleaved", dp=2, zero=1, global_batch=8)),
+    (LONG, dict(pp=3, vpp=2, schedule="interleaved", layers_per_stage=[1, 3, 1, 2, 1, 4], global_batch=6)),
+    (LONG_MOE, dict(pp=2, vpp=2, schedule="interleaved", ep=2, dp=2, global_batch=8)),
 ]
+LONGER = {**LLAMA, "name": "longer-llama", "layers": 24}
+PLANS += [(LONGER, dict(pp=4, vpp=2, schedule="interleaved", tp=2, global_batch=8)),
+          (LONGER, dict(pp=2, vpp=3, schedule="interleaved", recompute="full", global_batch=8))]
 
 
 def test_short_form_of_published_models():
-    """Hand count: Llama 3 405B's 126 blocks are the first (after the embedding), 124 alike,
-    the last (before the head); the alike run keeps its first, its last and one block for its
-    122 middle ones. DeepSeek-V3's 61: three dense (the third before an MoE one), the first MoE
-    block, 56 alike MoE blocks (one standing for 54), the last."""
+    """Hand count: Llama 3 405B's 126 blocks are the first (after the embedding), 124 alike
+    (first, 122 interior, last), the last (before the head); a plan of one chunk per stage
+    keeps 3 of the 124. DeepSeek-V3's 61: three dense (the third before an MoE one), the first
+    MoE block, 56 alike MoE blocks, the last; interleaved plans of 2 chunks keep 5 of the 56."""
     llama = short_form(load_model("llama3-405b"))
     assert llama.model.layers == 5
-    assert llama.image == (0, 1, 2) + (3,) * 122 + (4, 5, 6)
-    deepseek = short_form(load_model("deepseek-v3"))
-    assert deepseek.model.layers == 8 and deepseek.model.config.first_dense_layers == 3
-    assert deepseek.image == (0, 1, 2, 3, 4, 5) + (6,) * 54 + (7, 8, 9)
-    # stage 2 of pp 9 (blocks 29..42) is 14 of the middle block, between a middle block on
-    # stage 1 and one on stage 3
+    deepseek = short_form(load_model("deepseek-v3"), chunks=2)
+    assert deepseek.model.layers == 4 + 5 + 1 and deepseek.model.config.first_dense_layers == 3
+    # one stage: the embedding, block 1, the run's first block, one for its 122 interior
+    # blocks, its last, block 126, the head
+    assert llama.stage_plans(None)[0].weights == (1, 1, 1, 122, 1, 1, 1)
+    # stage 2 of pp 9 (blocks 29..42, all interior): one short block standing for its 14,
+    # between the run's first block (standing for blocks 2..28 of stages 0 and 1, run by
+    # stage 1) and its last (for blocks 43..125, run by stage 3)
     stages = build("llama3-405b", dict(pp=9, tp=8, dp=8, global_batch=64, seq=4096), nodes=False).stages
     plan = llama.stage_plans(stages)[2]
-    assert [plan.virtual_stage(block) for block in range(7)] == [1, 1, 1, 2, 3, 3, 3]
+    assert [plan.virtual_stage(block) for block in range(7)] == [0, 0, 1, 2, 3, 3, 3]
     assert plan.weights == (1, 1, 1, 14, 1, 1, 1)
 
 
@@ -63,15 +73,11 @@ def test_short_form_gives_the_summary_of_the_full_passes(spec, plan):
 
 
 def test_models_without_a_short_form_run_whole():
-    """Tied weights (read on the first and last stage), interleaved stages (a rank's chunks
-    would need ranges of their own) and models without a long run of alike blocks run their
-    full passes; evaluate's rows are the same either way."""
+    """Tied weights (read on the first and last stage) and models without a long run of alike
+    blocks run their full passes."""
     assert short_form(load_model({**GPT, "layers": 12})) is None
     assert short_form(load_model(LLAMA)) is None  # 4 blocks: nothing to cut
-    interleaved = dict(pp=2, vpp=2, schedule="interleaved", global_batch=8, seq=32)
-    workload = build(LONG, interleaved, nodes=False, short=True)
-    assert max(op.layer for op in workload.sharded.graph.ops) == LONG["layers"] + 1
-    assert next(evaluate(LONG, [interleaved])) == build(LONG, interleaved, nodes=False).summary(per_rank=False)
+    assert short_form(load_model(LONG), chunks=5) is None  # 12 blocks: none to cut for 5 chunks a stage
 
 
 @pytest.mark.parametrize("plan", [
@@ -86,3 +92,73 @@ def test_refusals_are_those_of_the_full_passes(plan):
     with pytest.raises(Exception) as full:
         build(LONG, plan, nodes=False)
     assert row["error"] == str(full.value)
+
+
+def _position(runs, block: int, short: bool) -> tuple:
+    """A block's place among alike ones: its run, and first, last or interior (or its offset
+    in a run the short model keeps whole)."""
+    for index, run in enumerate(runs):
+        first, last = (run.start, run.start + run.kept - 1) if short else (run.first, run.last)
+        if first <= block <= last:
+            if run.kept == run.last - run.first + 1:
+                return index, block - first
+            return index, "first" if block == first else "last" if block == last else "interior"
+
+
+def test_every_cut_maps_each_stage_onto_alike_blocks():
+    """For 400 random cuts of a 40-block model (1 to 3 chunks per stage, stages of 1 block and
+    up): each stage's blocks map onto short blocks alike to them, on its own virtual stages
+    and weighed as many times as it has blocks; the blocks next to each of its chunks map onto
+    blocks alike to theirs, or, for other stages' interior blocks, onto their run's first or
+    last block."""
+    import random
+
+    from parallelism.pipeline import StagePlan
+
+    rng = random.Random(0)
+    spec = {**LLAMA, "name": "l40", "layers": 40, "experts": 4, "top_k": 2, "moe_ffn": 32, "first_dense_layers": 17}
+    model = load_model(spec)
+    for _ in range(400):
+        chunks, pp = rng.randint(1, 3), rng.randint(2, 6)
+        form = short_form(model, chunks)
+        cuts = sorted(rng.sample(range(2, 41), pp * chunks - 1))
+        stages = StagePlan(pp, chunks, (0, *cuts))
+        image_of = {}
+        for rank, plan in enumerate(form.stage_plans(stages)):
+            mine = [stages.virtual_stage(j) % pp == rank for j in range(42)]
+            image = form._image([stages.virtual_stage(j) if own else None for j, own in enumerate(mine)])
+            image_of[rank] = image
+            for stage in range(rank, pp * chunks, pp):
+                blocks = [j for j in range(42) if stages.virtual_stage(j) == stage]
+                shorts = {image[j] for j in blocks}
+                assert all(_position(form.runs, j, False) == _position(form.runs, image[j], True) for j in blocks)
+                assert {plan.virtual_stage(b) for b in shorts} == {stage}
+                assert sum(plan.weight(b) for b in shorts) == len(blocks)
+                for real, short in ((blocks[0] - 1, min(shorts) - 1), (blocks[-1] + 1, max(shorts) + 1)):
+                    if 0 <= real < 42:
+                        assert plan.virtual_stage(short) != stage
+                        theirs, ours = _position(form.runs, real, False), _position(form.runs, short, True)
+                        assert ours == theirs or (theirs[1] == "interior" and ours[1] in ("first", "last"))
+
+
+def test_the_real_cut_has_as_many_edges_as_the_stages_cuts_say():
+    """The tag limit reads the real cut's edge count off the stages' cuts of the short model:
+    the same as the full passes' cut, for random cuts of one and two chunks per stage."""
+    import random
+
+    from stg.api import Plan, _cut, _short_edges, _short_pipelines
+
+    rng = random.Random(1)
+    for spec in (LONG, LONG_MOE):
+        for _ in range(12):
+            vpp, pp = rng.randint(1, 2), rng.randint(2, 4)
+            split = [1] * (pp * vpp)
+            for _ in range(spec["layers"] - len(split)):
+                split[rng.randrange(len(split))] += 1
+            plan = Plan.from_dict({"pp": pp, "vpp": vpp, "layers_per_stage": split, "global_batch": 2 * pp,
+                                   "seq": 32, "ep": 2 if "experts" in spec else 1, "dp": 2,
+                                   **({"schedule": "interleaved"} if vpp > 1 else {})})
+            short, full = build(spec, plan, nodes=False, short=True), build(spec, plan, nodes=False)
+            pipelines = _short_pipelines(plan, short.sharded.base or short.sharded, short.stages,
+                                         short_form(load_model(spec), vpp))
+            assert _short_edges(plan, pipelines) == len(_cut(full.sharded.base or full.sharded, full.stages))
