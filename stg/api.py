@@ -411,8 +411,8 @@ def _check_sensible(model: Model, plan: Plan, sharded: ShardedGraph, whole: Stag
     """Refuse, before lowering, a program too large to hold in memory (every micro-batch is
     its own nodes: about the per-micro-batch ops of a stage times the micro-batches), and plan
     fields that would be silently ignored by this model."""
-    weight = whole.weight if whole else None
-    per_microbatch = sum(n * (weight(layer) if weight else 1) for layer, n in _work_ops(sharded).items()) // plan.pp
+    weight = whole.weight if whole else lambda layer: 1
+    per_microbatch = sum(n * weight(layer) for layer, n in _work_ops(sharded).items()) // plan.pp
     if plan.microbatches * per_microbatch > MAX_NODES:
         raise PlanError(f"global_batch={plan.global_batch}: {plan.microbatches:,} micro-batches of about "
                         f"{per_microbatch:,} nodes each is more than {MAX_NODES:,} trace nodes per rank; "
@@ -563,8 +563,8 @@ def _short_edges(plan: Plan, pipelines: list[Pipeline]) -> int:
     """How many edges the real cut has, from each stage's cut of the short model: those
     between each of its virtual stages and an earlier one (each (tensor, reading stage) is an
     edge, and the blocks before a virtual stage are alike to the real ones)."""
-    return sum(1 for rank, pipeline in enumerate(pipelines) for chunk in range(plan.vpp)
-               if (stage := chunk * plan.pp + rank) for edge in pipeline.edges
+    return sum(1 for rank, pipeline in enumerate(pipelines) for stage in range(rank, plan.pp * plan.vpp, plan.pp)
+               for edge in pipeline.edges
                if stage in (edge.source, edge.target) and min(edge.source, edge.target) < stage)
 
 
