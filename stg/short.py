@@ -59,13 +59,15 @@ class ShortForm:
     def stage_plans(self, stages: StagePlan | None) -> tuple[StagePlan, ...]:
         """Per pipeline stage of `stages` (None: one stage), its cut of the short model."""
         if stages not in self._plans:
-            self._plans[stages] = tuple(self._stage_plan(stages, rank) for rank in range(stages.pp if stages else 1))
+            stage_of = [0] * self.blocks if stages is None else [stages.virtual_stage(j) for j in range(self.blocks)]
+            self._plans[stages] = tuple(self._stage_plan(stages, stage_of, rank)
+                                        for rank in range(stages.pp if stages else 1))
         return self._plans[stages]
 
-    def _stage_plan(self, stages: StagePlan | None, rank: int) -> StagePlan:
+    def _stage_plan(self, stages: StagePlan | None, stage_of: list[int], rank: int) -> StagePlan:
         """Pipeline stage `rank`'s cut: the short blocks that its chunks' real blocks map to,
-        weighed by how many do, on its virtual stages; other stages' real blocks on theirs."""
-        stage_of = [0] * self.blocks if stages is None else [stages.virtual_stage(j) for j in range(self.blocks)]
+        weighed by how many do, on its virtual stages; other stages' real blocks on theirs
+        (`stage_of`: each real block's virtual stage)."""
         pp = stages.pp if stages else 1
         mine = [stage % pp == rank for stage in stage_of]
         image = self._image([stage if own else None for stage, own in zip(stage_of, mine)])
