@@ -13,6 +13,8 @@
    generate and count pay) and without (what evaluate pays), and the ratio.
 4. Side by side, stg.evaluate over the same plans in fresh processes, alternating: in one
    process and with --workers forked workers (each taking whole structures), and the ratio.
+5. Side by side, the same in one process on the models' short forms (stg/short.py, what
+   evaluate runs) and on the full passes, alternating: the ratio, and that the rows agree.
 
     python benchmarks/bench_build.py [--plans 48] [--workers 2] [--pairs 2]
 """
@@ -129,17 +131,28 @@ def evaluate_rate(count: int) -> None:
 
 
 _EVALUATE = """
-import json, sys, time
+import hashlib, json, sys, time
 sys.path.insert(0, {folder!r})
 from bench_build import plans
+import stg.evaluation
 from stg import evaluate, load_model
+from stg.api import build
+if not {short}:  # the full passes, as before stg/short.py
+    stg.evaluation.build = lambda model, plan, **options: build(model, plan, nodes=False)
 model = load_model("llama3-405b")
 model.graph
 chosen = plans({count})
 start = time.perf_counter()
 rows = list(evaluate(model, chosen, workers={workers}))
-print(json.dumps([time.perf_counter() - start, sum("error" in row for row in rows)]))
+print(json.dumps([time.perf_counter() - start, sum("error" in row for row in rows),
+                  hashlib.sha256(json.dumps(rows, sort_keys=True).encode()).hexdigest()]))
 """
+
+
+def _evaluate_child(count: int, workers: int, short: bool = True) -> list:
+    """[wall seconds, plans refused, the rows' digest] of stg.evaluate in a fresh child."""
+    code = _EVALUATE.format(folder=str(Path(__file__).parent), count=count, workers=workers, short=short)
+    return json.loads(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout)
 
 
 def evaluate_workers(count: int, workers: int, pairs: int) -> None:
@@ -148,12 +161,27 @@ def evaluate_workers(count: int, workers: int, pairs: int) -> None:
     walls: dict[int, list[float]] = {1: [], workers: []}
     for _ in range(pairs):
         for n in walls:
-            code = _EVALUATE.format(folder=str(Path(__file__).parent), count=count, workers=n)
-            child = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-            walls[n].append(json.loads(child.stdout)[0])
+            walls[n].append(_evaluate_child(count, n)[0])
     one, many = statistics.median(walls[1]), statistics.median(walls[workers])
     print(f"  one process {one:.2f} s ({count / one:.0f} plans/s), {workers} workers {many:.2f} s "
           f"({count / many:.0f} plans/s): {one / many:.2f}x (medians of {pairs} alternating pairs)")
+
+
+def evaluate_short(count: int, pairs: int) -> None:
+    """stg.evaluate's wall time over `count` plans on models' short forms (stg/short.py) and on
+    the full passes, each in a fresh child, alternating `pairs` times; the rows must agree."""
+    walls: dict[bool, list[float]] = {True: [], False: []}
+    digests = set()
+    for _ in range(pairs):
+        for short in walls:
+            seconds, _, digest = _evaluate_child(count, 1, short)
+            walls[short].append(seconds)
+            digests.add(digest)
+    if len(digests) > 1:
+        raise SystemExit("the short form's rows differ from the full passes'")
+    short, full = statistics.median(walls[True]), statistics.median(walls[False])
+    print(f"  short form {short:.2f} s ({count / short:.0f} plans/s), full passes {full:.2f} s ({count / full:.0f} "
+          f"plans/s): {short / full:.2f}x the time, the same rows (medians of {pairs} alternating pairs)")
 
 
 def main() -> None:
@@ -167,6 +195,8 @@ def main() -> None:
     evaluate_rate(args.plans)
     print(f"stg.evaluate over {args.plans} plans, fresh processes, one against {args.workers} workers:")
     evaluate_workers(args.plans, args.workers, args.pairs)
+    print(f"stg.evaluate over {args.plans} plans, fresh processes, the short form against the full passes:")
+    evaluate_short(args.plans, args.pairs)
 
 
 if __name__ == "__main__":
