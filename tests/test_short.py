@@ -32,6 +32,12 @@ PLANS = [
     (LONG_MOE, dict(dp=4, ep=2, tp=2, global_batch=8)),
     (LONG_MOE, dict(dp=2, ep=2, pp=4, expert_skew=1.0, global_batch=16)),
     (LONG_MOE, dict(ep=2, pp=4, layers_per_stage=[5, 1, 9, 1], zero=1, dp=2, global_batch=8)),
+    # gradient buckets of a few blocks' gradients (the weighted blocks' cut where the real ones are),
+    # with and without a pipeline, ZeRO's gathers bucketed after the step too
+    (LONG, dict(dp=2, bucket_mb=0.05, global_batch=8)),
+    (LONG, dict(pp=3, dp=2, zero=1, bucket_mb=0.03, global_batch=12)),
+    (LONG, dict(dp=2, tp=2, zero=3, bucket_mb=0.02, grad_dtype="fp32", optimizer="adagrad", global_batch=8)),
+    (LONG_MOE, dict(dp=2, ep=2, tp=2, etp=2, pp=2, bucket_mb=0.05, global_batch=8)),
     # interleaved: a stage's chunks, and the other stages' blocks between them, inside one run
     (LONG, dict(pp=2, vpp=2, schedule="interleaved", global_batch=8)),
     (LONG, dict(pp=2, vpp=3, schedule="interleaved", dp=2, zero=1, global_batch=8)),
