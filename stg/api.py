@@ -292,8 +292,9 @@ def _build(model, plan, memory_limit: int | None, nodes: bool, timing: bool,
     units = frozenset(axis for axis, size in mesh.axes if size == 1 and axis in _WIDENED) \
         if (timing or not nodes) and isinstance(model.config, TransformerConfig) else frozenset()
     form = short_form(model, plan.vpp) if short and not nodes and not timing and memory_limit is None else None
-    structure = structure_of(form.model, plan, options, None, units) if form else \
-        structure_of(model, plan, options, stages, units)
+    # (a tied model's short cuts all put the tied weight's readers on the stages of the real cut's)
+    structure = structure_of(form.model, plan, options, form.stage_plans(stages)[0] if stages else None, units) \
+        if form else structure_of(model, plan, options, stages, units)
     bindings = {
         **model.config.sizes(vocab_multiple=plan.make_vocab_divisible_by * plan.tp),
         B: plan.micro_batch * plan.data_ranks,
@@ -326,7 +327,8 @@ def _build(model, plan, memory_limit: int | None, nodes: bool, timing: bool,
         order(plan.schedule, plan.pp, plan.microbatches, plan.vpp)
         _refuse_peak(memory_limit, -(-sum(n * shared(nbytes) for nbytes, n in held.items()) // plan.pp), "at least ")
     sharded = symbolic_passes(structure)
-    if form and shared_leaves(sharded):  # a leaf that several blocks read: counted by the real blocks
+    if form and any(used & form.interior for used in shared_leaves(sharded)):
+        # a leaf that a block standing for several reads with others: counted on the real blocks
         form, structure = None, structure_of(model, plan, options, stages, units)
         sharded = symbolic_passes(structure)
     _check_graph(model, plan, sharded, bindings, form.stage_plans(None)[0] if form else None)

@@ -56,6 +56,12 @@ class ShortForm:
         """Real blocks, the embedding and the head included."""
         return self.runs[-1].last + 1
 
+    @property
+    def interior(self) -> frozenset[int]:
+        """The short blocks that may stand for several real ones: a cut run's interior ones."""
+        return frozenset(block for run in self.runs if run.kept < run.last - run.first + 1
+                         for block in range(run.start + 1, run.start + run.kept - 1))
+
     def stage_plans(self, stages: StagePlan | None) -> tuple[StagePlan, ...]:
         """Per pipeline stage of `stages` (None: one stage), its cut of the short model."""
         if stages not in self._plans:
@@ -74,14 +80,17 @@ class ShortForm:
         weights = [0] * (self.model.layers + 2)
         for j, block in enumerate(image):
             weights[block] += mine[j]
-        starts = [0] * (pp * (stages.vpp if stages else 1))
-        for j in reversed(range(self.blocks)):  # each virtual stage starts where its first real block maps
-            starts[stage_of[j]] = image[j]
-        # stages whose first real blocks map to one short block (other stages' blocks in one
-        # stretch): the first of them runs it, the others none (they start where the next does)
-        for stage in reversed(range(1, len(starts))):
-            if starts[stage] == starts[stage - 1]:
-                starts[stage] = starts[stage + 1] if stage + 1 < len(starts) else self.model.layers + 2
+        # a short block runs on the stage of the first real block that maps to it (other stages'
+        # blocks in one stretch: the first of those stages); a stage that runs none is empty
+        runs_on: dict[int, int] = {}
+        for j, block in enumerate(image):
+            runs_on.setdefault(block, stage_of[j])
+        starts: list = [None] * (pp * (stages.vpp if stages else 1))
+        for block in sorted(runs_on, reverse=True):
+            starts[runs_on[block]] = block
+        following = self.model.layers + 2
+        for stage in reversed(range(len(starts))):
+            following = starts[stage] = following if starts[stage] is None else starts[stage]
         # (a short block stands for blocks of this stage alone or of others alone: those weigh 1)
         return StagePlan(pp, stages.vpp if stages else 1, tuple(starts), tuple(w or 1 for w in weights))
 
@@ -122,8 +131,8 @@ class ShortForm:
 
 def short_form(model: Model, chunks: int = 1) -> ShortForm | None:
     """The model's short form for plans of `chunks` chunks per pipeline stage, or None where
-    it has none (not a transformer, tied weights, or no run long enough to cut); one per model
-    config and chunks in a process."""
+    it has none (not a transformer, or no run long enough to cut); one per model config and
+    chunks in a process."""
     if not isinstance(model.config, TransformerConfig):
         return None
     key = (model.config, chunks)
@@ -137,8 +146,6 @@ _FORMS: dict = {}  # short_form's, by model config and chunks (a handful per pro
 
 def _short_form(model: Model, chunks: int) -> ShortForm | None:
     config = model.config
-    if config.tied_embeddings:
-        return None
     layers, keep = config.layers, 2 * chunks + 1
     kinds = ["embedding"] + ["moe" if config.experts is not None and i > config.first_dense_layers else "dense"
                              for i in range(1, layers + 1)] + ["head"]

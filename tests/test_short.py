@@ -45,6 +45,11 @@ PLANS = [
     (LONG_MOE, dict(pp=2, vpp=2, schedule="interleaved", ep=2, dp=2, global_batch=8)),
 ]
 LONGER = {**LLAMA, "name": "longer-llama", "layers": 24}
+LONG_GPT = {**GPT, "name": "long-gpt", "layers": 12}  # tied embeddings, learned positions, dropout
+PLANS += [(LONG_GPT, dict(dp=2, zero=1, global_batch=8)),  # the table read by blocks 0 and 13, counted once
+          (LONG_GPT, dict(pp=2, dp=2, zero=1, global_batch=8)),  # its copy on the last stage, summed over pp
+          (LONG_GPT, dict(pp=3, tp=2, layers_per_stage=[1, 10, 1], recompute="selective", global_batch=6)),
+          (LONG_GPT, dict(pp=2, vpp=2, schedule="interleaved", zero=1, dp=2, global_batch=8))]
 PLANS += [(LONGER, dict(pp=4, vpp=2, schedule="interleaved", tp=2, global_batch=8)),
           (LONGER, dict(pp=2, vpp=3, schedule="interleaved", recompute="full", global_batch=8))]
 
@@ -63,10 +68,11 @@ def test_short_form_of_published_models():
     assert llama.stage_plans(None)[0].weights == (1, 1, 1, 122, 1, 1, 1)
     # stage 2 of pp 9 (blocks 29..42, all interior): one short block standing for its 14,
     # between the run's first block (standing for blocks 2..28 of stages 0 and 1, run by
-    # stage 1) and its last (for blocks 43..125, run by stage 3)
+    # stage 0) and its last (for blocks 43..125, run by stage 3); block 126 and the head on
+    # stage 8
     stages = build("llama3-405b", dict(pp=9, tp=8, dp=8, global_batch=64, seq=4096), nodes=False).stages
     plan = llama.stage_plans(stages)[2]
-    assert [plan.virtual_stage(block) for block in range(7)] == [0, 0, 1, 2, 3, 3, 3]
+    assert [plan.virtual_stage(block) for block in range(7)] == [0, 0, 0, 2, 3, 8, 8]
     assert plan.weights == (1, 1, 1, 14, 1, 1, 1)
 
 
@@ -79,9 +85,7 @@ def test_short_form_gives_the_summary_of_the_full_passes(spec, plan):
 
 
 def test_models_without_a_short_form_run_whole():
-    """Tied weights (read on the first and last stage) and models without a long run of alike
-    blocks run their full passes."""
-    assert short_form(load_model({**GPT, "layers": 12})) is None
+    """Models without a long run of alike blocks run their full passes."""
     assert short_form(load_model(LLAMA)) is None  # 4 blocks: nothing to cut
     assert short_form(load_model(LONG), chunks=5) is None  # 12 blocks: none to cut for 5 chunks a stage
 
