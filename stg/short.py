@@ -19,9 +19,11 @@ the stage that map to it (StagePlan.weights). Other stages' blocks are there as 
 neighbours: what a stage receives from them and sends to them is what the blocks next to it
 make and read, so a stretch of other stages' interior blocks next to a run's first or last
 block goes with that block, and any other stretch has an interior block of its own (at most
-v stretches of the stage's chunks and v - 1 of others between them: 2 v - 1). Nothing in a
-summary names an op, so the rows are the real model's exactly (tests/test_short.py checks
-them against the full passes)."""
+v stretches of the stage's chunks and v - 1 of others between them: 2 v - 1). A short block
+runs on the stage of the first real block that maps to it: the embedding and the head stay on
+the real cut's first and last stages, so a tied model's weights untie alike in every cut.
+Nothing in a summary names an op, so the rows are the real model's exactly
+(tests/test_short.py checks them against the full passes)."""
 
 from __future__ import annotations
 
