@@ -51,6 +51,11 @@ class StagePlan:
         return tuple(b - a for a, b in zip(starts, starts[1:]))
 
 
+def block_weight(stages: StagePlan | None):
+    """`stages.weight`, or each block once without a stage plan."""
+    return stages.weight if stages is not None else lambda layer: 1
+
+
 def stage_plan(plan: Plan, layers: int, block_costs: Sequence[int] | None = None) -> StagePlan:
     """`block_costs`: per block 0..L+1 (embedding, blocks, head and loss), what `auto` balances."""
     stages = plan.pp * plan.vpp

@@ -33,7 +33,7 @@ from stg.errors import PlanError
 from stg.groups import GroupIds
 from stg.graph import OpKind, Phase
 from stg.limits import MAX_EMBEDDING_RANKS, MAX_NODES
-from parallelism.pipeline import StagePlan, cut, stage_plan
+from parallelism.pipeline import StagePlan, block_weight, cut, stage_plan
 from stg.chakra.writer import fixed_varint, rank_width
 from stg.lower import VIEWS, Evaluator, Pipeline, check_divisibility, crossings, lower
 from stg.program import GroupHole, RankHole, RankProgram
@@ -413,7 +413,7 @@ def _check_sensible(model: Model, plan: Plan, sharded: ShardedGraph, whole: Stag
     """Refuse, before lowering, a program too large to hold in memory (every micro-batch is
     its own nodes: about the per-micro-batch ops of a stage times the micro-batches), and plan
     fields that would be silently ignored by this model."""
-    weight = whole.weight if whole else lambda layer: 1
+    weight = block_weight(whole)
     per_microbatch = sum(n * weight(layer) for layer, n in _work_ops(sharded).items()) // plan.pp
     if plan.microbatches * per_microbatch > MAX_NODES:
         raise PlanError(f"global_batch={plan.global_batch}: {plan.microbatches:,} micro-batches of about "
@@ -538,10 +538,15 @@ def _pipeline(model: Model, plan: Plan, sharded: ShardedGraph, stages) -> Pipeli
     if shared:  # e.g. an output layer tied to the embedding
         raise PlanError(f"pp={plan.pp}: weight {shared[0]} of model {model.name} is used on pipeline stages "
                         f"{shared[1]}; a weight shared across stages (tied embeddings) is not supported yet")
-    schedule = order(plan.schedule, plan.pp, plan.microbatches, plan.vpp)
-    edges = _cut(sharded, stages)
-    _check_tags(plan, len(edges))
-    return Pipeline(stages, schedule, plan.schedule in SPLIT_BACKWARD, edges)
+    pipeline = _on_cut(plan, sharded, stages)
+    _check_tags(plan, len(pipeline.edges))
+    return pipeline
+
+
+def _on_cut(plan: Plan, sharded: ShardedGraph, stages) -> Pipeline:
+    """The plan's schedule on the stage cut `stages` of `sharded`."""
+    return Pipeline(stages, order(plan.schedule, plan.pp, plan.microbatches, plan.vpp),
+                    plan.schedule in SPLIT_BACKWARD, _cut(sharded, stages))
 
 
 def _check_tags(plan: Plan, edges: int) -> None:
@@ -553,10 +558,8 @@ def _short_pipelines(plan: Plan, sharded: ShardedGraph, stages, form: ShortForm)
     """Per pipeline stage, its pipeline on the short model of `form` (stg/short.py): the
     real schedule on that stage's own cut of the short model."""
     if stages is None:
-        return [Pipeline(form.stage_plans(None)[0], order("1f1b", 1, plan.microbatches), False, ())]
-    schedule = order(plan.schedule, plan.pp, plan.microbatches, plan.vpp)
-    split = plan.schedule in SPLIT_BACKWARD
-    pipelines = [Pipeline(cut, schedule, split, _cut(sharded, cut)) for cut in form.stage_plans(stages)]
+        return [replace(Pipeline.single_stage(plan.microbatches), stages=form.stage_plans(None)[0])]
+    pipelines = [_on_cut(plan, sharded, cut) for cut in form.stage_plans(stages)]
     _check_tags(plan, _short_edges(plan, pipelines))
     return pipelines
 

@@ -30,7 +30,7 @@ from dataclasses import dataclass, field, replace
 from functools import cached_property
 from itertools import groupby, pairwise
 from operator import attrgetter, itemgetter
-from typing import Callable, Iterable, Iterator, Mapping
+from typing import Callable, Iterable, Mapping
 
 import sympy
 
@@ -39,7 +39,7 @@ from stg.errors import LayoutError
 from stg.graph import DType, Op, OpKind, Phase, Role
 from stg.mesh import axis_symbol
 from stg import numeric
-from parallelism.pipeline import Edge, StagePlan, layer_crossings
+from parallelism.pipeline import Edge, StagePlan, block_weight, layer_crossings
 from stg.blocks import blocks
 from stg.program import (ClassStats, GroupHole, NodeType, RankHole, RankProgram, ReplayChunks, TraceNode,
                          replay_nodes)
@@ -221,7 +221,7 @@ def _stage_work(sharded: ShardedGraph, stages: StagePlan, split_backward: bool) 
             stage = stage_of[layer] = stages.virtual_stage(layer)
         runs, units, step, layers = work[stages.rank_and_chunk(stage)[0]]
         if kind is None:
-            step += ops * stages.weight(layer)
+            step += ops
             continue
         runs.setdefault((stage, kind), []).extend(ops)
         for unit, unit_ops in op_units.items():
@@ -393,23 +393,13 @@ def _bucket_steps(sharded: ShardedGraph, ops: list[Op]) -> _BucketSteps:
     return _BucketSteps(steps, groups, exprs, nbytes)
 
 
-def _step_layers(ops: list[Op]) -> tuple:
+def _step_layers(ops: list[Op], stages: StagePlan | None = None) -> tuple:
     """A stage's optimizer ops layer by layer, keyed like _stage_work's (a run of one layer's ops
-    in program order is its first and how many): the step runs those the cut leaves it."""
-    return tuple((("step layer", layer[0].name, len(layer)), layer) for layer in _repeats(ops))
-
-
-def _repeats(ops: list[Op]) -> Iterator[list[Op]]:
-    """blocks(ops), a block repeated in place (a weighted layer's, _stage_work) once per copy."""
-    for block in blocks(ops):
-        if len(set(map(id, block))) == len(block):  # (no op twice: no weights)
-            yield block
-            continue
-        first, start = block[0], 0
-        for end in [i for i, op in enumerate(block) if op is first][1:]:
-            yield block[start:end]
-            start = end
-        yield block[start:]
+    in program order is its first and how many): the step runs those the cut leaves it, each
+    layer as often as `stages` weighs it (a short model's block standing for several)."""
+    weight = block_weight(stages)
+    return tuple((("step layer", layer[0].name, len(layer)), layer) for layer in blocks(ops)
+                 for _ in range(weight(layer[0].layer)))
 
 
 @per_graph
@@ -1169,7 +1159,8 @@ class _ProgramBuilder:
         key = ("step", self.pipeline.stages, self.pipeline.split_backward, self.rank)
         known = tallies(self.sharded)
         if key not in known:
-            tally = self._tallied(lambda: self._add_layers(_step_layers(ops), {}, {}, step=True), {})
+            tally = self._tallied(lambda: self._add_layers(_step_layers(ops, self.pipeline.stages), {}, {},
+                                                           step=True), {})
             known[key] = alike_tally(known, tally)
         self._late_buckets({})
         self.holes |= known[key].holes

@@ -32,6 +32,7 @@ import sympy
 from stg.costs import Pointwise
 from stg.graph import OpKind, Phase, Role
 from stg.lower import Evaluator
+from parallelism.pipeline import block_weight
 from stg.sharding import CUT_LIMIT, ShardedGraph, per_graph
 
 _BACKWARD = (Phase.BACKWARD_INPUT, Phase.BACKWARD_WEIGHT)
@@ -138,10 +139,6 @@ def _index(sharded: ShardedGraph) -> _Index:
                   {layer: tuple((nbytes, n, w) for nbytes, (n, w) in kept.items()) for layer, kept in saved.items()})
 
 
-def _one(layer: int) -> int:
-    return 1
-
-
 def shared_leaves(sharded: ShardedGraph) -> list[frozenset[int]]:
     """The layers of each group of leaves that ops of more than one layer read."""
     return [used for _, used, _, _, _ in _index(sharded).leaves if len(used) > 1]
@@ -165,7 +162,7 @@ def _stage_share(sharded: ShardedGraph, stages, rank: int) -> tuple:
             layer for layer in index.layers if stages.rank_and_chunk(stages.virtual_stage(layer))[0] == rank)
         # a short model's block may stand for several (stg/short.py): its own leaves, casts and
         # gradients count once per block it stands for
-        weight = _one if stages is None else stages.weight
+        weight = block_weight(stages)
         leaves: Counter = Counter()
         for n in sorted({n for layer in mine for n in index.by_layer[layer][0]}):
             role, used, table, table_state, sizes = index.leaves[n]
@@ -201,6 +198,7 @@ class _Saved:
     def of(cls, index: _Index, layers: list[int], stages) -> "_Saved":
         """Of `layers` (in order, each with saved tensors), on their chunks under `stages`."""
         places: dict[tuple, int] = {}
+        weight = block_weight(stages)  # (a short model's block may stand for several: stg/short.py)
         chunks: list[Counter] = []
         found = []
         for layer in layers:
@@ -208,7 +206,7 @@ class _Saved:
             if place == len(chunks):
                 chunks.append(Counter())
             chunks[place][0 if stages is None else stages.rank_and_chunk(stages.virtual_stage(layer))[1]] += \
-                1 if stages is None else stages.weight(layer)
+                weight(layer)
             found.append((layer, place))
         return cls(tuple(places), tuple(found), tuple(tuple(sorted(counts.items())) for counts in chunks))
 

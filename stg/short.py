@@ -28,6 +28,7 @@ Nothing in a summary names an op, so the rows are the real model's exactly
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
+from functools import cached_property
 from itertools import groupby
 
 from model_zoo import Model
@@ -58,7 +59,7 @@ class ShortForm:
         """Real blocks, the embedding and the head included."""
         return self.runs[-1].last + 1
 
-    @property
+    @cached_property
     def interior(self) -> frozenset[int]:
         """The short blocks that may stand for several real ones: a cut run's interior ones."""
         return frozenset(block for run in self.runs if run.kept < run.last - run.first + 1
