@@ -341,14 +341,19 @@ def _build(model, plan, memory_limit: int | None, nodes: bool, timing: bool,
     device, bucket_bytes = device_spec(plan.device), int(plan.bucket_mb * 2**20)
     # timing: a stage repeats the actions another stage ran, in this plan or in one that
     # differs only in its micro-batch count (a folded plan's probes, stg/explore/probe.py)
+    # and takes, with its own sizes, the actions of other plans of the cut (another dp, tp,
+    # micro-batch size...: ActionNodes.rebound)
     templates: dict[int, dict] = {}
+    rebindable = None
     if timing:
-        kept = _timing_templates(sharded, pipeline.stages, pipeline.split_backward, device, bucket_bytes,
-                                 frozenset(shared.bindings.items()))
+        cut = (pipeline.stages, pipeline.split_backward, device, bucket_bytes)
+        kept = _timing_templates(sharded, *cut, frozenset(shared.bindings.items()))
         templates = {id(evaluate): kept.setdefault(frozenset(evaluate.bindings.items()), {})
                      for evaluate in evaluators}
+        rebindable = _rebindable_templates(sharded, *cut)
     jobs = [partial(lower, sharded, evaluate, device, pipeline=pipelines[rank], bucket_bytes=bucket_bytes, rank=rank,
-                    comm_evaluate=shared, keep_nodes=nodes, timing=timing, stage_templates=templates.get(id(evaluate)))
+                    comm_evaluate=shared, keep_nodes=nodes, timing=timing, stage_templates=templates.get(id(evaluate)),
+                    rebindable=rebindable)
             for rank in range(plan.pp) for evaluate in evaluators]  # one per rank class
     programs = lower_all(jobs) if lower_all else [job() for job in jobs]
     return Workload(model, plan, mesh, sharded, tuple(programs), tuple(memories), bindings, variant_axes,
@@ -361,6 +366,13 @@ def _timing_templates(sharded: ShardedGraph, *key) -> dict:
     backward split, device, bucket size and bindings (then by each variant's): what an
     action's nodes depend on but the schedule, whose actions' keys and shapes the templates
     are found by."""
+    return {}
+
+
+@per_graph
+def _rebindable_templates(sharded: ShardedGraph, *key) -> dict:
+    """Action templates of timed lowerings by stage cut, backward split, device and bucket
+    size, whatever the plan's sizes (stg/lower.py, rebindable)."""
     return {}
 
 

@@ -506,7 +506,7 @@ class _ProgramBuilder:
 
     def __init__(self, sharded: ShardedGraph, evaluate: Evaluator, device: DeviceSpec, bucket_bytes: int,
                  pipeline: Pipeline, rank: int, comm_evaluate: Evaluator | None = None, keep_nodes: bool = True,
-                 timing: bool = False, stage_templates: dict | None = None):
+                 timing: bool = False, stage_templates: dict | None = None, rebindable: dict | None = None):
         self.sharded = sharded
         self.graph = sharded.graph
         self.ev = evaluate
@@ -549,6 +549,10 @@ class _ProgramBuilder:
         self.viewed: set[tuple] = set()  # runs whose views are in self.alias (_views)
         # timing: templates of every stage of this plan by (shape, chains present): see _action_shape
         self.stage_templates: dict[tuple, tuple] = stage_templates if stage_templates is not None else {}
+        # timing: the templates of every plan of this stage cut, whatever their sizes, to be bound
+        # to this plan's (ActionNodes.rebound), and what each recorded node's sizes come from
+        self.rebindable: dict[tuple, tuple] = rebindable if rebindable is not None else {}
+        self.sized_by: dict[int, object] = {}  # a node -> its op, its collective's ops, or its bytes
 
     def repeated(self, stats: ClassStats) -> None:
         """A repeated action's stats, added once per distinct stats at the end (build)."""
@@ -625,6 +629,8 @@ class _ProgramBuilder:
             duration_us=duration, op_type=op_type,
         )
         self.exact[node] = exact
+        if self.timing:
+            self.sized_by[node] = op
         self.last_compute = node
         noted = self._noted
         for out in op.outputs:
@@ -670,6 +676,8 @@ class _ProgramBuilder:
             collective=collective, comm_bytes=nbytes, group=group,
         )
         self.last_comm = node
+        if self.timing:
+            self.sized_by[node] = members
         for op in members:
             where[op.outputs[0]] = node
         return node
@@ -694,7 +702,8 @@ class _ProgramBuilder:
         return microbatch * len(self.pipeline.edges) + edge.index
 
     def send(self, edge: Edge, microbatch: int, where: dict[str, int]) -> None:
-        nbytes = self._count("send_bytes", None, self.graph.tensors[edge.tensor].nbytes, comm=True)
+        expr = self.graph.tensors[edge.tensor].nbytes
+        nbytes = self._count("send_bytes", None, expr, comm=True)
         if not self.keep_nodes:
             return self._count_node(NodeType.COMM_SEND_NODE, RankHole(), self._peer(edge.target))
         deps = [d for d in (self.producer(edge.tensor, where), self.last_comm) if d is not None]
@@ -702,9 +711,12 @@ class _ProgramBuilder:
             name=f"{microbatch} send {edge.tensor}", type=NodeType.COMM_SEND_NODE, deps=tuple(sorted(set(deps))),
             comm_bytes=nbytes, src=RankHole(), dst=self._peer(edge.target), tag=self._tag(edge, microbatch),
         )
+        if self.timing:
+            self.sized_by[self.last_comm] = expr
 
     def recv(self, edge: Edge, microbatch: int, where: dict[str, int]) -> None:
-        nbytes = self._count("recv_bytes", None, self.graph.tensors[edge.tensor].nbytes, comm=True)
+        expr = self.graph.tensors[edge.tensor].nbytes
+        nbytes = self._count("recv_bytes", None, expr, comm=True)
         if not self.keep_nodes:
             where[edge.tensor] = None
             return self._count_node(NodeType.COMM_RECV_NODE, self._peer(edge.source), RankHole())
@@ -713,6 +725,8 @@ class _ProgramBuilder:
             name=f"{microbatch} recv {edge.tensor}", type=NodeType.COMM_RECV_NODE, deps=deps,
             comm_bytes=nbytes, src=self._peer(edge.source), dst=RankHole(), tag=self._tag(edge, microbatch),
         )
+        if self.timing:
+            self.sized_by[where[edge.tensor]] = expr
 
     # -- one scheduled action ------------------------------------------------------------------
     def action(self, action: Action, ops: list[Op], units: dict[tuple, list[Op]], where: dict[str, int],
@@ -1006,6 +1020,9 @@ class _ProgramBuilder:
         is none or it does not resolve."""
         present = frozenset(r for r, v in self.chain_roles().items() if v is not None)
         found = self.stage_templates.get((shape[0], present))
+        if found is None and (other := self.rebindable.get((shape[0], present))) is not None:
+            # recorded under another plan's sizes: its nodes are these, their sizes this plan's
+            found = self.stage_templates[shape[0], present] = (other[0].rebound(self), other[1])
         moved = moved_here(self, found, shape, reads_all) if found else None
         return moved if moved is not None and moved.replay(self, microbatch, here) else None
 
@@ -1019,10 +1036,17 @@ class _ProgramBuilder:
         flush_compact(self)  # what it runs reads the carry and follows the repeated actions' nodes
         start, chains, known, carry = len(self.nodes), self.chain_roles(), len(here), self.carry
         total, self.stats = self.stats, ClassStats()
+        if self.timing:  # the terms its stats add, for other sizes (ActionNodes.rebound)
+            self.terms = Counter()
         run()
         delta, self.stats = self.stats, total
         total.add(delta)
         recorded = ActionNodes.record(self, microbatch, start, chains, known, here, delta, read_later)
+        if self.timing:
+            terms, self.terms = self.terms, None
+            if recorded is not None:
+                recorded = replace(recorded, tally=ActionTally(terms, delta, frozenset(), ()),
+                                   sized_by=tuple(map(self.sized_by.get, range(start, len(self.nodes)))))
         if recorded is not None and not made_read:
             recorded = replace(recorded, exit={role: ref for role, ref in recorded.exit.items() if role[0] != "tensor"})
         if self.timing and recorded is None:
@@ -1031,6 +1055,7 @@ class _ProgramBuilder:
             recorded.pend_recorded(self, start, chains, here)
             self.carry = carry
             self.stage_templates[(shape[0], recorded.present)] = (recorded, shape)
+            self.rebindable.setdefault((shape[0], recorded.present), (recorded, shape))
         return recorded
 
     def _views(self, run: tuple, ops: list[Op]) -> None:
@@ -1276,7 +1301,8 @@ class _ProgramBuilder:
 
 def lower(sharded: ShardedGraph, evaluate: Evaluator, device: DeviceSpec, *, pipeline: Pipeline,
           bucket_bytes: int, rank: int = 0, comm_evaluate: Evaluator | None = None,
-          keep_nodes: bool = True, timing: bool = False, stage_templates: dict | None = None) -> RankProgram:
+          keep_nodes: bool = True, timing: bool = False, stage_templates: dict | None = None,
+          rebindable: dict | None = None) -> RankProgram:
     """The program of pipeline stage `rank`'s class: its schedule's actions, then the step.
     `comm_evaluate` sizes collectives and sends (default `evaluate`): the values that all
     ranks of a group share, where a class's own work differs (its embedding tables).
@@ -1284,9 +1310,11 @@ def lower(sharded: ShardedGraph, evaluate: Evaluator, device: DeviceSpec, *, pip
     `timing=True`: the same stats and holes and, instead of the nodes, the compact form that the
     timed replay reads (ReplayNodes: what stg explore times); `stage_templates`, with timing: a dict
     that the stages of one plan (one evaluator) share, so that a stage repeats an action
-    another stage ran (stage-to-stage the actions differ in names, peers and tags only)."""
+    another stage ran (stage-to-stage the actions differ in names, peers and tags only);
+    `rebindable`, with timing: a dict that the plans of one stage cut share, whose templates a
+    stage takes with this plan's sizes (the same nodes, other durations and bytes)."""
     builder = _ProgramBuilder(sharded, evaluate, device, bucket_bytes, pipeline, rank, comm_evaluate,
-                              keep_nodes or timing, timing, stage_templates)
+                              keep_nodes or timing, timing, stage_templates, rebindable)
     nodes = builder.build()
     if timing:
         return RankProgram((rank,), (), builder.stats, counted_holes=frozenset(builder.holes),

@@ -123,6 +123,9 @@ class ActionNodes:
     edges: int
     read_later: frozenset[int]  # offsets of nodes whose tensors later actions or the step may read
     roles: frozenset | None = None  # the role sets it refers to, when moved (see _roles)
+    # timing: what its stats add for any sizes, and per node what its sizes come from (rebound)
+    tally: ActionTally | None = None
+    sized_by: tuple | None = None
 
     @classmethod
     def record(cls, builder: "_ProgramBuilder", microbatch: int, start: int, chains: dict, known: int, here: dict,
@@ -297,6 +300,28 @@ class ActionNodes:
     @cached_property
     def compact(self) -> "_Compact":
         return _Compact.of(self)
+
+    def rebound(self, builder: "_ProgramBuilder") -> "ActionNodes":
+        """This recorded action under the sizes of `builder`'s plan (timing only): the same
+        nodes and dependencies -- its shape holds all they depend on but sizes -- each COMP
+        node lasting what its op lasts there, each collective, send and receive moving the bytes
+        its ops or tensor hold there, its stats its tally bound there."""
+        exacts, collectives, p2p, comm = [], [], [], builder.comm_ev
+        for entry, sized_by in zip(self.nodes, self.sized_by):
+            if entry[1] is _COMP:
+                exacts.append(builder._costs(sized_by)[2])
+            elif entry[1] is _COLL:
+                collectives.append(sum(comm(op.bytes) for op in sized_by))
+            else:
+                p2p.append(comm(sized_by))
+        c = self.compact
+        compact = replace(c, exacts=np.array(exacts, dtype=np.float64),
+                          collective_keys=tuple((group, kind, n) for (group, kind, _), n in zip(c.collective_keys,
+                                                                                                collectives)),
+                          p2p=tuple((k, (src, dst, tag, n)) for (k, (src, dst, tag, _)), n in zip(c.p2p, p2p)))
+        rebound = replace(self, stats=self.tally.bind(builder.ev, comm))
+        rebound.__dict__["compact"] = compact  # (a cached_property's slot)
+        return rebound
 
     def _replay_compact(self, builder: "_ProgramBuilder", microbatch: int, resolved: dict) -> None:
         """The action's nodes as the timed replay reads them, put off (builder.pending) until

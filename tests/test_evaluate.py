@@ -248,6 +248,7 @@ def test_a_plan_lowered_for_timing_replays_as_its_nodes(name, tmp_path, monkeypa
     monkeypatch.setattr(stg.lower._ProgramBuilder, "action", counted)
     monkeypatch.setattr(stg.lower._ProgramBuilder, "step", counted_step)
     nodes, timing = build(model, plan), build(model, plan, nodes=False, timing=True)
+    first = ran[True]
     if name.startswith("pp4"):  # the middle stages' actions and steps are alike
         assert ran[True] < ran[False] and steps[True] < steps[False] == 4
     assert [p.stats for p in timing.programs] == [p.stats for p in nodes.programs]
@@ -280,12 +281,30 @@ def test_a_plan_lowered_for_timing_replays_as_its_nodes(name, tmp_path, monkeypa
     before = ran[True]
     reused = build(model, longer, nodes=False, timing=True)
     reused_runs, before = ran[True] - before, ran[True]
-    monkeypatch.setattr(stg.api, "_timing_templates", lambda *key: {})
-    fresh = build(model, longer, nodes=False, timing=True)
+    with monkeypatch.context() as fresh_templates:
+        fresh_templates.setattr(stg.api, "_timing_templates", lambda *key: {})
+        fresh_templates.setattr(stg.api, "_rebindable_templates", lambda *key: {})
+        fresh = build(model, longer, nodes=False, timing=True)
     assert reused_runs < ran[True] - before
     assert [p.stats for p in reused.programs] == [p.stats for p in fresh.programs]
     for variant in range(fresh.variants):
         assert slice_timings(reused, network, variant) == slice_timings(fresh, network, variant)
+    # a plan of the same structure and stage cut with other sizes (the sequence doubled: every
+    # duration and byte count changes) takes the templates of this one's actions and steps,
+    # rebound to its sizes (ActionNodes.rebound): it times as its written programs replay
+    rebound, rebind = [], stg.repeats.ActionNodes.rebound
+    monkeypatch.setattr(stg.repeats.ActionNodes, "rebound", lambda self, builder: rebound.append(1) or
+                        rebind(self, builder))
+    resized = {**plan, "seq": 2 * plan["seq"]}
+    before = ran[True]
+    timing, nodes = build(model, resized, nodes=False, timing=True), build(model, resized)
+    assert rebound and ran[True] - before < first  # runs fewer of its actions
+    assert [p.stats for p in timing.programs] == [p.stats for p in nodes.programs]
+    for variant in range(nodes.variants):
+        free, costed = slice_timings(nodes, network, variant)
+        free_t, costed_t = slice_timings(timing, network, variant)
+        assert free_t == free and costed_t.busy_us == costed.busy_us
+        assert costed_t.makespan_us == pytest.approx(costed.makespan_us, rel=1e-12)
 
 
 @pytest.mark.parametrize("plan", [dict(pp=1, global_batch=16), dict(pp=4, schedule="zb-h1", global_batch=8)])
