@@ -1017,12 +1017,12 @@ class _ProgramBuilder:
     def _moved(self, shape: tuple, microbatch: int, here: dict, reads_all: bool = False) -> ActionNodes | None:
         """Timing: the template another stage of the plan recorded with this shape and chains,
         moved to this stage (shapes.moved_here) and repeated here; None (nothing added) if there
-        is none or it does not resolve."""
-        present = frozenset(r for r, v in self.chain_roles().items() if v is not None)
-        found = self.stage_templates.get((shape[0], present))
-        if found is None and (other := self.rebindable.get((shape[0], present))) is not None:
-            # recorded under another plan's sizes: its nodes are these, their sizes this plan's
-            found = self.stage_templates[shape[0], present] = (other[0].rebound(self), other[1])
+        is none or it does not resolve. Without one, the latest recorded under another plan's
+        sizes (of this structure and stage cut), rebound to this plan's."""
+        key = (shape[0], frozenset(r for r, v in self.chain_roles().items() if v is not None))
+        found = self.stage_templates.get(key)
+        if found is None and (other := self.rebindable.get(key)) is not None:
+            found = self.stage_templates[key] = (other[0].rebound(self), other[1])
         moved = moved_here(self, found, shape, reads_all) if found else None
         return moved if moved is not None and moved.replay(self, microbatch, here) else None
 
@@ -1054,8 +1054,9 @@ class _ProgramBuilder:
         elif self.timing:  # its replay nodes as its repeats' are made, from its template
             recorded.pend_recorded(self, start, chains, here)
             self.carry = carry
+            # the latest (where the one kept did not move or resolve, this one ran)
             self.stage_templates[(shape[0], recorded.present)] = (recorded, shape)
-            self.rebindable.setdefault((shape[0], recorded.present), (recorded, shape))
+            self.rebindable[(shape[0], recorded.present)] = (recorded, shape)  # (a plan of other sizes')
         return recorded
 
     def _views(self, run: tuple, ops: list[Op]) -> None:

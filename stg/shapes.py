@@ -252,4 +252,8 @@ def moved_here(builder: _ProgramBuilder, found: tuple, shape: tuple, reads_all: 
         if peers.setdefault(builder._peer(old), builder._peer(new)) != builder._peer(new):
             return None  # two of its peers become one: not the same pattern
     retag = {old.index: new.index for (old, _), (new, _) in zip(edges, shape[2])}
+    if names == shape[1] and all(old == new for old, new in retag.items()) and all(a == b for a, b in peers.items()):
+        # this stage's own, run in a plan of other sizes: nothing to move (and nothing renamed,
+        # so a tensor its nodes name that its shape does not, e.g. a received one, still resolves)
+        return template
     return template.moved(dict(zip(names, shape[1])), retag, peers, reads_all)

@@ -248,7 +248,6 @@ def test_a_plan_lowered_for_timing_replays_as_its_nodes(name, tmp_path, monkeypa
     monkeypatch.setattr(stg.lower._ProgramBuilder, "action", counted)
     monkeypatch.setattr(stg.lower._ProgramBuilder, "step", counted_step)
     nodes, timing = build(model, plan), build(model, plan, nodes=False, timing=True)
-    first = ran[True]
     if name.startswith("pp4"):  # the middle stages' actions and steps are alike
         assert ran[True] < ran[False] and steps[True] < steps[False] == 4
     assert [p.stats for p in timing.programs] == [p.stats for p in nodes.programs]
@@ -291,14 +290,17 @@ def test_a_plan_lowered_for_timing_replays_as_its_nodes(name, tmp_path, monkeypa
         assert slice_timings(reused, network, variant) == slice_timings(fresh, network, variant)
     # a plan of the same structure and stage cut with other sizes (the sequence doubled: every
     # duration and byte count changes) takes the templates of this one's actions and steps,
-    # rebound to its sizes (ActionNodes.rebound): it times as its written programs replay
+    # rebound to its sizes (ActionNodes.rebound), and runs none of its own, a stage's template
+    # taken unmoved where its names are the stage's own (shapes.moved_here: an interleaved
+    # first stage receives from the last one a tensor its shape does not name): it times as
+    # its written programs replay
     rebound, rebind = [], stg.repeats.ActionNodes.rebound
     monkeypatch.setattr(stg.repeats.ActionNodes, "rebound", lambda self, builder: rebound.append(1) or
                         rebind(self, builder))
     resized = {**plan, "seq": 2 * plan["seq"]}
     before = ran[True]
     timing, nodes = build(model, resized, nodes=False, timing=True), build(model, resized)
-    assert rebound and ran[True] - before < first  # runs fewer of its actions
+    assert rebound and ran[True] == before  # none of its actions runs its ops
     assert [p.stats for p in timing.programs] == [p.stats for p in nodes.programs]
     for variant in range(nodes.variants):
         free, costed = slice_timings(nodes, network, variant)
