@@ -340,9 +340,9 @@ def _build(model, plan, memory_limit: int | None, nodes: bool, timing: bool,
     sharded = unit_bound(structure, units) if units else sharded
     device, bucket_bytes = device_spec(plan.device), int(plan.bucket_mb * 2**20)
     # timing: a stage repeats the actions another stage ran, in this plan or in one that
-    # differs only in its micro-batch count (a folded plan's probes, stg/explore/probe.py)
-    # and takes, with its own sizes, the actions of other plans of the cut (another dp, tp,
-    # micro-batch size...: ActionNodes.rebound)
+    # differs only in its micro-batch count (a folded plan's probes, stg/explore/probe.py); it
+    # takes those of other plans of the cut (another dp, tp, micro-batch size...) rebound to
+    # its own sizes (ActionNodes.rebound)
     templates: dict[int, dict] = {}
     rebindable = None
     if timing:

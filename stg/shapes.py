@@ -247,13 +247,13 @@ def moved_here(builder: _ProgramBuilder, found: tuple, shape: tuple, reads_all: 
     """A template another stage recorded, under this stage's names, tags and peers
     (`reads_all`: see ActionNodes.moved)."""
     template, (_, names, edges) = found
+    if names == shape[1] and edges == shape[2]:
+        # this stage's own, run in a plan of other sizes: nothing to move (and nothing renamed,
+        # so a tensor its nodes name that its shape does not, e.g. a received one, still resolves)
+        return template
     peers: dict = {}
     for (_, old), (_, new) in zip(edges, shape[2]):
         if peers.setdefault(builder._peer(old), builder._peer(new)) != builder._peer(new):
             return None  # two of its peers become one: not the same pattern
     retag = {old.index: new.index for (old, _), (new, _) in zip(edges, shape[2])}
-    if names == shape[1] and all(old == new for old, new in retag.items()) and all(a == b for a, b in peers.items()):
-        # this stage's own, run in a plan of other sizes: nothing to move (and nothing renamed,
-        # so a tensor its nodes name that its shape does not, e.g. a received one, still resolves)
-        return template
     return template.moved(dict(zip(names, shape[1])), retag, peers, reads_all)
