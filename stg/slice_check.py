@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import re
 from array import array
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -28,6 +29,9 @@ from stg.chakra.validate import unread_problems
 from stg.errors import StgError
 from stg.program import GroupHole, RankProgram, ReplayNodes, program_replay
 from stg.sharding import per_graph
+
+if TYPE_CHECKING:
+    from stg.chakra.longest_paths import SlicePaths
 
 
 class SliceCheckError(StgError):
@@ -46,12 +50,17 @@ def _chains(program: RankProgram) -> ReplayNodes:
     return program.replay if program.replay is not None else program_replay(program.nodes)
 
 
+def _hole_values(rank: int, program: RankProgram, index_of: dict[int, int], workload) -> dict:
+    """What each hole of `rank`'s program stands for: a group's id, a peer's index in the
+    slice (`index_of`). Once per rank, not per node (a big program has 10^4-10^5 nodes)."""
+    return {hole: workload.group_ids.id(rank, hole) if isinstance(hole, GroupHole)
+            else index_of.get(workload.peer(rank, hole)) for hole in program.holes}
+
+
 def _graph(index: int, rank: int, program: RankProgram, index_of: dict[int, int], workload) -> RankGraph:
     """Rank `rank`'s program as the replay's compact graph (runs of COMP nodes merged, see
     _chains), ranks renumbered by `index_of`."""
-    # a hole's value once per rank, not per node (a big program has tens of thousands of nodes)
-    value = {hole: workload.group_ids.id(rank, hole) if isinstance(hole, GroupHole)
-             else index_of.get(workload.peer(rank, hole)) for hole in program.holes}
+    value = _hole_values(rank, program, index_of, workload)
     chains = _chains(program)
     # keys and holes looked up by identity: a program's collectives share a few key objects
     # and its keys a few hole objects, and a hole's dataclass hash and equality are Python
@@ -68,6 +77,17 @@ def _graph(index: int, rank: int, program: RankProgram, index_of: dict[int, int]
     return graph
 
 
+def slice_paths(workload, ranks: list[int]) -> SlicePaths:
+    """The programs of `ranks` (renumbered 0..len-1) laid out for the longest-path replay; a
+    collective's members as rank_graphs has them."""
+    from stg.chakra.longest_paths import SlicePaths  # compiled: loaded by the replays that time a plan
+
+    index_of = {rank: i for i, rank in enumerate(ranks)}
+    programs = [workload.programs[workload.class_of(rank)] for rank in ranks]
+    values = [_hole_values(rank, program, index_of, workload) for rank, program in zip(ranks, programs)]
+    return SlicePaths([_chains(program) for program in programs], values, _members(workload, ranks, programs))
+
+
 def replay_durations(program: RankProgram) -> array:
     """The durations of the replay graph's nodes (_graph's), in its order."""
     return array("d", np.asarray(_chains(program).durations, dtype=np.float64).tobytes())
@@ -80,12 +100,17 @@ def rank_graphs(workload, ranks: list[int]) -> tuple[list[RankGraph], dict[int, 
     index_of = {rank: i for i, rank in enumerate(ranks)}
     programs = [workload.programs[workload.class_of(rank)] for rank in ranks]
     graphs = [_graph(i, rank, program, index_of, workload) for i, (rank, program) in enumerate(zip(ranks, programs))]
+    return graphs, _members(workload, ranks, programs)
+
+
+def _members(workload, ranks: list[int], programs: list[RankProgram]) -> dict[int, tuple[int, ...]]:
+    """Each group the programs of `ranks` talk on, with its members' indices in `ranks`."""
     members: dict[int, set[int]] = {}
     for i, (rank, program) in enumerate(zip(ranks, programs)):
         for hole in program.holes:
             if isinstance(hole, GroupHole):
                 members.setdefault(workload.group_ids.id(rank, hole), set()).add(i)
-    return graphs, {g: tuple(sorted(m)) for g, m in members.items()}
+    return {g: tuple(sorted(m)) for g, m in members.items()}
 
 
 def slice_ranks(workload, variant: int = 0) -> list[int]:

@@ -227,7 +227,7 @@ def test_a_plan_lowered_for_timing_replays_as_its_nodes(name, tmp_path, monkeypa
     from stg.chakra.replay_kernel import CompiledReplay
     from stg.explore.cost import real_groups, slice_timings
     from stg.explore.network import load_network
-    from stg.slice_check import rank_graphs, replay_durations, slice_ranks
+    from stg.slice_check import rank_graphs, replay_durations, slice_paths, slice_ranks
 
     model, plan = TIMING_CASES[name] if name in TIMING_CASES else (model_of(name, tmp_path), PLANS[name][1])
     if "micro_batch" not in plan:
@@ -258,9 +258,12 @@ def test_a_plan_lowered_for_timing_replays_as_its_nodes(name, tmp_path, monkeypa
         ranks = slice_ranks(timing, variant)
         graphs, members = rank_graphs(timing, ranks)
         durations = [replay_durations(timing.programs[timing.class_of(rank)]) for rank in ranks]
+        paths = slice_paths(timing, ranks)
         for cost in (CommCost(), network.bind(real_groups(timing, ranks), ranks, timing.mesh.size)):
-            # the compiled loop explore runs is TimedReplay's, to the last bit
+            # the longest-path sweep explore runs, and the compiled loop it falls back on, are
+            # TimedReplay's, to the last bit; the sweep does not stall on lowered programs
             replayed = TimedReplay(graphs, members, durations, cost).run()
+            assert paths.run(cost) == replayed
             assert CompiledReplay(graphs, members, durations).run(cost) == replayed
             # and a longest-path schedule: every node starts when its inputs are done, never
             # waiting for its rank's compute or comm slot (lowering's chains order both)

@@ -194,6 +194,18 @@ def test_estimate_equals_the_timed_replay_of_the_written_set(model, plan, tmp_pa
         timed_replay(tmp_path, comm="alpha-beta", network=small_nodes).makespan_us - free, rel=0.02, abs=1)
 
 
+def test_a_slice_the_sweep_cannot_order_is_timed_by_the_event_queue(monkeypatch):
+    """slice_timings runs the longest-path sweep first (stg/chakra/longest_paths.py); where it
+    stalls (None), the compiled event queue times the slice, with the same numbers."""
+    from stg.chakra.longest_paths import SlicePaths
+
+    network = load_network("dgx-h100-superpod")
+    workload = build(MID, Plan(dp=2, tp=2, pp=2, zero=1, global_batch=8, seq=512), timing=True)
+    swept, runs = slice_timings(workload, network), []
+    monkeypatch.setattr(SlicePaths, "run", lambda self, cost: runs.append(cost))  # stalls: None
+    assert slice_timings(workload, network) == swept and len(runs) == 2
+
+
 # --- the search ----------------------------------------------------------------------------
 
 def test_search_drops_by_reason_and_ranks_by_step_time():

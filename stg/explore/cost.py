@@ -31,7 +31,7 @@ from stg.chakra.replay_kernel import CompiledReplay
 from stg.device import device_spec
 from stg.explore.network import Network
 from stg.program import GroupHole
-from stg.slice_check import rank_graphs, replay_durations, slice_ranks
+from stg.slice_check import rank_graphs, replay_durations, slice_paths, slice_ranks
 
 
 @dataclass(frozen=True)
@@ -72,11 +72,16 @@ def real_groups(workload, ranks: list[int]) -> dict[int, list[int]]:
 def slice_timings(workload, network: Network, variant: int = 0):
     """The Timings of one pipeline slice under free communication and on `network`."""
     ranks = slice_ranks(workload, variant)
-    graphs, members = rank_graphs(workload, ranks)  # read-only to the replay: built once, run twice
+    costs = CommCost(), network.bind(real_groups(workload, ranks), ranks, workload.mesh.size)
+    paths = slice_paths(workload, ranks)  # read-only to the replay: laid out once, run twice
+    timings = tuple(paths.run(cost) for cost in costs)
+    if None not in timings:
+        return timings
+    # the sweep stalled: the event queue's numbers, compiled; TimedReplay itself says why a run
+    # that hangs hangs
+    graphs, members = rank_graphs(workload, ranks)
     durations = [replay_durations(workload.programs[workload.class_of(rank)]) for rank in ranks]
     compiled = CompiledReplay(graphs, members, durations)
-    costs = CommCost(), network.bind(real_groups(workload, ranks), ranks, workload.mesh.size)
-    # TimedReplay's numbers, compiled; TimedReplay itself says why a run that hangs hangs
     return tuple(compiled.run(cost) or TimedReplay(graphs, members, durations, cost).run() for cost in costs)
 
 

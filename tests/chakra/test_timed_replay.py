@@ -1,6 +1,7 @@
 """timed_replay() on small hand-made trace sets whose timings can be worked out on paper."""
 
 import json
+from array import array
 
 import pytest
 
@@ -204,6 +205,58 @@ def test_the_compiled_loop_gives_the_replays_numbers_and_none_when_it_hangs(tmp_
                 assert compiled.run(cost) is None
             else:
                 assert compiled.run(cost) == TimedReplay(loaded.graphs, loaded.groups, loaded.durations, cost).run()
+
+
+def _replay_nodes(nodes):
+    """ReplayNodes of (type, duration, deps, comm key) tuples, ids 0..n-1 (comm keys as the
+    replay numbers ranks and groups: SlicePaths translates them through an identity map)."""
+    from stg.program import ReplayNodes
+
+    return ReplayNodes(list(range(len(nodes))), [t for t, *_ in nodes], [len(d) for _, _, d, _ in nodes],
+                       [x for _, _, d, _ in nodes for x in d], [us for _, us, *_ in nodes],
+                       {i: key for i, (_, _, _, key) in enumerate(nodes) if key is not None})
+
+
+@pytest.mark.parametrize("case", ["pipeline", "joined collective", "out of order", "hang"])
+def test_the_longest_path_sweep_gives_the_replays_numbers_or_none(case):
+    """The sweep explore runs first (stg/chakra/longest_paths.py): where every rank's nodes can
+    end in their order -- two stages passing a micro-batch forward and back, a collective both
+    join at different times -- it gives TimedReplay's floats, free and under alpha-beta. Where
+    the event queue must run a rank's later node first (rank 0 sends before its earlier RECV's
+    message, which waits on that send, comes in), or nothing can run (each RECV's message is
+    sent after the other), it returns None: the caller replays with the event queue."""
+    from stg.chakra.load import build_graph
+    from stg.chakra.longest_paths import SlicePaths
+    from stg.chakra.replay import CommCost, CommModel, TimedReplay
+
+    C, S, R, L = pb.COMP_NODE, pb.COMM_SEND_NODE, pb.COMM_RECV_NODE, pb.COMM_COLL_NODE
+    groups = {}
+    if case == "pipeline":  # stage 0: F, send; recv grad, B. stage 1: recv, F, B, send grad
+        ranks = [[(C, 10.0, [], None), (S, 0, [0], (0, 1, 1, GB)), (R, 0, [], (1, 0, 2, GB)), (C, 20.0, [0, 2], None)],
+                 [(R, 0, [], (0, 1, 1, GB)), (C, 15.0, [0], None), (C, 30.0, [1], None), (S, 0, [2], (1, 0, 2, GB))]]
+    elif case == "joined collective":
+        groups = {7: (0, 1)}
+        ranks = [[(C, 10.0, [], None), (L, 0, [0], (7, AR, GB)), (C, 5.0, [0, 1], None)],
+                 [(C, 40.0, [], None), (L, 0, [0], (7, AR, GB)), (C, 1.0, [1], None)]]
+    elif case == "out of order":
+        ranks = [[(R, 0, [], (1, 0, 1, GB)), (S, 0, [], (0, 1, 2, GB))],
+                 [(R, 0, [], (0, 1, 2, GB)), (S, 0, [0], (1, 0, 1, GB))]]
+    else:
+        ranks = [[(R, 0, [], (1, 0, 1, GB)), (S, 0, [0], (0, 1, 2, GB))],
+                 [(R, 0, [], (0, 1, 2, GB)), (S, 0, [0], (1, 0, 1, GB))]]
+    programs = [_replay_nodes(nodes) for nodes in ranks]
+    graphs = [build_graph(r, p.ids, p.types, p.n_deps, p.deps, p.comm, [])[0] for r, p in enumerate(programs)]
+    durations = [array("d", p.durations) for p in programs]
+    identity = {x: x for x in (0, 1, 7)}
+    paths = SlicePaths(programs, [identity] * len(programs), groups)
+    for cost in (CommCost(), CommCost(CommModel.ALPHA_BETA)):
+        if case == "hang":
+            assert paths.run(cost) is None
+            with pytest.raises(ReplayError, match="deadlocks"):
+                TimedReplay(graphs, groups, durations, cost).run()
+            continue
+        replayed = TimedReplay(graphs, groups, durations, cost).run()
+        assert paths.run(cost) == (None if case == "out of order" else replayed)
 
 
 def test_a_big_set_is_timed_by_the_compiled_loop_with_the_same_numbers(tmp_path, monkeypatch):

@@ -1,0 +1,210 @@
+"""The timed replay of programs whose compute and communication each run in one chain, as
+longest paths: explore's slice replays (stg/explore/cost.py), without an event queue.
+
+Lowering chains each rank's COMP nodes, and its COLL and SEND nodes, one after another, so no
+node ever waits for a busy resource, and TimedReplay's times (stg/chakra/replay.py) are the
+longest paths through the nodes: a node ends `duration` (a COMP's) or `slot` (a SEND's, a
+collective's) after the latest of its dependencies; a RECV ends at the later of that and its
+message's arrival; a collective's members all end `slot` after the last of them joined. Each
+rank is swept in its nodes' order (an index depends on lower ones), switching rank where a
+RECV's message or a collective's other members are not yet in, so every time is the float
+TimedReplay finds (the same additions, the same maxima). A sweep that stalls -- a rank whose
+next node waits on another rank that waits on a later node of the first, which the event
+queue would run out of order -- returns None: the caller replays it with the event queue
+(stg/chakra/replay_kernel.py), which also tells a deadlock. The replays of one set of programs
+share the arrays (explore runs each slice twice: free and costed).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+import numba
+import numpy as np
+
+from stg.chakra.rank_graph import COLL, COMP, RECV, SEND
+from stg.chakra.replay import CostModel, Timing
+from stg.program import ReplayNodes
+
+
+class SlicePaths:
+    """Rank programs (`nodes`, ReplayNodes whose comm keys' holes `values` translates: group
+    ids for GroupHoles, rank indices for RankHoles) laid out for the sweep once; `run(cost)`
+    per cost model. `groups`: each group's member indices among these ranks."""
+
+    def __init__(self, nodes: Sequence[ReplayNodes], values: Sequence[Mapping], groups: Mapping[int, Sequence[int]]):
+        self.groups = groups
+        sizes = np.array([len(n.ids) for n in nodes], dtype=np.int64)
+        self.rank_start = np.zeros(len(nodes) + 1, dtype=np.int64)
+        np.cumsum(sizes, out=self.rank_start[1:])
+        n = int(self.rank_start[-1])
+        self.types = np.concatenate([np.asarray(p.types, dtype=np.int64) for p in nodes]) if nodes \
+            else np.empty(0, dtype=np.int64)
+        self.durations = np.concatenate([np.asarray(p.durations, dtype=np.float64) for p in nodes]) if nodes \
+            else np.empty(0)
+        n_deps = np.concatenate([np.asarray(p.n_deps, dtype=np.int64) for p in nodes]) if nodes \
+            else np.empty(0, dtype=np.int64)
+        self.parent_start = np.zeros(n + 1, dtype=np.int64)
+        np.cumsum(n_deps, out=self.parent_start[1:])
+        self.sweeps = True  # False: some node depends on a later one or on none of its rank's
+        parents = []
+        for r, program in enumerate(nodes):
+            parents.append(self._parents(program, n_deps[self.rank_start[r]:self.rank_start[r + 1]]))
+            parents[-1] += self.rank_start[r]
+        self.parents = np.concatenate(parents) if parents else np.empty(0, dtype=np.int64)
+        self._comm(nodes, values)
+
+    def _parents(self, program: ReplayNodes, n_deps: np.ndarray) -> np.ndarray:
+        """The program's dependencies as indices of its own nodes."""
+        ids, deps = np.asarray(program.ids, dtype=np.int64), np.asarray(program.deps, dtype=np.int64)
+        if not len(deps):
+            return deps
+        if (ids[1:] <= ids[:-1]).any() or deps.min() < 0 or deps.max() > ids[-1]:
+            self.sweeps = False
+            return np.zeros(len(deps), dtype=np.int64)
+        index = np.full(int(ids[-1]) + 1, -1, dtype=np.int64)
+        index[ids] = np.arange(len(ids))
+        parents = index[deps]
+        if ((parents < 0) | (parents >= np.repeat(np.arange(len(ids)), n_deps))).any():
+            self.sweeps = False
+        return parents
+
+    def _comm(self, nodes: Sequence[ReplayNodes], values: Sequence[Mapping]) -> None:
+        """Per node: the comm slot's cost it takes (slot_key), the SEND whose message a RECV
+        receives (partner), the collective instance it joins (instance: the k-th of its group
+        on its rank joins every member's k-th). A slice holds 10^5-10^6 comm nodes sharing far
+        fewer key objects: each distinct key is translated once, the nodes mapped as arrays."""
+        n = int(self.rank_start[-1])
+        self.slot_key = np.full(n, -1, dtype=np.int64)
+        self.slot_keys: dict[tuple, int] = {}
+        self.partner = np.full(n, -1, dtype=np.int64)
+        self.instance = np.full(n, -1, dtype=np.int64)
+        group_index = {group: k for k, group in enumerate(sorted(self.groups))}
+        messages: dict[tuple, int] = {}  # a p2p key -> its message
+        slots = self.slot_keys
+        p2p, collectives = [], []  # per rank: (nodes, messages) and (nodes, group indices)
+        for r, (program, value) in enumerate(zip(nodes, values)):
+            at = np.fromiter(program.comm, dtype=np.int64, count=len(program.comm)) + self.rank_start[r]
+            keys = list(program.comm.values())
+            distinct = {id(key): key for key in keys}
+            holes = {id(hole): hole for key in distinct.values() for hole in key[:1 if len(key) == 3 else 2]}
+            at_hole = {ident: value[hole] for ident, hole in holes.items()}  # (a hole's hash is a Python call)
+            # per distinct key: its slot (a collective's; a send's, by (src, dst, bytes)) and its
+            # group index (a collective's) or message (a send's or receive's)
+            slot, which = [], []
+            for key in distinct.values():
+                if len(key) == 3:
+                    key = (at_hole[id(key[0])], key[1], key[2])
+                    slot.append(slots.setdefault((COLL, key), len(slots)))
+                    which.append(group_index[key[0]])
+                else:
+                    key = (at_hole[id(key[0])], at_hole[id(key[1])], key[2], key[3])
+                    slot.append(slots.setdefault((SEND, (key[0], key[1], key[3])), len(slots)))
+                    which.append(messages.setdefault(key, len(messages)))
+            place = dict(zip(distinct, range(len(distinct))))
+            code = np.fromiter(map(place.__getitem__, map(id, keys)), dtype=np.int64, count=len(keys))
+            slot_of, which_of = np.array(slot, dtype=np.int64)[code], np.array(which, dtype=np.int64)[code]
+            kinds = self.types[at]
+            holds = kinds != RECV  # a RECV holds no slot
+            self.slot_key[at[holds]] = slot_of[holds]
+            is_coll = kinds == COLL
+            collectives.append((at[is_coll], which_of[is_coll]))
+            p2p.append((at[~is_coll], which_of[~is_coll], kinds[~is_coll] == SEND))
+        # a message's SEND and RECV; two messages of one key are FIFO matching, the event queue's
+        at, message, sending = (np.concatenate(parts) for parts in zip(*p2p)) if p2p else (np.empty(0, int),) * 3
+        sender = np.full(len(messages), -1, dtype=np.int64)
+        sender[message[sending]] = at[sending]
+        self.partner[at[~sending]] = sender[message[~sending]]
+        if (np.bincount(message[sending]) > 1).any() or (np.bincount(message[~sending]) > 1).any():
+            self.sweeps = False
+        # the k-th collective of a group on each rank: one instance (group x k)
+        most = max((int(np.bincount(g).max()) for _, g in collectives if len(g)), default=1)
+        for at, group in collectives:
+            order = np.argsort(group, kind="stable")
+            first = np.searchsorted(group[order], group[order])
+            ordinal = np.empty(len(at), dtype=np.int64)
+            ordinal[order] = np.arange(len(at)) - first
+            self.instance[at] = group * most + ordinal
+        sizes = np.array([len(self.groups[g]) for g in sorted(self.groups)], dtype=np.int64)
+        self.instance_size = np.repeat(sizes, most) if len(sizes) else np.zeros(1, dtype=np.int64)
+
+    def run(self, cost: CostModel) -> Timing | None:
+        """What TimedReplay(graphs, groups, durations, cost).run() returns (without recorded
+        nodes), or None when the sweep stalls (the event queue then decides)."""
+        if not self.sweeps:
+            return None
+        bound = cost.bind(self.groups)
+        costs = [bound.collective_us(key[1], key[2], key[0]) if kind == COLL else bound.send_us(*key)
+                 for kind, key in self.slot_keys]
+        slot_us = np.append(np.array(costs, dtype=np.float64), 0.0)[self.slot_key]  # -1: holds no slot
+        busy, finish, swept = _sweep(self.types, self.durations, slot_us, self.parent_start, self.parents,
+                                     self.partner, self.instance, self.instance_size, self.rank_start)
+        if not swept:
+            return None
+        makespan = float(finish.max()) if len(finish) else 0.0
+        return Timing(makespan_us=makespan, busy_us=busy.tolist(), idle_us=[makespan - b for b in busy.tolist()],
+                      finish_us=finish.tolist())
+
+
+@numba.njit(cache=True)
+def _ready(i, parent_start, parents, ends):
+    """When node i's last dependency ended."""
+    ready = 0.0
+    for e in range(parent_start[i], parent_start[i + 1]):
+        t = ends[parents[e]]
+        if t > ready:
+            ready = t
+    return ready
+
+
+@numba.njit(cache=True)
+def _sweep(types, durations, slot_us, parent_start, parents, partner, instance, instance_size, rank_start):
+    """Each node's end, rank by rank in index order (see the module's docstring): per rank the
+    COMP time and the last end, and whether every node ended."""
+    n, ranks = types.size, rank_start.size - 1
+    ends = np.full(n, -1.0)  # -1: not yet
+    joined = np.zeros(instance_size.size, dtype=np.int64)
+    joined_at = np.zeros(instance_size.size)
+    instance_end = np.full(instance_size.size, -1.0)
+    joining = np.zeros(ranks, dtype=np.bool_)  # the rank's next node is a collective it joined
+    cursor = rank_start[:-1].copy()
+    busy, finish = np.zeros(ranks), np.zeros(ranks)
+    left = n
+    while left:
+        moved = False
+        for r in range(ranks):
+            i, last = cursor[r], rank_start[r + 1]
+            while i < last:
+                kind = types[i]
+                if kind == COMP:
+                    end = _ready(i, parent_start, parents, ends) + durations[i]
+                    busy[r] += durations[i]
+                elif kind == RECV:
+                    sent = partner[i]
+                    if sent < 0 or ends[sent] < 0:
+                        break  # its message is not in yet
+                    end = max(_ready(i, parent_start, parents, ends), ends[sent])
+                elif kind == COLL:
+                    k = instance[i]
+                    if not joining[r]:
+                        joining[r], moved = True, True
+                        joined_at[k] = max(joined_at[k], _ready(i, parent_start, parents, ends))
+                        joined[k] += 1
+                        if joined[k] == instance_size[k]:
+                            instance_end[k] = joined_at[k] + slot_us[i]
+                    if instance_end[k] < 0:
+                        break  # its other members have not joined
+                    joining[r] = False
+                    end = instance_end[k]
+                else:
+                    end = _ready(i, parent_start, parents, ends) + slot_us[i]
+                ends[i] = end
+                if end > finish[r]:
+                    finish[r] = end
+                i += 1
+                left -= 1
+                moved = True
+            cursor[r] = i
+        if not moved:
+            return busy, finish, False
+    return busy, finish, True
