@@ -128,20 +128,67 @@ class ClassStats:
 
 
 @dataclass(frozen=True)
+class CommNodes:
+    """The communication nodes of ReplayNodes as arrays: per node its position, its key (an
+    index into `keys`: (GroupHole, collective type, bytes) of a collective, (src, dst, tag,
+    bytes) of a send or receive, holes standing for the ranks) and how far its tag is shifted
+    from its key's (a repeated action's messages: its micro-batch's; 0 for a collective). A
+    program's 10^4-10^5 comm nodes share a few hundred key objects (a repeated action's are
+    its template's), so a reader translates each key once, not each node's."""
+
+    at: np.ndarray
+    key: np.ndarray
+    shift: np.ndarray
+    keys: tuple[tuple, ...]
+
+    @classmethod
+    def of(cls, comm: Mapping[int, tuple]) -> "CommNodes":
+        """From keys by position (each node's key as it is: no shift)."""
+        distinct = {id(key): key for key in comm.values()}
+        place = dict(zip(distinct, range(len(distinct))))
+        n = len(comm)
+        return cls(np.fromiter(comm, np.int64, n), np.fromiter(map(place.__getitem__, map(id, comm.values())), np.int64, n),
+                   np.zeros(n, dtype=np.int64), tuple(distinct.values()))
+
+    @classmethod
+    def joined(cls, parts: Sequence[tuple[int, "CommNodes"]]) -> "CommNodes":
+        """The parts' nodes, each part's positions offset by its int, their keys listed once."""
+        if not parts:
+            return cls.of({})
+        distinct: dict[int, tuple] = {}  # by identity, in order of first use
+        for _, part in parts:
+            distinct.update(zip(map(id, part.keys), part.keys))
+        place = dict(zip(distinct, range(len(distinct))))
+        indices = [np.fromiter(map(place.__getitem__, map(id, part.keys)), np.int64, len(part.keys)) for _, part in parts]
+        return cls(np.concatenate([part.at + offset for offset, part in parts]),
+                   np.concatenate([index[part.key] for index, (_, part) in zip(indices, parts)]),
+                   np.concatenate([part.shift for _, part in parts]), tuple(distinct.values()))
+
+    def items(self):
+        """(position, key) per node, a shifted tag added to its key's."""
+        keys = self.keys
+        for at, key, shift in zip(self.at.tolist(), self.key.tolist(), self.shift.tolist()):
+            k = keys[key]
+            yield at, (k[0], k[1], k[2] + shift, k[3]) if shift else k
+
+    def __len__(self) -> int:
+        return len(self.at)
+
+
+@dataclass(frozen=True)
 class ReplayNodes:
     """A program as the timed replay reads it (stg/slice_check.py): each run of COMP nodes that
     nothing else touches merged into its first, which lasts the run's sum; every start, finish
     and wait of the replay is that of the whole node list. Per kept node, in id order: its id,
-    type, dependencies (kept nodes' ids, `n_deps` of them each, flattened) and duration; `comm`
-    by position: (GroupHole, collective type, bytes) of a collective, (src, dst, tag, bytes) of
-    a send or receive, holes standing for the ranks."""
+    type, dependencies (kept nodes' ids, `n_deps` of them each, flattened) and duration; its
+    communication nodes' keys (CommNodes: positions among the kept nodes)."""
 
     ids: Sequence[int]
     types: Sequence[int]
     n_deps: Sequence[int]
     deps: Sequence[int]  # a dependency may repeat (the replay's graph counts each once)
     durations: Sequence[float]
-    comm: dict[int, tuple]
+    comm: CommNodes
 
 
 def merged_runs(comp: Sequence[bool], deps: Sequence[Sequence[int]], ends: Collection[int] = ()) -> list[int]:
@@ -180,7 +227,7 @@ def replay_nodes(nodes: Sequence[TraceNode], head: Sequence[int], start: int = 0
         n_deps.append(len(deps))
         flat.extend(deps)
         times.append(durations.get(n, 0))
-    return ReplayNodes(ids, types, n_deps, flat, times, comm)
+    return ReplayNodes(ids, types, n_deps, flat, times, CommNodes.of(comm))
 
 
 def program_replay(nodes: Sequence[TraceNode]) -> ReplayNodes:
@@ -223,7 +270,7 @@ def program_replay(nodes: Sequence[TraceNode]) -> ReplayNodes:
     comm_places = np.flatnonzero(~comp)  # never merged
     at = np.searchsorted(ids, comm_places)
     comm = {int(place): nodes[node].comm_key for place, node in zip(at, comm_places)}
-    return ReplayNodes(ids, types[kept], n_deps, deps, times, comm)
+    return ReplayNodes(ids, types[kept], n_deps, deps, times, CommNodes.of(comm))
 
 
 class ReplayChunks:
@@ -233,20 +280,20 @@ class ReplayChunks:
     def __init__(self) -> None:
         self.chunks: list[tuple] = []
         self.size = 0  # nodes so far
-        self.comm: dict[int, tuple] = {}
+        self.comm: list[tuple[int, CommNodes]] = []
 
-    def add(self, ids, types, n_deps, deps, durations, comm: Mapping[int, tuple] | None = None) -> None:
+    def add(self, ids, types, n_deps, deps, durations, comm: CommNodes | None = None) -> None:
         """Append nodes: ids, types, dependency counts, flat dependencies and durations
-        (sequences or arrays), and comm entries by their position among them."""
-        if comm:
-            self.comm.update(zip(map(self.size.__add__, comm), comm.values()))
+        (sequences or arrays), and their comm nodes (positions among them)."""
+        if comm is not None and len(comm):
+            self.comm.append((self.size, comm))
         self.chunks.append((ids, types, n_deps, deps, durations))
         self.size += len(ids)
 
     def nodes(self) -> ReplayNodes:
         joined = [np.concatenate([np.asarray(c[k], dtype=np.float64 if k == 4 else np.int64) for c in self.chunks])
                   if self.chunks else np.empty(0) for k in range(5)]
-        return ReplayNodes(*joined, self.comm)
+        return ReplayNodes(*joined, CommNodes.joined(self.comm))
 
 
 @dataclass(frozen=True)

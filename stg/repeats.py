@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Iterable
 
 import numpy as np
 
-from stg.program import ClassStats, NodeType, TraceNode, merged_runs
+from stg.program import ClassStats, CommNodes, NodeType, TraceNode, merged_runs
 from stg.sharding import ShardedGraph, per_graph
 
 if TYPE_CHECKING:
@@ -381,8 +381,7 @@ def flush_compact(builder: "_ProgramBuilder") -> None:
     rows, n_flat, n_comp = (int(n) for n in ends[-1])
     ids, types, n_deps = (np.empty(rows, dtype=np.int64) for _ in range(3))
     deps, runs, exacts = np.empty(n_flat, dtype=np.int64), np.empty(n_comp, dtype=np.int64), np.empty(n_comp)
-    comm: dict[int, tuple] = {}
-    row_of = firsts[:, 0].tolist()
+    comm: list[tuple[int, CommNodes]] = []
     for entries in by_template:
         c = pending[entries[0]][0]
         builder.holes |= c.holes
@@ -397,13 +396,13 @@ def flush_compact(builder: "_ProgramBuilder") -> None:
         deps[flat + np.arange(len(c.deps))] = values
         comp_at = comp + np.arange(len(c.exacts))
         exacts[comp_at], runs[comp_at] = c.exacts, c.runs + row
-        comm.update(zip((c.collectives + row).ravel().tolist(), c.collective_keys * len(entries)))
-        if c.p2p:
-            comm.update((row_of[n] + k, (src, dst, tag + pending[n][3], size))
-                        for n in entries for k, (src, dst, tag, size) in c.p2p)
+        if len(c.keyed):  # its messages' tags shifted by each repeat's micro-batch
+            shifts = np.array([pending[n][3] for n in entries], dtype=np.int64)[:, None]
+            comm.append((0, CommNodes((c.keyed + row).ravel(), np.tile(np.arange(len(c.keyed)), len(entries)),
+                                      (shifts * c.keyed_p2p).ravel(), c.keys)))
         builder.comm_ids.update((c.comm_offsets + starts).ravel().tolist())
     sums, builder.carry = _rounding()(exacts, runs, rows, builder.carry)
-    builder.replay.add(ids, types, n_deps, deps, sums, comm)
+    builder.replay.add(ids, types, n_deps, deps, sums, CommNodes.joined(comm))
 
 
 COMPUTE_ROLE, COMM_ROLE = ("chain", "compute"), ("chain", "comm")  # the chains' last nodes' roles
@@ -445,12 +444,19 @@ class _Compact:
     comm_offsets: np.ndarray
     last_compute: int | None
     last_comm: int | None
+    keyed: np.ndarray  # kept indices of the collectives, then of the sends and receives
+    keyed_p2p: np.ndarray  # per those: 1 for a send or receive (a repeat shifts its tag)
     holes: frozenset
 
     @cached_property
     def tail_offsets(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
         """`tails` as two columns: the last nodes, their runs' first nodes."""
         return tuple(tail for tail, _ in self.tails), tuple(first for _, first in self.tails)
+
+    @cached_property
+    def keys(self) -> tuple:
+        """The keys of `keyed`: the collectives', then the sends' and receives'."""
+        return self.collective_keys + tuple(key for _, key in self.p2p)
 
     @cached_property
     def no_nodes(self) -> tuple[None, ...]:
@@ -502,12 +508,13 @@ class _Compact:
         flat = [d for node_deps in deps for d in node_deps]
         outside_at = [i for i, d in enumerate(flat) if type(d) is not int]
         ints = lambda values: np.array(values, dtype=np.int64)
+        collectives = [k for k, key in enumerate(comm) if key and len(key) == 3]
+        p2p = [k for k, key in enumerate(comm) if key and len(key) == 4]
         return cls(ints(kept), tuple(head), ints(types), ints([len(d) for d in deps]),
                    ints([d if type(d) is int else 0 for d in flat]), ints(outside_at),
-                   tuple(flat[i] for i in outside_at), ints([k for k, key in enumerate(comm) if key and len(key) == 3]),
-                   tuple(key for key in comm if key and len(key) == 3),
-                   tuple((k, key) for k, key in enumerate(comm) if key and len(key) == 4),
+                   tuple(flat[i] for i in outside_at), ints(collectives), tuple(comm[k] for k in collectives),
+                   tuple((k, comm[k]) for k in p2p),
                    np.array(exacts, dtype=np.float64), ints(runs),
                    tuple((tail, first) for first, tail in tails.items() if tail in kept_by),
                    ints([n for n, e in enumerate(entries) if e[1] is not _COMP]), last_compute, last_comm,
-                   frozenset(holes))
+                   ints(collectives + p2p), ints([0] * len(collectives) + [1] * len(p2p)), frozenset(holes))

@@ -27,7 +27,7 @@ from stg.chakra.rank_graph import Problem, RankGraph
 from stg.chakra.replay import Replay
 from stg.chakra.validate import unread_problems
 from stg.errors import StgError
-from stg.program import GroupHole, RankProgram, ReplayNodes, program_replay
+from stg.program import CommNodes, GroupHole, RankProgram, ReplayNodes, program_replay
 from stg.sharding import per_graph
 
 if TYPE_CHECKING:
@@ -57,20 +57,21 @@ def _hole_values(rank: int, program: RankProgram, index_of: dict[int, int], work
             else index_of.get(workload.peer(rank, hole)) for hole in program.holes}
 
 
+def translated_keys(keys: tuple[tuple, ...], value: dict) -> tuple[tuple, ...]:
+    """Comm keys with their holes' values (`value`: _hole_values). Holes looked up by identity:
+    the keys share a few hole objects, and a hole's dataclass hash is a Python call."""
+    holes = {id(hole): hole for key in keys for hole in key[:1 if len(key) == 3 else 2]}
+    at = {ident: value[hole] for ident, hole in holes.items()}
+    return tuple((at[id(k[0])], k[1], k[2]) if len(k) == 3 else (at[id(k[0])], at[id(k[1])], k[2], k[3]) for k in keys)
+
+
 def _graph(index: int, rank: int, program: RankProgram, index_of: dict[int, int], workload) -> RankGraph:
     """Rank `rank`'s program as the replay's compact graph (runs of COMP nodes merged, see
     _chains), ranks renumbered by `index_of`."""
     value = _hole_values(rank, program, index_of, workload)
     chains = _chains(program)
-    # keys and holes looked up by identity: a program's collectives share a few key objects
-    # and its keys a few hole objects, and a hole's dataclass hash and equality are Python
-    # calls (a slice has 10^5-10^6 comm nodes): each distinct key is translated once
-    keys = dict(zip(map(id, chains.comm.values()), chains.comm.values()))
-    holes = {id(hole): hole for key in keys.values() for hole in key[:1 if len(key) == 3 else 2]}
-    at = {ident: value[hole] for ident, hole in holes.items()}
-    translated = {ident: (at[id(k[0])], k[1], k[2]) if len(k) == 3 else (at[id(k[0])], at[id(k[1])], k[2], k[3])
-                  for ident, k in keys.items()}
-    comm = dict(zip(chains.comm, map(translated.__getitem__, map(id, chains.comm.values()))))
+    comm = dict(CommNodes(chains.comm.at, chains.comm.key, chains.comm.shift,
+                          translated_keys(chains.comm.keys, value)).items())
     problems: list[Problem] = []
     graph, _ = build_graph(index, chains.ids, chains.types, chains.n_deps, chains.deps, comm, problems)
     assert not problems, problems  # lowering numbers nodes 0..n-1, each depending on earlier ones
@@ -84,8 +85,10 @@ def slice_paths(workload, ranks: list[int]) -> SlicePaths:
 
     index_of = {rank: i for i, rank in enumerate(ranks)}
     programs = [workload.programs[workload.class_of(rank)] for rank in ranks]
-    values = [_hole_values(rank, program, index_of, workload) for rank, program in zip(ranks, programs)]
-    return SlicePaths([_chains(program) for program in programs], values, _members(workload, ranks, programs))
+    chains = [_chains(program) for program in programs]
+    keys = [translated_keys(c.comm.keys, _hole_values(rank, program, index_of, workload))
+            for c, rank, program in zip(chains, ranks, programs)]
+    return SlicePaths(chains, keys, _members(workload, ranks, programs))
 
 
 def replay_durations(program: RankProgram) -> array:

@@ -21,7 +21,7 @@ def _all_reduce(n: int, deps: tuple[int, ...]) -> TraceNode:
 
 def _form(replay) -> tuple:
     return (list(np.asarray(replay.ids)), list(np.asarray(replay.types)), list(np.asarray(replay.n_deps)),
-            list(np.asarray(replay.deps)), [float(t) for t in np.asarray(replay.durations)], replay.comm)
+            list(np.asarray(replay.deps)), [float(t) for t in np.asarray(replay.durations)], dict(replay.comm.items()))
 
 
 def _by_nodes(nodes: list[TraceNode]) -> tuple:

@@ -28,11 +28,12 @@ from stg.program import ReplayNodes
 
 
 class SlicePaths:
-    """Rank programs (`nodes`, ReplayNodes whose comm keys' holes `values` translates: group
-    ids for GroupHoles, rank indices for RankHoles) laid out for the sweep once; `run(cost)`
-    per cost model. `groups`: each group's member indices among these ranks."""
+    """Rank programs (`nodes`, ReplayNodes; `keys`: per program its comm keys, comm.keys, as
+    the replay numbers groups and ranks) laid out for the sweep once; `run(cost)` per cost
+    model. `groups`: each group's member indices among these ranks."""
 
-    def __init__(self, nodes: Sequence[ReplayNodes], values: Sequence[Mapping], groups: Mapping[int, Sequence[int]]):
+    def __init__(self, nodes: Sequence[ReplayNodes], keys: Sequence[tuple[tuple, ...]],
+                 groups: Mapping[int, Sequence[int]]):
         self.groups = groups
         sizes = np.array([len(n.ids) for n in nodes], dtype=np.int64)
         self.rank_start = np.zeros(len(nodes) + 1, dtype=np.int64)
@@ -52,7 +53,7 @@ class SlicePaths:
             parents.append(self._parents(program, n_deps[self.rank_start[r]:self.rank_start[r + 1]]))
             parents[-1] += self.rank_start[r]
         self.parents = np.concatenate(parents) if parents else np.empty(0, dtype=np.int64)
-        self._comm(nodes, values)
+        self._comm(nodes, keys)
 
     def _parents(self, program: ReplayNodes, n_deps: np.ndarray) -> np.ndarray:
         """The program's dependencies as indices of its own nodes."""
@@ -69,50 +70,49 @@ class SlicePaths:
             self.sweeps = False
         return parents
 
-    def _comm(self, nodes: Sequence[ReplayNodes], values: Sequence[Mapping]) -> None:
+    def _comm(self, nodes: Sequence[ReplayNodes], keys: Sequence[tuple[tuple, ...]]) -> None:
         """Per node: the comm slot's cost it takes (slot_key), the SEND whose message a RECV
         receives (partner), the collective instance it joins (instance: the k-th of its group
-        on its rank joins every member's k-th). A slice holds 10^5-10^6 comm nodes sharing far
-        fewer key objects: each distinct key is translated once, the nodes mapped as arrays."""
+        on its rank joins every member's k-th). Each distinct key is read once, the nodes
+        mapped as arrays (a slice holds 10^5-10^6 comm nodes, a few hundred keys a rank)."""
         n = int(self.rank_start[-1])
         self.slot_key = np.full(n, -1, dtype=np.int64)
         self.slot_keys: dict[tuple, int] = {}
         self.partner = np.full(n, -1, dtype=np.int64)
         self.instance = np.full(n, -1, dtype=np.int64)
         group_index = {group: k for k, group in enumerate(sorted(self.groups))}
-        messages: dict[tuple, int] = {}  # a p2p key -> its message
+        pairs: dict[tuple, int] = {}  # (src, dst, bytes) of a message
         slots = self.slot_keys
-        p2p, collectives = [], []  # per rank: (nodes, messages) and (nodes, group indices)
-        for r, (program, value) in enumerate(zip(nodes, values)):
-            at = np.fromiter(program.comm, dtype=np.int64, count=len(program.comm)) + self.rank_start[r]
-            keys = list(program.comm.values())
-            distinct = {id(key): key for key in keys}
-            holes = {id(hole): hole for key in distinct.values() for hole in key[:1 if len(key) == 3 else 2]}
-            at_hole = {ident: value[hole] for ident, hole in holes.items()}  # (a hole's hash is a Python call)
-            # per distinct key: its slot (a collective's; a send's, by (src, dst, bytes)) and its
-            # group index (a collective's) or message (a send's or receive's)
-            slot, which = [], []
-            for key in distinct.values():
+        p2p, collectives = [], []  # per rank: (nodes, pair, tag, is a send) and (nodes, group indices)
+        for r, (program, translated) in enumerate(zip(nodes, keys)):
+            comm = program.comm
+            at = comm.at + self.rank_start[r]
+            # per key: its slot (a collective's; a send's, by its pair), its group index (a
+            # collective's) or its pair, and its tag
+            slot, which, tag = [], [], []
+            for key in translated:
                 if len(key) == 3:
-                    key = (at_hole[id(key[0])], key[1], key[2])
                     slot.append(slots.setdefault((COLL, key), len(slots)))
                     which.append(group_index[key[0]])
+                    tag.append(0)
                 else:
-                    key = (at_hole[id(key[0])], at_hole[id(key[1])], key[2], key[3])
-                    slot.append(slots.setdefault((SEND, (key[0], key[1], key[3])), len(slots)))
-                    which.append(messages.setdefault(key, len(messages)))
-            place = dict(zip(distinct, range(len(distinct))))
-            code = np.fromiter(map(place.__getitem__, map(id, keys)), dtype=np.int64, count=len(keys))
-            slot_of, which_of = np.array(slot, dtype=np.int64)[code], np.array(which, dtype=np.int64)[code]
+                    pair = (key[0], key[1], key[3])
+                    slot.append(slots.setdefault((SEND, pair), len(slots)))
+                    which.append(pairs.setdefault(pair, len(pairs)))
+                    tag.append(key[2])
+            slot_of = np.array(slot, dtype=np.int64)[comm.key]
+            which_of = np.array(which, dtype=np.int64)[comm.key]
             kinds = self.types[at]
             holds = kinds != RECV  # a RECV holds no slot
             self.slot_key[at[holds]] = slot_of[holds]
             is_coll = kinds == COLL
             collectives.append((at[is_coll], which_of[is_coll]))
-            p2p.append((at[~is_coll], which_of[~is_coll], kinds[~is_coll] == SEND))
+            p2p_tags = (np.array(tag, dtype=np.int64)[comm.key] + comm.shift)[~is_coll]
+            p2p.append((at[~is_coll], which_of[~is_coll], p2p_tags, kinds[~is_coll] == SEND))
         # a message's SEND and RECV; two messages of one key are FIFO matching, the event queue's
-        at, message, sending = (np.concatenate(parts) for parts in zip(*p2p)) if p2p else (np.empty(0, int),) * 3
-        sender = np.full(len(messages), -1, dtype=np.int64)
+        at, pair, tag, sending = (np.concatenate(parts) for parts in zip(*p2p)) if p2p else (np.empty(0, int),) * 4
+        _, message = np.unique(pair * (int(tag.max(initial=0)) + 1) + tag, return_inverse=True)
+        sender = np.full(len(at), -1, dtype=np.int64)
         sender[message[sending]] = at[sending]
         self.partner[at[~sending]] = sender[message[~sending]]
         if (np.bincount(message[sending]) > 1).any() or (np.bincount(message[~sending]) > 1).any():

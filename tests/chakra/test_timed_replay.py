@@ -209,12 +209,12 @@ def test_the_compiled_loop_gives_the_replays_numbers_and_none_when_it_hangs(tmp_
 
 def _replay_nodes(nodes):
     """ReplayNodes of (type, duration, deps, comm key) tuples, ids 0..n-1 (comm keys as the
-    replay numbers ranks and groups: SlicePaths translates them through an identity map)."""
-    from stg.program import ReplayNodes
+    replay numbers ranks and groups)."""
+    from stg.program import CommNodes, ReplayNodes
 
     return ReplayNodes(list(range(len(nodes))), [t for t, *_ in nodes], [len(d) for _, _, d, _ in nodes],
                        [x for _, _, d, _ in nodes for x in d], [us for _, us, *_ in nodes],
-                       {i: key for i, (_, _, _, key) in enumerate(nodes) if key is not None})
+                       CommNodes.of({i: key for i, (_, _, _, key) in enumerate(nodes) if key is not None}))
 
 
 @pytest.mark.parametrize("case", ["pipeline", "joined collective", "out of order", "hang"])
@@ -245,10 +245,10 @@ def test_the_longest_path_sweep_gives_the_replays_numbers_or_none(case):
         ranks = [[(R, 0, [], (1, 0, 1, GB)), (S, 0, [0], (0, 1, 2, GB))],
                  [(R, 0, [], (0, 1, 2, GB)), (S, 0, [0], (1, 0, 1, GB))]]
     programs = [_replay_nodes(nodes) for nodes in ranks]
-    graphs = [build_graph(r, p.ids, p.types, p.n_deps, p.deps, p.comm, [])[0] for r, p in enumerate(programs)]
+    graphs = [build_graph(r, p.ids, p.types, p.n_deps, p.deps, dict(p.comm.items()), [])[0]
+              for r, p in enumerate(programs)]
     durations = [array("d", p.durations) for p in programs]
-    identity = {x: x for x in (0, 1, 7)}
-    paths = SlicePaths(programs, [identity] * len(programs), groups)
+    paths = SlicePaths(programs, [p.comm.keys for p in programs], groups)
     for cost in (CommCost(), CommCost(CommModel.ALPHA_BETA)):
         if case == "hang":
             assert paths.run(cost) is None
