@@ -147,8 +147,8 @@ class CommNodes:
         distinct = {id(key): key for key in comm.values()}
         place = dict(zip(distinct, range(len(distinct))))
         n = len(comm)
-        return cls(np.fromiter(comm, np.int64, n), np.fromiter(map(place.__getitem__, map(id, comm.values())), np.int64, n),
-                   np.zeros(n, dtype=np.int64), tuple(distinct.values()))
+        key = np.fromiter(map(place.__getitem__, map(id, comm.values())), np.int64, n)
+        return cls(np.fromiter(comm, np.int64, n), key, np.zeros(n, dtype=np.int64), tuple(distinct.values()))
 
     @classmethod
     def joined(cls, parts: Sequence[tuple[int, "CommNodes"]]) -> "CommNodes":
@@ -159,9 +159,9 @@ class CommNodes:
         for _, part in parts:
             distinct.update(zip(map(id, part.keys), part.keys))
         place = dict(zip(distinct, range(len(distinct))))
-        indices = [np.fromiter(map(place.__getitem__, map(id, part.keys)), np.int64, len(part.keys)) for _, part in parts]
+        index = lambda part: np.fromiter(map(place.__getitem__, map(id, part.keys)), np.int64, len(part.keys))
         return cls(np.concatenate([part.at + offset for offset, part in parts]),
-                   np.concatenate([index[part.key] for index, (_, part) in zip(indices, parts)]),
+                   np.concatenate([index(part)[part.key] for _, part in parts]),
                    np.concatenate([part.shift for _, part in parts]), tuple(distinct.values()))
 
     def items(self):

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import re
 from array import array
+from dataclasses import replace
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -27,7 +28,7 @@ from stg.chakra.rank_graph import Problem, RankGraph
 from stg.chakra.replay import Replay
 from stg.chakra.validate import unread_problems
 from stg.errors import StgError
-from stg.program import CommNodes, GroupHole, RankProgram, ReplayNodes, program_replay
+from stg.program import GroupHole, RankProgram, ReplayNodes, program_replay
 from stg.sharding import per_graph
 
 if TYPE_CHECKING:
@@ -57,7 +58,7 @@ def _hole_values(rank: int, program: RankProgram, index_of: dict[int, int], work
             else index_of.get(workload.peer(rank, hole)) for hole in program.holes}
 
 
-def translated_keys(keys: tuple[tuple, ...], value: dict) -> tuple[tuple, ...]:
+def _translated_keys(keys: tuple[tuple, ...], value: dict) -> tuple[tuple, ...]:
     """Comm keys with their holes' values (`value`: _hole_values). Holes looked up by identity:
     the keys share a few hole objects, and a hole's dataclass hash is a Python call."""
     holes = {id(hole): hole for key in keys for hole in key[:1 if len(key) == 3 else 2]}
@@ -70,8 +71,7 @@ def _graph(index: int, rank: int, program: RankProgram, index_of: dict[int, int]
     _chains), ranks renumbered by `index_of`."""
     value = _hole_values(rank, program, index_of, workload)
     chains = _chains(program)
-    comm = dict(CommNodes(chains.comm.at, chains.comm.key, chains.comm.shift,
-                          translated_keys(chains.comm.keys, value)).items())
+    comm = dict(replace(chains.comm, keys=_translated_keys(chains.comm.keys, value)).items())
     problems: list[Problem] = []
     graph, _ = build_graph(index, chains.ids, chains.types, chains.n_deps, chains.deps, comm, problems)
     assert not problems, problems  # lowering numbers nodes 0..n-1, each depending on earlier ones
@@ -86,7 +86,7 @@ def slice_paths(workload, ranks: list[int]) -> SlicePaths:
     index_of = {rank: i for i, rank in enumerate(ranks)}
     programs = [workload.programs[workload.class_of(rank)] for rank in ranks]
     chains = [_chains(program) for program in programs]
-    keys = [translated_keys(c.comm.keys, _hole_values(rank, program, index_of, workload))
+    keys = [_translated_keys(c.comm.keys, _hole_values(rank, program, index_of, workload))
             for c, rank, program in zip(chains, ranks, programs)]
     return SlicePaths(chains, keys, _members(workload, ranks, programs))
 
