@@ -1,7 +1,8 @@
 """The step time of a plan: stg's timed replay of one pipeline slice, costed by a network.
 
-No second formula: the rank-class programs that `stg generate` would write are replayed by
-TimedReplay (stg/chakra/replay.py, its loop compiled: stg/chakra/replay_kernel.py), one rank per
+No second formula: the rank-class programs that `stg generate` would write are replayed with
+TimedReplay's rules and numbers (stg/chakra/replay.py; computed as longest paths,
+stg/chakra/longest_paths.py, or by its loop compiled, stg/chakra/replay_kernel.py), one rank per
 pipeline stage (stg/slice_check.py), COMP nodes taking their duration from the device roofline
 that lowering already put on them, collectives and sends their time on the network
 (stg/explore/network.py); the programs are lowered for timing only (stg.api.build(timing=True):
