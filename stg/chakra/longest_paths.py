@@ -8,11 +8,14 @@ collective's) after the latest of its dependencies; a RECV ends at the later of 
 message's arrival; a collective's members all end `slot` after the last of them joined. Each
 rank is swept in its nodes' order (an index depends on lower ones), switching rank where a
 RECV's message or a collective's other members are not yet in, so every time is the float
-TimedReplay finds (the same additions, the same maxima). A sweep that stalls -- a rank whose
-next node waits on another rank that waits on a later node of the first, which the event
-queue would run out of order -- returns None: the caller replays it with the event queue
-(stg/chakra/replay_kernel.py), which also tells a deadlock. The replays of one set of programs
-share the arrays (explore runs each slice twice: free and costed).
+TimedReplay finds (the same additions, the same maxima). The sweep checks what makes that so:
+each COMP node, and each COLL or SEND, is ready no earlier than its rank's previous one of
+its kind ended (then none ever waits for its rank's compute or comm slot, and the event
+queue issues them in index order too). A sweep where one would wait, or that stalls -- a rank
+whose next node waits on another rank that waits on a later node of the first, which the
+event queue would run out of order -- returns None: the caller replays it with the event
+queue (stg/chakra/replay_kernel.py), which also tells a deadlock. The replays of one set of
+programs share the arrays (explore runs each slice twice: free and costed).
 """
 
 from __future__ import annotations
@@ -47,7 +50,9 @@ class SlicePaths:
             else np.empty(0, dtype=np.int64)
         self.parent_start = np.zeros(n + 1, dtype=np.int64)
         np.cumsum(n_deps, out=self.parent_start[1:])
-        self.sweeps = True  # False: some node depends on a later one or on none of its rank's
+        # False: the sweep cannot take these programs (a node depends on a later one or on none
+        # of its rank's, or two messages have one key)
+        self.sweeps = True
         parents = []
         for r, program in enumerate(nodes):
             parents.append(self._parents(program, n_deps[self.rank_start[r]:self.rank_start[r + 1]]))
@@ -130,7 +135,8 @@ class SlicePaths:
 
     def run(self, cost: CostModel) -> Timing | None:
         """What TimedReplay(graphs, groups, durations, cost).run() returns (without recorded
-        nodes), or None when the sweep stalls (the event queue then decides)."""
+        nodes), or None when a node would wait for a busy resource or the sweep stalls (the
+        event queue then decides)."""
         if not self.sweeps:
             return None
         bound = cost.bind(self.groups)
@@ -160,7 +166,8 @@ def _ready(i, parent_start, parents, ends):
 @numba.njit(cache=True)
 def _sweep(types, durations, slot_us, parent_start, parents, partner, instance, instance_size, rank_start):
     """Each node's end, rank by rank in index order (see the module's docstring): per rank the
-    COMP time and the last end, and whether every node ended."""
+    COMP time and the last end, and whether every node ended without waiting for its rank's
+    compute or comm slot."""
     n, ranks = types.size, rank_start.size - 1
     ends = np.full(n, -1.0)  # -1: not yet
     joined = np.zeros(instance_size.size, dtype=np.int64)
@@ -169,6 +176,7 @@ def _sweep(types, durations, slot_us, parent_start, parents, partner, instance, 
     joining = np.zeros(ranks, dtype=np.bool_)  # the rank's next node is a collective it joined
     cursor = rank_start[:-1].copy()
     busy, finish = np.zeros(ranks), np.zeros(ranks)
+    compute_free, slot_free = np.zeros(ranks), np.zeros(ranks)  # when the rank's last COMP, COLL or SEND ended
     left = n
     while left:
         moved = False
@@ -177,7 +185,10 @@ def _sweep(types, durations, slot_us, parent_start, parents, partner, instance, 
             while i < last:
                 kind = types[i]
                 if kind == COMP:
-                    end = _ready(i, parent_start, parents, ends) + durations[i]
+                    ready = _ready(i, parent_start, parents, ends)
+                    if ready < compute_free[r]:
+                        return busy, finish, False  # it would wait for the rank's compute
+                    end = compute_free[r] = ready + durations[i]
                     busy[r] += durations[i]
                 elif kind == RECV:
                     sent = partner[i]
@@ -187,17 +198,23 @@ def _sweep(types, durations, slot_us, parent_start, parents, partner, instance, 
                 elif kind == COLL:
                     k = instance[i]
                     if not joining[r]:
+                        ready = _ready(i, parent_start, parents, ends)
+                        if ready < slot_free[r]:
+                            return busy, finish, False  # it would wait for the rank's comm slot
                         joining[r], moved = True, True
-                        joined_at[k] = max(joined_at[k], _ready(i, parent_start, parents, ends))
+                        joined_at[k] = max(joined_at[k], ready)
                         joined[k] += 1
                         if joined[k] == instance_size[k]:
                             instance_end[k] = joined_at[k] + slot_us[i]
                     if instance_end[k] < 0:
                         break  # its other members have not joined
                     joining[r] = False
-                    end = instance_end[k]
+                    end = slot_free[r] = instance_end[k]
                 else:
-                    end = _ready(i, parent_start, parents, ends) + slot_us[i]
+                    ready = _ready(i, parent_start, parents, ends)
+                    if ready < slot_free[r]:
+                        return busy, finish, False
+                    end = slot_free[r] = ready + slot_us[i]
                 ends[i] = end
                 if end > finish[r]:
                     finish[r] = end

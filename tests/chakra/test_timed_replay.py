@@ -217,14 +217,17 @@ def _replay_nodes(nodes):
                        CommNodes.of({i: key for i, (_, _, _, key) in enumerate(nodes) if key is not None}))
 
 
-@pytest.mark.parametrize("case", ["pipeline", "joined collective", "out of order", "hang"])
+@pytest.mark.parametrize("case", ["pipeline", "joined collective", "out of order", "hang", "two compute streams",
+                                  "two sends at once"])
 def test_the_longest_path_sweep_gives_the_replays_numbers_or_none(case):
     """The sweep explore runs first (stg/chakra/longest_paths.py): where every rank's nodes can
-    end in their order -- two stages passing a micro-batch forward and back, a collective both
-    join at different times -- it gives TimedReplay's floats, free and under alpha-beta. Where
-    the event queue must run a rank's later node first (rank 0 sends before its earlier RECV's
-    message, which waits on that send, comes in), or nothing can run (each RECV's message is
-    sent after the other), it returns None: the caller replays with the event queue."""
+    end in their order without waiting for the rank's compute or comm slot -- two stages
+    passing a micro-batch forward and back, a collective both join at different times -- it
+    gives TimedReplay's floats, free and under alpha-beta. Where the event queue must run a
+    rank's later node first (rank 0 sends before its earlier RECV's message, which waits on
+    that send, comes in), nothing can run (each RECV's message is sent after the other), or a
+    node would wait for its rank's compute (two COMP nodes ready at once) or comm slot (two
+    SENDs ready at once), it returns None: the caller replays with the event queue."""
     from stg.chakra.load import build_graph
     from stg.chakra.longest_paths import SlicePaths
     from stg.chakra.replay import CommCost, CommModel, TimedReplay
@@ -241,9 +244,14 @@ def test_the_longest_path_sweep_gives_the_replays_numbers_or_none(case):
     elif case == "out of order":
         ranks = [[(R, 0, [], (1, 0, 1, GB)), (S, 0, [], (0, 1, 2, GB))],
                  [(R, 0, [], (0, 1, 2, GB)), (S, 0, [0], (1, 0, 1, GB))]]
-    else:
+    elif case == "hang":
         ranks = [[(R, 0, [], (1, 0, 1, GB)), (S, 0, [0], (0, 1, 2, GB))],
                  [(R, 0, [], (0, 1, 2, GB)), (S, 0, [0], (1, 0, 1, GB))]]
+    elif case == "two compute streams":  # the event queue runs 10 us then 20 us: the step is 30 us, not 20
+        ranks = [[(C, 10.0, [], None), (C, 20.0, [], None)]]
+    else:
+        ranks = [[(S, 0, [], (0, 1, 1, GB)), (S, 0, [], (0, 1, 2, GB))], [(R, 0, [], (0, 1, 1, GB)),
+                                                                       (R, 0, [], (0, 1, 2, GB))]]
     programs = [_replay_nodes(nodes) for nodes in ranks]
     graphs = [build_graph(r, p.ids, p.types, p.n_deps, p.deps, dict(p.comm.items()), [])[0]
               for r, p in enumerate(programs)]
@@ -256,7 +264,15 @@ def test_the_longest_path_sweep_gives_the_replays_numbers_or_none(case):
                 TimedReplay(graphs, groups, durations, cost).run()
             continue
         replayed = TimedReplay(graphs, groups, durations, cost).run()
-        assert paths.run(cost) == (None if case == "out of order" else replayed)
+        swept = paths.run(cost)
+        if case in ("pipeline", "joined collective"):
+            assert swept == replayed
+        elif case == "two sends at once" and cost.model is CommModel.FREE:
+            assert swept == replayed  # free sends end as they start: nothing waits
+        else:
+            assert swept is None
+    if case == "two compute streams":
+        assert replayed.makespan_us == 30
 
 
 def test_a_big_set_is_timed_by_the_compiled_loop_with_the_same_numbers(tmp_path, monkeypatch):
