@@ -433,8 +433,7 @@ class _Compact:
     deps: np.ndarray  # flat: kept offsets, and at outside_at the nodes from before (0 here)
     outside_at: np.ndarray
     outside_roles: tuple[frozenset, ...]  # the roles of those (_CHAIN: the compute chain's last)
-    collectives: np.ndarray  # kept indices of collectives
-    collective_keys: tuple  # their (group, type, bytes)
+    collective_keys: tuple  # the collectives' (group, type, bytes)
     p2p: tuple  # (kept index, (src, dst, tag, bytes)) of sends and receives
     exacts: np.ndarray  # per COMP node in order: its unrounded duration
     runs: np.ndarray  # per COMP node: the index in `kept` of its run
@@ -512,7 +511,7 @@ class _Compact:
         p2p = [k for k, key in enumerate(comm) if key and len(key) == 4]
         return cls(ints(kept), tuple(head), ints(types), ints([len(d) for d in deps]),
                    ints([d if type(d) is int else 0 for d in flat]), ints(outside_at),
-                   tuple(flat[i] for i in outside_at), ints(collectives), tuple(comm[k] for k in collectives),
+                   tuple(flat[i] for i in outside_at), tuple(comm[k] for k in collectives),
                    tuple((k, comm[k]) for k in p2p),
                    np.array(exacts, dtype=np.float64), ints(runs),
                    tuple((tail, first) for first, tail in tails.items() if tail in kept_by),
