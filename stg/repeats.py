@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass, replace
 from functools import cache, cached_property
-from itertools import islice
+from itertools import chain, islice
 from typing import TYPE_CHECKING, Iterable
 
 import numpy as np
@@ -361,48 +361,35 @@ class ActionNodes:
 def flush_compact(builder: "_ProgramBuilder") -> None:
     """Add the repeated actions' nodes put off since the last flush (ActionNodes._replay_compact)
     to builder.replay, in order, as one chunk, their durations rounded on the running carry:
-    what adding each in turn adds, with each template's arrays made once for all its repeats
-    (a long pipeline repeats tens of thousands of actions, each a few small arrays). Lowering
-    flushes before it makes a node of its own, which reads the carry and the comm nodes and
-    comes after them in the replay, and at the end."""
+    what adding each in turn adds, in one compiled loop over the repeats (stg/repeats_kernel.py;
+    a long pipeline repeats tens of thousands of actions). Lowering flushes before it makes a
+    node of its own, which reads the carry and the comm nodes and comes after them in the
+    replay, and at the end."""
     pending, builder.pending = builder.pending, []
     if not pending:
         return
-    serial: dict[int, int] = {}  # a template's id -> its place among the distinct ones
-    serials = [serial.setdefault(id(entry[0]), len(serial)) for entry in pending]  # per entry
-    by_template: list[list[int]] = [[] for _ in serial]  # per distinct template, its entries
-    for n, place in enumerate(serials):
-        by_template[place].append(n)
-    table = np.array([(len(c.kept), len(c.deps), len(c.exacts)) for c in
-                      (pending[entries[0]][0] for entries in by_template)], dtype=np.int64)
-    sizes = table[np.array(serials, dtype=np.int64)]
-    ends = np.cumsum(sizes, axis=0)
-    firsts = ends - sizes  # per entry: its first row, flat dependency and COMP node in the chunk
-    rows, n_flat, n_comp = (int(n) for n in ends[-1])
-    ids, types, n_deps = (np.empty(rows, dtype=np.int64) for _ in range(3))
-    deps, runs, exacts = np.empty(n_flat, dtype=np.int64), np.empty(n_comp, dtype=np.int64), np.empty(n_comp)
-    comm: list[tuple[int, CommNodes]] = []
-    for entries in by_template:
-        c = pending[entries[0]][0]
+    place: dict[int, int] = {}  # a template's id -> its place among the distinct ones
+    templates: list[_Compact] = []
+    serials = []  # per entry, its template's place
+    for entry in pending:
+        serial = place.get(id(entry[0]))
+        if serial is None:
+            serial = place[id(entry[0])] = len(templates)
+            templates.append(entry[0])
+        serials.append(serial)
+    packed = [c.packed for c in templates]
+    offsets = lambda sizes: np.cumsum([0, *sizes[:-1]], dtype=np.int64)  # noqa: E731
+    starts, shifts = (np.array([entry[k] for entry in pending], dtype=np.int64) for k in (1, 3))
+    ids, types, n_deps, deps, sums, builder.carry, comm_at, comm_key, comm_shift, comm_ids = _rows()(
+        np.concatenate(packed), offsets([len(p) for p in packed]), np.concatenate([c.exacts for c in templates]),
+        offsets([len(c.exacts) for c in templates]), np.array(serials, dtype=np.int64), starts, shifts,
+        np.fromiter(chain.from_iterable(entry[2] for entry in pending), dtype=np.int64),
+        offsets([len(c.keys) for c in templates]), builder.carry)
+    for c in templates:
         builder.holes |= c.holes
-        at = np.array(entries)
-        starts = np.array([pending[n][1] for n in entries], dtype=np.int64)[:, None]
-        row, flat, comp = firsts[at, 0][:, None], firsts[at, 1][:, None], firsts[at, 2][:, None]
-        kept = row + np.arange(len(c.kept))
-        ids[kept], types[kept], n_deps[kept] = c.kept + starts, c.types, c.n_deps
-        values = c.deps + starts
-        if len(c.outside_at):
-            values[:, c.outside_at] = [pending[n][2] for n in entries]
-        deps[flat + np.arange(len(c.deps))] = values
-        comp_at = comp + np.arange(len(c.exacts))
-        exacts[comp_at], runs[comp_at] = c.exacts, c.runs + row
-        if len(c.keyed):  # its messages' tags shifted by each repeat's micro-batch
-            shifts = np.array([pending[n][3] for n in entries], dtype=np.int64)[:, None]
-            comm.append((0, CommNodes((c.keyed + row).ravel(), np.tile(np.arange(len(c.keyed)), len(entries)),
-                                      (shifts * c.keyed_p2p).ravel(), c.keys)))
-        builder.comm_ids.update((c.comm_offsets + starts).ravel().tolist())
-    sums, builder.carry = _rounding()(exacts, runs, rows, builder.carry)
-    builder.replay.add(ids, types, n_deps, deps, sums, CommNodes.joined(comm))
+    builder.comm_ids.update(comm_ids.tolist())
+    keys = tuple(chain.from_iterable(c.keys for c in templates))
+    builder.replay.add(ids, types, n_deps, deps, sums, CommNodes(comm_at, comm_key, comm_shift, keys))
 
 
 COMPUTE_ROLE, COMM_ROLE = ("chain", "compute"), ("chain", "comm")  # the chains' last nodes' roles
@@ -410,12 +397,12 @@ _CHAIN = frozenset({COMPUTE_ROLE})  # a COMP node's first dependency: what ran l
 
 
 @cache
-def _rounding():
-    """The compiled rounding of a repeated action (timing only: loading numba is left to the
-    builds that time a plan)."""
-    from stg.chakra.replay_kernel import rounded_run_sums
+def _rows():
+    """flush_compact's compiled loop (timing only: loading numba is left to the builds that
+    time a plan)."""
+    from stg.repeats_kernel import repeated_rows
 
-    return rounded_run_sums
+    return repeated_rows
 
 
 @dataclass(frozen=True)
@@ -451,6 +438,14 @@ class _Compact:
     def tail_offsets(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
         """`tails` as two columns: the last nodes, their runs' first nodes."""
         return tuple(tail for tail, _ in self.tails), tuple(first for _, first in self.tails)
+
+    @cached_property
+    def packed(self) -> np.ndarray:
+        """The arrays a repeat's rows are made from, in one (stg/repeats_kernel.py says how)."""
+        counts = (len(self.kept), len(self.deps), len(self.outside_at), len(self.exacts), len(self.keyed),
+                  len(self.comm_offsets))
+        return np.concatenate([np.array(counts, dtype=np.int64), self.kept, self.types, self.n_deps, self.deps,
+                               self.outside_at, self.runs, self.keyed, self.keyed_p2p, self.comm_offsets])
 
     @cached_property
     def keys(self) -> tuple:
