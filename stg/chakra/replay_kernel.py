@@ -359,25 +359,10 @@ def _finish(i, r, types, child_start, children, pending, heaps, heap_size, rank_
             _push(heaps[0], rank_start[r], heap_size, 0, r, c)
 
 
-def rounded_run_sums(exacts, runs, kept, carry):
-    """A repeated action's COMP nodes rounded to whole microseconds on the running carry, in
-    order, as lowering rounds them (stg/repeats.py _replay_nodes), summed per merged run:
-    (the sums by run, the carry after). The same float operations as that Python loop, so the
-    same numbers; explore's timing builds round thousands of actions per plan."""
-    sums = np.zeros(kept, np.int64)
-    for i in range(exacts.size):
-        exact = exacts[i] + carry
-        duration = round(exact) if exact > 0 else 0
-        carry = exact - duration
-        sums[runs[i]] += duration
-    return sums, carry
-
-
 # compiled once per installation (numba's cache beside this file); loading it takes ~0.1 s
 _jit = numba.njit(cache=True)
-(_matching, _push, _pop, _event_less, _push_event, _pop_event, _complete, _kernel, _finish, _logical,
- rounded_run_sums) = map(_jit, (_matching, _push, _pop, _event_less, _push_event, _pop_event, _complete, _kernel,
-                                _finish, _logical, rounded_run_sums))
+(_matching, _push, _pop, _event_less, _push_event, _pop_event, _complete, _kernel, _finish, _logical) = map(
+    _jit, (_matching, _push, _pop, _event_less, _push_event, _pop_event, _complete, _kernel, _finish, _logical))
 
 
 class CompiledReplay:
