@@ -239,8 +239,10 @@ def test_the_longest_path_sweep_gives_the_replays_numbers_or_none(case):
                  [(R, 0, [], (0, 1, 1, GB)), (C, 15.0, [0], None), (C, 30.0, [1], None), (S, 0, [2], (1, 0, 2, GB))]]
     elif case == "joined collective":
         groups = {7: (0, 1)}
-        ranks = [[(C, 10.0, [], None), (L, 0, [0], (7, AR, GB)), (C, 5.0, [0, 1], None)],
-                 [(C, 40.0, [], None), (L, 0, [0], (7, AR, GB)), (C, 1.0, [1], None)]]
+        # rank 0 is swept first but joins later (40 us against 10): the collective ends a slot after
+        # the later join, not after the last one swept
+        ranks = [[(C, 40.0, [], None), (L, 0, [0], (7, AR, GB)), (C, 5.0, [0, 1], None)],
+                 [(C, 10.0, [], None), (L, 0, [0], (7, AR, GB)), (C, 1.0, [1], None)]]
     elif case == "out of order":
         ranks = [[(R, 0, [], (1, 0, 1, GB)), (S, 0, [], (0, 1, 2, GB))],
                  [(R, 0, [], (0, 1, 2, GB)), (S, 0, [0], (1, 0, 1, GB))]]
