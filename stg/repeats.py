@@ -431,7 +431,6 @@ class _Compact:
     last_compute: int | None
     last_comm: int | None
     keyed: np.ndarray  # kept indices of the collectives, then of the sends and receives
-    keyed_p2p: np.ndarray  # per those: 1 for a send or receive (a repeat shifts its tag)
     holes: frozenset
 
     @cached_property
@@ -442,10 +441,12 @@ class _Compact:
     @cached_property
     def packed(self) -> np.ndarray:
         """The arrays a repeat's rows are made from, in one (stg/repeats_kernel.py says how)."""
+        # per keyed node, 1 for a send or receive (a repeat shifts its tag)
+        sends_or_receives = np.repeat(np.array([0, 1], dtype=np.int64), [len(self.collective_keys), len(self.p2p)])
         counts = (len(self.kept), len(self.deps), len(self.outside_at), len(self.exacts), len(self.keyed),
                   len(self.comm_offsets))
         return np.concatenate([np.array(counts, dtype=np.int64), self.kept, self.types, self.n_deps, self.deps,
-                               self.outside_at, self.runs, self.keyed, self.keyed_p2p, self.comm_offsets])
+                               self.outside_at, self.runs, self.keyed, sends_or_receives, self.comm_offsets])
 
     @cached_property
     def keys(self) -> tuple:
@@ -511,4 +512,4 @@ class _Compact:
                    np.array(exacts, dtype=np.float64), ints(runs),
                    tuple((tail, first) for first, tail in tails.items() if tail in kept_by),
                    ints([n for n, e in enumerate(entries) if e[1] is not _COMP]), last_compute, last_comm,
-                   ints(collectives + p2p), ints([0] * len(collectives) + [1] * len(p2p)), frozenset(holes))
+                   ints(collectives + p2p), frozenset(holes))

@@ -27,6 +27,7 @@ import numpy as np
 
 from stg.chakra.rank_graph import COLL, COMP, RECV, SEND
 from stg.chakra.replay import CostModel, Timing
+from stg.chakra.replay_kernel import slot_times
 from stg.program import ReplayNodes
 
 
@@ -42,12 +43,11 @@ class SlicePaths:
         self.rank_start = np.zeros(len(nodes) + 1, dtype=np.int64)
         np.cumsum(sizes, out=self.rank_start[1:])
         n = int(self.rank_start[-1])
-        self.types = np.concatenate([np.asarray(p.types, dtype=np.int64) for p in nodes]) if nodes \
-            else np.empty(0, dtype=np.int64)
-        self.durations = np.concatenate([np.asarray(p.durations, dtype=np.float64) for p in nodes]) if nodes \
-            else np.empty(0)
-        n_deps = np.concatenate([np.asarray(p.n_deps, dtype=np.int64) for p in nodes]) if nodes \
-            else np.empty(0, dtype=np.int64)
+        def joined(name: str, dtype) -> np.ndarray:  # the ranks' arrays end to end
+            return np.concatenate([np.asarray(getattr(p, name), dtype=dtype) for p in nodes])
+
+        self.types, self.durations, n_deps = joined("types", np.int64), joined("durations", np.float64), \
+            joined("n_deps", np.int64)
         self.parent_start = np.zeros(n + 1, dtype=np.int64)
         np.cumsum(n_deps, out=self.parent_start[1:])
         # False: the sweep cannot take these programs (a node depends on a later one or on none
@@ -57,7 +57,7 @@ class SlicePaths:
         for r, program in enumerate(nodes):
             parents.append(self._parents(program, n_deps[self.rank_start[r]:self.rank_start[r + 1]]))
             parents[-1] += self.rank_start[r]
-        self.parents = np.concatenate(parents) if parents else np.empty(0, dtype=np.int64)
+        self.parents = np.concatenate(parents)
         self._comm(nodes, keys)
 
     def _parents(self, program: ReplayNodes, n_deps: np.ndarray) -> np.ndarray:
@@ -115,7 +115,7 @@ class SlicePaths:
             p2p_tags = (np.array(tag, dtype=np.int64)[comm.key] + comm.shift)[~is_coll]
             p2p.append((at[~is_coll], which_of[~is_coll], p2p_tags, kinds[~is_coll] == SEND))
         # a message's SEND and RECV; two messages of one key are FIFO matching, the event queue's
-        at, pair, tag, sending = (np.concatenate(parts) for parts in zip(*p2p)) if p2p else (np.empty(0, int),) * 4
+        at, pair, tag, sending = (np.concatenate(parts) for parts in zip(*p2p))
         _, message = np.unique(pair * (int(tag.max(initial=0)) + 1) + tag, return_inverse=True)
         sender = np.full(len(at), -1, dtype=np.int64)
         sender[message[sending]] = at[sending]
@@ -139,17 +139,10 @@ class SlicePaths:
         event queue then decides)."""
         if not self.sweeps:
             return None
-        bound = cost.bind(self.groups)
-        costs = [bound.collective_us(key[1], key[2], key[0]) if kind == COLL else bound.send_us(*key)
-                 for kind, key in self.slot_keys]
-        slot_us = np.append(np.array(costs, dtype=np.float64), 0.0)[self.slot_key]  # -1: holds no slot
+        slot_us = slot_times(cost, self.groups, self.slot_keys, self.slot_key)
         busy, finish, swept = _sweep(self.types, self.durations, slot_us, self.parent_start, self.parents,
                                      self.partner, self.instance, self.instance_size, self.rank_start)
-        if not swept:
-            return None
-        makespan = float(finish.max()) if len(finish) else 0.0
-        return Timing(makespan_us=makespan, busy_us=busy.tolist(), idle_us=[makespan - b for b in busy.tolist()],
-                      finish_us=finish.tolist())
+        return Timing.of(busy.tolist(), finish.tolist()) if swept else None
 
 
 @numba.njit(cache=True)

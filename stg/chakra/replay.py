@@ -297,6 +297,13 @@ class Timing:
     finish_us: list[float]  # when the rank's last node completed
     nodes: NodeTimes | None = field(default=None, compare=False, repr=False)  # when asked to record
 
+    @classmethod
+    def of(cls, busy: Sequence[float], finish: Sequence[float], nodes: NodeTimes | None = None) -> "Timing":
+        """From each rank's COMP time and last end: the makespan is the latest end."""
+        makespan = max(finish, default=0.0)
+        return cls(makespan_us=makespan, busy_us=list(busy), idle_us=[makespan - b for b in busy],
+                   finish_us=list(finish), nodes=nodes)
+
     def to_dict(self) -> dict[str, float | list[float]]:
         return {"makespan_us": self.makespan_us, "busy_us": list(self.busy_us),
                 "idle_us": list(self.idle_us), "finish_us": list(self.finish_us)}
@@ -487,7 +494,6 @@ class TimedReplay(_DeadlockReport):
         problems = self._deadlock_report()
         if problems:
             raise ReplayError("the timed replay deadlocks", problems)
-        makespan = max(finish, default=0.0)
         nodes = None
         if self.record:
             chosen = set(self.record)
@@ -495,8 +501,7 @@ class TimedReplay(_DeadlockReport):
                               if s[0] in chosen or d[0] in chosen)
             nodes = NodeTimes({r: graphs[r].ids for r in self.record}, {r: starts[r] for r in self.record},
                               {r: ends[r] for r in self.record}, messages)
-        return Timing(makespan_us=makespan, busy_us=list(busy), idle_us=[makespan - b for b in busy],
-                      finish_us=list(finish), nodes=nodes)
+        return Timing.of(busy, finish, nodes)
 
     def _slot_waiter(self, r: int) -> int | None:
         return self.comm_ready[r][0] if self.comm_ready[r] else None

@@ -433,16 +433,22 @@ class CompiledReplay:
     def run(self, cost: CostModel) -> Timing | None:
         """What TimedReplay(graphs, groups, durations, cost).run() returns (without recorded
         nodes), or None when the run does not finish."""
-        bound = cost.bind(self.groups)
-        costs = [bound.collective_us(key[1], key[2], key[0]) if kind == COLL else bound.send_us(*key)
-                 for kind, key in self.slot_keys]
-        slot_us = np.append(np.array(costs, dtype=np.float64), 0.0)[self.slot_key]  # -1: not a slot node
+        slot_us = slot_times(cost, self.groups, self.slot_keys, self.slot_key)
         busy, finish, done = _kernel(self.types, self.durations, self.child_start, self.children, self.pending.copy(),
                                      self.rank_of, self.rank_start, slot_us, self.group_of, self.p2p_key,
                                      self.group_size, self.n_keys, self.max_instances,
                                      max(1, int(self.group_size.max(initial=1))))
         if (done != self.sizes).any():
             return None
-        makespan = float(finish.max()) if len(finish) else 0.0
-        return Timing(makespan_us=makespan, busy_us=busy.tolist(), idle_us=[makespan - b for b in busy.tolist()],
-                      finish_us=finish.tolist())
+        return Timing.of(busy.tolist(), finish.tolist())
+
+
+def slot_times(cost: CostModel, groups: Mapping[int, Sequence[int]], slot_keys: Mapping[tuple, int],
+               slot_key: np.ndarray) -> np.ndarray:
+    """Per node, how long it holds its rank's comm slot under `cost`: each distinct (kind,
+    key) of `slot_keys` -- (COLL, (group, type, bytes)), (SEND, (src, dst, bytes)) -- costed once,
+    `slot_key` its index per node (-1: holds no slot, 0 µs)."""
+    bound = cost.bind(groups)
+    costs = [bound.collective_us(key[1], key[2], key[0]) if kind == COLL else bound.send_us(*key)
+             for kind, key in slot_keys]
+    return np.append(np.array(costs, dtype=np.float64), 0.0)[slot_key]
