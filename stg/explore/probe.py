@@ -52,12 +52,13 @@ dp 2, period 2), folds at 4 and 6 stages predicted 8 to 48 stages at 48 to 192
 micro-batches within 0.01 % of the whole replay. Where p2p latency weighs as much as the
 compute (a 1,024-wide layer at seq 512, a block a virtual stage), the slope in pp settles
 only past 8 stages and the fold is 0.56 % off at pp 12 (0.15 % at seq 2048). Folding pays
-where the four folds replay under half the plan's stage micro-batches
+where the folds replay under half the plan's stage micro-batches
 (2 (m1 + m2)(p1 + p2) <= pp m); the folded models are new structures (their symbolic passes
 are paid once per search, stg/passes.py keeps the recent ones). Under 1F1B and GPipe, whose
 step is (m + pp - 1) micro-batch times with or without a steady state, a pipeline is folded
-from m = 4 on: for m >= pp at m1 = 2 p2 where 6 p2 would not pay, for m < pp at m1 = m / 2
-and m2 = m (fitted in pp alone). Measured against the whole replay: llama3-70b and
+from m = 4 on: for m >= pp at m1 = 2 p2 where 6 p2 would not pay, for m < pp at the plan's
+own m alone (two folds, fitted in pp alone; the two at m / 2 that this fit once also
+replayed had no weight in it). Measured against the whole replay: llama3-70b and
 llama3-405b layers (tp 4-8, cp 2, ZeRO 1 and 3, full recomputation) at m = pp and 1.5 pp, 16
 and 32 stages, within 0.03 %; llama3-405b at m = 8 and 16 on 16-64 stages within 0.025 %;
 the small 1,024-wide layer at pp 24 and m = 1.5 pp within 0.35 %, at m = pp / 2 within 0.12 %.
@@ -135,22 +136,22 @@ SHORT_FOLDS = ("1f1b", "gpipe")  # folded from m >= 4 micro-batches on (see abov
 FEWEST_MICROBATCHES = 4
 
 
-def _microbatch_counts(plan: Plan, p1: int, p2: int) -> list[tuple[int, int]]:
+def _microbatch_counts(plan: Plan, p1: int, p2: int) -> list[tuple[int, ...]]:
     """The (m1, m2) micro-batches the folds may replay, first choice first: 6 p2 and 12 p2
     (for the interleaved schedule whole groups of both folds' stages); under 1F1B and GPipe
-    also 2 p2 and 4 p2 or, for a plan of fewer micro-batches than stages, half its own and its
-    own."""
+    also 2 p2 and 4 p2 or, for a plan of fewer micro-batches than stages, (m,): its own alone,
+    the fit then linear in the stages."""
     m = plan.microbatches
     if plan.schedule in SHORT_FOLDS:
-        return [(m // 2, m)] if m < plan.pp else [(6 * p2, 12 * p2), (2 * p2, 4 * p2)]
+        return [(m,)] if m < plan.pp else [(6 * p2, 12 * p2), (2 * p2, 4 * p2)]
     group = lcm(p1, p2) if plan.vpp > 1 else 1
     m1 = group * -(-6 * p2 // group)
     return [(m1, 2 * m1)]
 
 
-def _pays(plan: Plan, p1: int, p2: int, counts: tuple[int, int]) -> bool:
-    """Four folds of p1 and p2 stages at m1 and m2 micro-batches replay at most half the
-    stage micro-batches of `plan`."""
+def _pays(plan: Plan, p1: int, p2: int, counts: tuple[int, ...]) -> bool:
+    """The folds of p1 and p2 stages at `counts` micro-batches replay at most half the stage
+    micro-batches of `plan`."""
     return 2 * sum(counts) * (p1 + p2) <= plan.pp * plan.microbatches
 
 
@@ -164,8 +165,8 @@ def may_fold(plan: Plan) -> bool:
             and any(_pays(plan, p1, p2, counts) for counts in _microbatch_counts(plan, p1, p2)))
 
 
-def fold_counts(workload, network: Network) -> tuple[tuple[int, int], tuple[int, int]] | None:
-    """((p1, p2), (m1, m2)): the stage and micro-batch counts of the folded pipelines that
+def fold_counts(workload, network: Network) -> tuple[tuple[int, int], tuple[int, ...]] | None:
+    """((p1, p2), (m1, m2) or (m,)): the stage and micro-batch counts of the folded pipelines that
     time `workload`'s plan (built without nodes), or None when it cannot be folded or gains
     nothing by it."""
     plan, config = workload.plan, workload.model.config
@@ -195,25 +196,30 @@ def fold_counts(workload, network: Network) -> tuple[tuple[int, int], tuple[int,
 
 def folded_timings(model: Model, workload, network: Network) -> list[tuple[Timing, Timing]] | None:
     """Per variant, the (free, costed) timings of `workload`'s pipeline slice fitted from four
-    folded pipelines, or None when the plan is not folded (fold_counts)."""
-    counts = fold_counts(workload, network)
-    if counts is None:
+    folded pipelines (two at the plan's own micro-batches), or None when the plan is not folded
+    (fold_counts)."""
+    found = fold_counts(workload, network)
+    if found is None:
         return None
-    (p1, p2), (m1, m2) = counts
+    (p1, p2), counts = found
     plan, split = workload.plan, workload.stages.split(model.layers)
     head, middle, tail = _ends(split)
     runs = {}
     for p in (p1, p2):
         cut = (*split[:head], *[middle] * (p * plan.vpp - head - tail), *split[len(split) - tail:])
         folded = Model(replace(model.config, layers=sum(cut)), model.source)
-        for m in (m1, m2):
+        for m in counts:
             probe = replace(plan, pp=p, layers_per_stage=cut, global_batch=m * plan.micro_batch * plan.data_ranks)
             runs[p, m] = _replayed(folded, probe, network)
 
     def fit(value) -> float:
-        """value(p, m) at (pp, m), from the four runs: bilinear."""
-        a, b, c, d = (value(p1, m1), value(p2, m1), value(p1, m2), value(p2, m2))
-        x, y = (plan.pp - p1) / (p2 - p1), (plan.microbatches - m1) / (m2 - m1)
+        """value(p, m) at (pp, m), from the runs: bilinear in p and m, or linear in p."""
+        x = (plan.pp - p1) / (p2 - p1)
+        a, b = value(p1, counts[0]), value(p2, counts[0])
+        if len(counts) == 1:
+            return a + x * (b - a)
+        c, d = value(p1, counts[1]), value(p2, counts[1])
+        y = (plan.microbatches - counts[0]) / (counts[1] - counts[0])
         return a + x * (b - a) + y * (c - a) + x * y * (d - c - b + a)
 
     # a real stage's counterpart in a folded pipeline of p stages: the same from either end,
@@ -228,4 +234,4 @@ def folded_timings(model: Model, workload, network: Network) -> list[tuple[Timin
         busy = per_stage("busy_us")
         return Timing(makespan, busy, [makespan - b for b in busy], per_stage("finish_us"))
 
-    return [(timing(variant, 0), timing(variant, 1)) for variant in range(len(runs[p1, m1]))]
+    return [(timing(variant, 0), timing(variant, 1)) for variant in range(len(runs[p1, counts[0]]))]
