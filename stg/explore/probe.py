@@ -56,9 +56,9 @@ where the folds replay under half the plan's stage micro-batches
 (2 (m1 + m2)(p1 + p2) <= pp m); the folded models are new structures (their symbolic passes
 are paid once per search, stg/passes.py keeps the recent ones). Under 1F1B and GPipe, whose
 step is (m + pp - 1) micro-batch times with or without a steady state, a pipeline is folded
-from m = 4 on: for m >= pp at m1 = 2 p2 where 6 p2 would not pay, for m < pp at the plan's
-own m alone (two folds, fitted in pp alone; the two at m / 2 that this fit once also
-replayed had no weight in it). Measured against the whole replay: llama3-70b and
+from m = 4 on, and at the plan's own m alone where that replays no more than 6 p2 and 12 p2
+would (m <= 18 p2; always for m < pp): two folds, the fit linear in pp, exact in m. Else at
+m1 = 6 p2, or 2 p2 where 6 p2 would not pay. Measured against the whole replay: llama3-70b and
 llama3-405b layers (tp 4-8, cp 2, ZeRO 1 and 3, full recomputation) at m = pp and 1.5 pp, 16
 and 32 stages, within 0.03 %; llama3-405b at m = 8 and 16 on 16-64 stages within 0.025 %;
 the small 1,024-wide layer at pp 24 and m = 1.5 pp within 0.35 %, at m = pp / 2 within 0.12 %.
@@ -139,11 +139,12 @@ FEWEST_MICROBATCHES = 4
 def _microbatch_counts(plan: Plan, p1: int, p2: int) -> list[tuple[int, ...]]:
     """The (m1, m2) micro-batches the folds may replay, first choice first: 6 p2 and 12 p2
     (for the interleaved schedule whole groups of both folds' stages); under 1F1B and GPipe
-    also 2 p2 and 4 p2 or, for a plan of fewer micro-batches than stages, (m,): its own alone,
-    the fit then linear in the stages."""
+    first (m,), the plan's own alone (the fit then linear in the stages), where that replays
+    no more than 6 p2 and 12 p2 do, always for fewer micro-batches than stages, then 6 p2
+    and 12 p2, and 2 p2 and 4 p2."""
     m = plan.microbatches
     if plan.schedule in SHORT_FOLDS:
-        return [(m,)] if m < plan.pp else [(6 * p2, 12 * p2), (2 * p2, 4 * p2)]
+        return [(m,)] if m < plan.pp else [(m,)] * (m <= 18 * p2) + [(6 * p2, 12 * p2), (2 * p2, 4 * p2)]
     group = lcm(p1, p2) if plan.vpp > 1 else 1
     m1 = group * -(-6 * p2 // group)
     return [(m1, 2 * m1)]
