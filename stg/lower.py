@@ -553,6 +553,7 @@ class _ProgramBuilder:
         # to this plan's (ActionNodes.rebound), and what each recorded node's sizes come from
         self.rebindable: dict[tuple, tuple] = rebindable if rebindable is not None else {}
         self.sized_by: dict[int, object] = {}  # a node -> its op, its collective's ops, or its bytes
+        self.lowered: dict[tuple, ActionNodes] = {}  # timing: the templates this stage recorded, by key
 
     def repeated(self, stats: ClassStats) -> None:
         """A repeated action's stats, added once per distinct stats at the end (build)."""
@@ -1004,7 +1005,7 @@ class _ProgramBuilder:
             return
         if self.timing:  # another stage may have run an action of this shape
             shape = shape_of(self, action, ops, units, here, key)
-            moved = self._moved(shape, action.microbatch, here)
+            moved = self._moved(shape, action.microbatch, here) or self._last_apart_of(key, ops, action, here, shape)
             if moved is not None:
                 self.node_repeats[key] = moved
                 self._views(key[:2], ops)
@@ -1013,6 +1014,22 @@ class _ProgramBuilder:
         self.node_repeats[key] = self._recorded(lambda: self.action(action, ops, units, here, final=key[2]),
                                                 action.microbatch, here, self._read_later(key[:2], ops, last),
                                                 shape if self.timing else None)
+        if self.timing and self.node_repeats[key] is not None:
+            self.lowered[key] = self.node_repeats[key]
+
+    def _last_apart_of(self, key: tuple, ops: list[Op], action: Action, here: dict, shape: tuple) -> ActionNodes | None:
+        """Timing: a last micro-batch's action repeated apart (_last_apart) as this stage
+        recorded its key's other micro-batches' -- lowering makes the same nodes, only more of
+        them end runs (the tensors the step reads) -- kept as a recording is; None (nothing
+        added) if there is none or it does not resolve."""
+        other = self.lowered.get(key[:4] + (False,)) if key[4:] == (True,) else None
+        if other is None:
+            return None
+        last = other.ending_runs_at(self._read_later(key[:2], ops, True))
+        if not last.replay(self, action.microbatch, here):
+            return None
+        self.stage_templates[(shape[0], last.present)] = self.rebindable[(shape[0], last.present)] = (last, shape)
+        return last
 
     def _moved(self, shape: tuple, microbatch: int, here: dict, reads_all: bool = False) -> ActionNodes | None:
         """Timing: the template another stage of the plan recorded with this shape and chains,

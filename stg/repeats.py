@@ -169,6 +169,14 @@ class ActionNodes:
         return cls(microbatch, tuple(nodes), frozenset(r for r, v in chains.items() if v is not None), exit,
                    stats, len(builder.pipeline.edges), later)
 
+    def ending_runs_at(self, read_later: frozenset[str]) -> "ActionNodes":
+        """These nodes, their merged runs (compact) ending at the nodes that make `read_later`
+        instead: what recording them under that set gives. Not for a moved or rebound
+        template, whose compact form is made otherwise."""
+        exit = self.exit
+        return replace(self, read_later=frozenset(exit[("tensor", t)] for t in read_later
+                                                  if type(exit.get(("tensor", t))) is int))
+
     @cached_property
     def _exits(self) -> tuple[tuple[str, ...], tuple[int, ...], tuple]:
         """The exits as the tensors made by the action's own nodes (names, offsets) and the rest."""
