@@ -102,6 +102,9 @@ class OpKind(FastEnum):
     CONSTRAIN = "constrain"
 
 
+VIEWS = (OpKind.SLICE, OpKind.CONSTRAIN)  # ops that make no node: their output is their input
+
+
 class Phase(FastEnum):
     """When an op runs in a training step; the letters are the pipeline-schedule vocabulary."""
 

@@ -36,17 +36,17 @@ import sympy
 
 from stg.device import DeviceSpec
 from stg.errors import LayoutError
-from stg.graph import DType, Op, OpKind, Phase, Role
+from stg.graph import VIEWS, DType, Op, OpKind, Phase, Role
 from stg.mesh import axis_symbol
 from stg import numeric
 from parallelism.pipeline import Edge, StagePlan, block_weight, layer_crossings
 from stg.blocks import blocks
 from stg.program import (ClassStats, GroupHole, NodeType, RankHole, RankProgram, ReplayChunks, TraceNode,
                          replay_nodes)
-from stg.repeats import (COMM_ROLE, COMPUTE_ROLE, ActionNodes, ActionTally, add_terms, add_to, alike_tally, combined,
-                         flush_compact, tallies)
+from stg.repeats import (COMM_ROLE, COMPUTE_ROLE, ActionNodes, ActionTally, LayerNodes, add_terms, add_to, alike_tally,
+                         combined, flush_compact, tallies)
 from stg.schedule import Action, Kind, Order, order, virtual_stage
-from stg.shapes import moved_here, shape_of, step_shape
+from stg.shapes import layer_shape, moved_here, shape_of, step_shape
 from stg.sharding import CUT_LIMIT, ShardedGraph, op_places, per_graph
 
 
@@ -237,9 +237,6 @@ def _stage_work(sharded: ShardedGraph, stages: StagePlan, split_backward: bool) 
             layers[run] = tuple((("layer", ops[0].name, len(ops)), ops) for layer, ops in pieces
                                 for _ in range(weight(layer)))
     return work
-
-
-VIEWS = (OpKind.SLICE, OpKind.CONSTRAIN)  # ops that make no node: their output is their input
 
 
 def _made_by(graph, tensor: str) -> Op | None:
@@ -739,11 +736,50 @@ class _ProgramBuilder:
         stage = virtual_stage(self.rank, action.chunk, self.pipeline.stages.pp)
         label = f"{action.microbatch}{action.kind.value}{action.chunk}"
         self.receive(stage, action.kind, action.microbatch, where)
+        self._run_ops(stage, action.kind, ops, units, label, where, final, action.microbatch)
+        self.send_made(stage, action.kind, action.microbatch, where)
+
+    def _run_ops(self, stage: int, kind: Kind, ops: list[Op], units: dict, label: str, where: dict, final: bool,
+                 microbatch: int) -> None:
+        """Run a run's ops, each followed by the gradient buckets it finishes if `final`. Timing
+        (an action being recorded): a layer of the shape of an earlier layer of the run
+        (shapes.layer_shape: its ops equal but for names) repeats that layer's nodes under its
+        own names (LayerNodes) instead of running its ops; the run's first and last layers run
+        theirs (the first reads what came into the stage, a received tensor; what the last
+        makes may leave it, an edge tensor), as does one that sends gradient buckets."""
+        layers = self.run_layers(stage, kind) if self.timing else ()
+        if sum(len(layer_ops) for _, layer_ops in layers) != len(ops):  # (a short model's block stands for several)
+            layers = ((None, ops),)
+        alike: dict[tuple, LayerNodes] = {}  # by layer shape, a layer's nodes that later ones repeat
+        for n, (layer_key, layer_ops) in enumerate(layers):
+            shape = layer_shape(self, layer_key, layer_ops, units) if layer_key and 0 < n < len(layers) - 1 else None
+            if shape is not None and final and any(op.name in self.flush_after for op in layer_ops):
+                shape = None
+            if shape is None:
+                self._run_layer(layer_ops, units, label, where, final)
+            elif (earlier := alike.get(shape[0::2])) is None or not earlier.repeat(self, shape[1], layer_ops, where):
+                recorded = self._layer_recorded(layer_ops, units, label, where, final, microbatch, shape[1])
+                if recorded is not None:
+                    alike.setdefault(shape[0::2], recorded)
+
+    def _run_layer(self, ops: list[Op], units: dict, label: str, where: dict, final: bool) -> None:
         for op in ops:
             self.run(op, units, label, where)
             for bucket in self.flush_after.get(op.name, []) if final else ():
                 self.collective(self._bucket_name("S", bucket), bucket, where)
-        self.send_made(stage, action.kind, action.microbatch, where)
+
+    def _layer_recorded(self, ops: list[Op], units: dict, label: str, where: dict, final: bool, microbatch: int,
+                        names: tuple[str, ...]) -> LayerNodes | None:
+        """Run a layer's ops (`names`: its shape's) and record its nodes, with what they add
+        to the stats apart (LayerNodes.record)."""
+        start, chains, known, stats, terms = len(self.nodes), self.chain_roles(), len(where), self.stats, self.terms
+        self.stats, self.terms = ClassStats(), Counter()
+        self._run_layer(ops, units, label, where, final)
+        delta, self.stats, layer_terms, self.terms = self.stats, stats, self.terms, terms
+        stats.add(delta)
+        if terms is not None:
+            add_terms(terms, layer_terms, 1)
+        return LayerNodes.record(self, microbatch, start, chains, known, where, delta, layer_terms, names, ops)
 
     def _edges(self, stage: int, kind: Kind) -> tuple[list[Edge], list[Edge]]:
         """The edges into virtual stage `stage` whose tensors its run of `kind` reads, and the

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Iterable
 
 import numpy as np
 
+from stg.graph import VIEWS, OpKind
 from stg.program import ClassStats, CommNodes, NodeType, TraceNode, merged_runs
 from stg.sharding import ShardedGraph, per_graph
 
@@ -364,6 +365,74 @@ class ActionNodes:
         if c.tails:
             tails, firsts = c.tail_offsets
             head_of.update(zip(map(start.__add__, tails), map(start.__add__, firsts)))
+
+
+@dataclass(frozen=True)
+class LayerNodes:
+    """The nodes of one layer of an action being recorded for timing, which the later layers
+    of its run with the same shape (stg.shapes.layer_shape: their ops equal but for names,
+    the names in the same places of the shape's name table) repeat under their own names
+    instead of running their ops (stg.lower._ProgramBuilder.action): the same nodes, numbered
+    on, the tensors they read from before found under the layer's names, the same stats."""
+
+    nodes: ActionNodes
+    names: tuple[str, ...]  # the layer's, in its shape's order
+    terms: Counter  # what its stats add, for any sizes (ActionTally)
+    noted: tuple[int, ...]  # the places of the tensors it makes that builder.where notes
+
+    @classmethod
+    def record(cls, builder: "_ProgramBuilder", microbatch: int, start: int, chains: dict, known: int, here: dict,
+               stats: ClassStats, terms: Counter, names: tuple[str, ...], ops: list) -> "LayerNodes | None":
+        """The layer's nodes from `start` on (ActionNodes.record's arguments), with its terms."""
+        nodes = ActionNodes.record(builder, microbatch, start, chains, known, here, stats, frozenset())
+        if nodes is None:
+            return None
+        nodes = replace(nodes, sized_by=tuple(map(builder.sized_by.get, range(start, len(builder.nodes)))))
+        return cls(nodes, names, terms, _noted_places(builder, names, ops))
+
+    def repeat(self, builder: "_ProgramBuilder", names: tuple[str, ...], ops: list, here: dict) -> bool:
+        """Add the layer's nodes as the layer of `names` and `ops` makes them; False (nothing
+        added) if what they read from before is not found under its names, or it notes other
+        tensors than this one (a tensor read past the stage, say)."""
+        if _noted_places(builder, names, ops) != self.noted:
+            return False
+        rename, template = dict(zip(self.names, names)), self.nodes
+        if not builder.chains_present(template.present):
+            return False
+        resolved, chain = {}, builder.chain_role
+        for roles, lookups in template._lookups:
+            # a node from before found by a tensor the layer does not read too (the comm chain's
+            # last, which made it) is found by its other roles
+            lookups = [(tensor, key) for tensor, key in lookups if not tensor or key in rename] or lookups
+            found = {here.get(rename.get(key)) if tensor else chain(key) for tensor, key in lookups}
+            if len(found) != 1 or None in found:
+                return False
+            resolved[roles] = found.pop()
+        start = len(builder.nodes)
+        template._replay_nodes(builder, template.microbatch, resolved)
+        builder.exact.update((start + n, entry[6]) for n, entry in enumerate(template.nodes) if entry[1] is _COMP)
+        builder.sized_by.update(zip(range(start, len(builder.nodes)), template.sized_by))
+        builder.stats.add(template.stats)
+        add_terms(builder.terms, self.terms, 1)
+        made, offsets, others = template._exits
+        here.update(zip(map(rename.__getitem__, made), map(start.__add__, offsets)))
+        for role, ref in others:
+            node = start + ref if type(ref) is int else resolved[ref]
+            if role[0] == "prefetch":
+                builder.prefetch[role[1]] = node
+            else:
+                here[rename[role[1]]] = node
+        builder.alias.update((op.outputs[0], op.inputs[0]) for op in ops if op.kind in VIEWS)
+        return True
+
+
+def _noted_places(builder: "_ProgramBuilder", names: tuple[str, ...], ops: list) -> tuple[int, ...]:
+    """The places among `names` of the tensors `ops` make that builder.where notes (a compute
+    node's when builder._noted holds it, a collective's always)."""
+    noted = builder._noted
+    made = {out for op in ops for out in op.outputs
+            if op.kind is OpKind.COLLECTIVE or (op.kind not in VIEWS and (noted is None or out in noted))}
+    return tuple(place for place, name in enumerate(names) if name in made)
 
 
 def flush_compact(builder: "_ProgramBuilder") -> None:

@@ -95,7 +95,7 @@ def _action_shape(builder: _ProgramBuilder, action: Action, ops: list[Op], units
     make the same nodes up to those (timing only; ActionNodes.moved). Its kind, chunk,
     place before or after the last, its micro-batch's earlier actions by chunk and kind; the
     tensors it receives (by place, shape, dtype and role); per layer of its ops the shape of
-    that layer's run (_layer_shape) and the places of the names the run reads from before
+    that layer's run (layer_shape) and the places of the names the run reads from before
     it; the buckets a final action sends after which of its ops; the tensors it sends (with
     the peer stage of each edge); where its runs end (the tensors later ops read)."""
     table, edges, tensors, same = NameTable(), [], builder.graph.tensors, _alike(builder.sharded)
@@ -122,7 +122,7 @@ def _action_shape(builder: _ProgramBuilder, action: Action, ops: list[Op], units
 def step_shape(builder: _ProgramBuilder, ops: list[Op]) -> tuple:
     """What a stage's step (stg.lower._ProgramBuilder.step) depends on but names, with its
     names in order of first use: the gradient buckets it sends first, its optimizer's ops
-    layer by layer (_layer_shape, with the places of the names each layer reads from before
+    layer by layer (layer_shape, with the places of the names each layer reads from before
     it), the gathers after it; its buckets cut by this plan's sizes. Two stages' steps of
     equal shape make the same nodes up to names (timing only; ActionNodes.moved). Kept per
     structure, stage cut and buckets: the stage's runs, so the views it has noted, are its
@@ -159,11 +159,11 @@ def _step_shape(builder: _ProgramBuilder, ops: list[Op]) -> tuple:
 def _layers(builder: _ProgramBuilder, at, parts: list, layers: tuple, units: dict | None, table: NameTable,
             alias: dict | None = None) -> None:
     """Add to a shape's `parts` its run's layers ((layer key, ops) each): per layer its
-    _layer_shape's number and the places (`at`, `table`'s or, with `alias`, one that also
+    layer_shape's number and the places (`at`, `table`'s or, with `alias`, one that also
     notes the views among the names) of the names it reads from before it; then every name it
     makes gets its place, where later layers, sends and buckets find it."""
     for layer_key, layer_ops in layers:
-        serial, names, outside = _layer_shape(builder, layer_key, layer_ops, units)
+        serial, names, outside = layer_shape(builder, layer_key, layer_ops, units)
         parts.append((serial, tuple(map(at, map(names.__getitem__, outside)))))
         if alias and not alias.keys().isdisjoint(names):
             for name in names:
@@ -180,7 +180,7 @@ def _bucket(builder: _ProgramBuilder, table: NameTable, at, bucket: list[Op]) ->
                  for m in bucket)
 
 
-def _layer_shape(builder: _ProgramBuilder, layer_key: tuple, ops: list[Op],
+def layer_shape(builder: _ProgramBuilder, layer_key: tuple, ops: list[Op],
                  units: dict | None) -> tuple[int, tuple, tuple]:
     """A layer's run of an action's ops as its action's shape reads it, kept per structure (a
     layer's ops and coalescing units are the same in every stage cut): a number for what its
@@ -215,7 +215,7 @@ def _layer_shape(builder: _ProgramBuilder, layer_key: tuple, ops: list[Op],
 
 def _walk(builder: _ProgramBuilder, ops: list[Op], units: dict | None, table: NameTable,
           same: _Alike | None) -> list | None:
-    """A layer's run for _layer_shape: its names into `table` in order of first use and, with
+    """A layer's run for layer_shape: its names into `table` in order of first use and, with
     `same`, the parts of its shape; without, the names alone (in the same order)."""
     parts, seen, tensors = [], set(), builder.graph.tensors
 

@@ -220,9 +220,12 @@ def test_a_plan_lowered_for_timing_replays_as_its_nodes(name, tmp_path, monkeypa
     Without dp the step reads the last micro-batch's tied-embedding gradient itself
     (gpt-tied-pp-dp1): its producer must stay a node of its own in that action. In a 4-stage
     pipeline a middle stage repeats the actions and the step of the stage before it
-    (ActionNodes.moved). The replay's times are those of the longest paths through the slice (tests/helpers.py):
-    a max-plus system, so an action's effect on the times composes from its own."""
+    (ActionNodes.moved). While an action is recorded, its layers alike to an earlier one of it
+    repeat that layer's nodes (LayerNodes). The replay's times are those of the longest paths
+    through the slice (tests/helpers.py): a max-plus system, so an action's effect on the times
+    composes from its own."""
     import stg.lower
+    import stg.repeats
     from stg.chakra.replay import CommCost, TimedReplay
     from stg.chakra.replay_kernel import CompiledReplay
     from stg.explore.cost import real_groups, slice_timings
@@ -245,11 +248,21 @@ def test_a_plan_lowered_for_timing_replays_as_its_nodes(name, tmp_path, monkeypa
         steps[self.timing] += 1
         return step(self, *args, **kwargs)
 
+    layers_repeated = []
+    repeat_layer = stg.repeats.LayerNodes.repeat
+
+    def counted_layer(self, *args):
+        layers_repeated.append(repeat_layer(self, *args))
+        return layers_repeated[-1]
+
     monkeypatch.setattr(stg.lower._ProgramBuilder, "action", counted)
     monkeypatch.setattr(stg.lower._ProgramBuilder, "step", counted_step)
+    monkeypatch.setattr(stg.repeats.LayerNodes, "repeat", counted_layer)
     nodes, timing = build(model, plan), build(model, plan, nodes=False, timing=True)
     if name.startswith("pp4"):  # the middle stages' actions and steps are alike
         assert ran[True] < ran[False] and steps[True] < steps[False] == 4
+    if name in ("dp", "cp", "tp-sp", "zero3", "ep-skew"):  # a recorded action's middle layers repeat the first's nodes
+        assert any(layers_repeated)
     assert [p.stats for p in timing.programs] == [p.stats for p in nodes.programs]
     assert [p.holes for p in timing.programs] == [p.holes for p in nodes.programs]
     assert all(len(p.replay.ids) and not p.nodes for p in timing.programs)
