@@ -453,16 +453,15 @@ def _run_edges(sharded: ShardedGraph) -> dict:
 
 
 @per_graph
-def _collective_readers(sharded: ShardedGraph) -> dict[str, list[tuple[str, bool]]]:
-    """Per tensor, the collectives that read it, directly or through views: each one's name
-    and whether it is the step's (_ProgramBuilder._read_later, _noted)."""
+def _collective_readers(sharded: ShardedGraph) -> dict[str, list[Op]]:
+    """Per tensor, the collectives that read it, directly or through views
+    (_ProgramBuilder._read_later, _noted)."""
     graph, found = sharded.graph, {}
     for op in graph.ops:
         if op.kind is OpKind.COLLECTIVE:
-            reader = (op.name, op.phase is Phase.STEP)
             for tensor in op.inputs:
                 while True:  # up the views it reads through
-                    found.setdefault(tensor, []).append(reader)
+                    found.setdefault(tensor, []).append(op)
                     maker = graph.producer.get(tensor)
                     if maker is None or maker.kind not in VIEWS:
                         break
@@ -484,6 +483,22 @@ def _viewed(graph, tensor: str) -> str:
         tensor = op.inputs[0]
         op = graph.producer.get(tensor)
     return tensor
+
+
+@per_graph
+def _layer_reads(sharded: ShardedGraph) -> dict:
+    """Per layer (_stage_work's layer key), the tensors its ops make that collectives read
+    (_collective_readers), a few of its hundreds, each as _layer_read gives it: found once per
+    structure (_read_later)."""
+    return {}
+
+
+def _layer_read(tensor: str, maker: Op, readers: list[Op]) -> tuple[str, bool, tuple[Op, ...]]:
+    """A tensor of a layer as _read_later reads it: whether the step's collectives read it,
+    and its other readers but those of its maker's layer and phase (of its run in any cut)."""
+    return (tensor, any(op.phase is Phase.STEP for op in readers),
+            tuple(op for op in readers if op.phase is not Phase.STEP
+                  and (op.layer != maker.layer or op.phase is not maker.phase)))
 
 
 @per_graph
@@ -1033,7 +1048,7 @@ class _ProgramBuilder:
         before found by its role (a chain's last node, a tensor's producer), durations rounded
         on the running carry. An action whose roles do not resolve as that one's runs."""
         last = action.microbatch == self.microbatches - 1
-        if self.timing and self._last_apart(key[:2], ops):
+        if self.timing and self._last_apart(key[:2]):
             key += (last,)  # what the step reads of the last micro-batch ends runs: see _read_later
         repeat = self.node_repeats.get(key)
         if repeat is not None and repeat.replay(self, action.microbatch, here):
@@ -1041,19 +1056,19 @@ class _ProgramBuilder:
             return
         if self.timing:  # another stage may have run an action of this shape
             shape = shape_of(self, action, ops, units, here, key)
-            moved = self._moved(shape, action.microbatch, here) or self._last_apart_of(key, ops, action, here, shape)
+            moved = self._moved(shape, action.microbatch, here) or self._last_apart_of(key, action, here, shape)
             if moved is not None:
                 self.node_repeats[key] = moved
                 self._views(key[:2], ops)
                 return
         # the latest run is the one to repeat: the first ran with empty chains, later ones do not
         self.node_repeats[key] = self._recorded(lambda: self.action(action, ops, units, here, final=key[2]),
-                                                action.microbatch, here, self._read_later(key[:2], ops, last),
+                                                action.microbatch, here, self._read_later(key[:2], last),
                                                 shape if self.timing else None)
         if self.timing and self.node_repeats[key] is not None:
             self.lowered[key] = self.node_repeats[key]
 
-    def _last_apart_of(self, key: tuple, ops: list[Op], action: Action, here: dict, shape: tuple) -> ActionNodes | None:
+    def _last_apart_of(self, key: tuple, action: Action, here: dict, shape: tuple) -> ActionNodes | None:
         """Timing: a last micro-batch's action repeated apart (_last_apart) as this stage
         recorded its key's other micro-batches' -- lowering makes the same nodes, only more of
         them end runs (the tensors the step reads) -- kept as a recording is; None (nothing
@@ -1061,7 +1076,7 @@ class _ProgramBuilder:
         other = self.lowered.get(key[:4] + (False,)) if key[4:] == (True,) else None
         if other is None:
             return None
-        last = other.ending_runs_at(self._read_later(key[:2], ops, True))
+        last = other.ending_runs_at(self._read_later(key[:2], True))
         if not last.replay(self, action.microbatch, here):
             return None
         self.stage_templates[(shape[0], last.present)] = self.rebindable[(shape[0], last.present)] = (last, shape)
@@ -1120,8 +1135,8 @@ class _ProgramBuilder:
             self.viewed.add(run)
             self.alias.update((op.outputs[0], op.inputs[0]) for op in ops if op.kind in VIEWS)
 
-    def _read_later(self, run: tuple, ops: list[Op], last: bool) -> frozenset[str]:
-        """The tensors `ops` (the run of one virtual stage and action kind) make that collectives
+    def _read_later(self, run: tuple, last: bool) -> frozenset[str]:
+        """The tensors the ops of `run` (a virtual stage and action kind) make that collectives
         of later actions read, directly or through views, and those of the step if `last` (the
         step reads the last micro-batch's): the only later nodes that depend on their producers
         (a COMP node follows the compute chain and its comm inputs; a send goes out in the
@@ -1131,18 +1146,26 @@ class _ProgramBuilder:
         memo = _reads_later(self.sharded)  # a run's ops are its structure's and cut's: kept across plans
         key = (self.pipeline.stages, self.pipeline.split_backward, run, last)
         if key not in memo:
-            names, readers = {op.name for op in ops}, _collective_readers(self.sharded)
-            memo[key] = frozenset(t for op in ops for t in op.outputs
-                                  if any(name not in names and (last or not step) for name, step in readers.get(t, ())))
+            readers, read = _collective_readers(self.sharded), _layer_reads(self.sharded)
+            stages, split = self.pipeline.stages, self.pipeline.split_backward
+            found = set()
+            for layer_key, layer_ops in self.run_layers(*run):
+                if layer_key not in read:
+                    read[layer_key] = tuple(_layer_read(t, op, readers[t])
+                                            for op in layer_ops for t in op.outputs if t in readers)
+                # a reader of the step's, or (not the step's) of another run
+                found.update(t for t, by_step, others in read[layer_key]
+                             if (last and by_step) or any(_run(op, stages, split) != run for op in others))
+            memo[key] = frozenset(found)
         self.later[run, last] = memo[key]
         return memo[key]
 
-    def _last_apart(self, run: tuple, ops: list[Op]) -> bool:
+    def _last_apart(self, run: tuple) -> bool:
         """Whether the step reads more of the run's last micro-batch than later actions read
         of the others' (_read_later): its last action is then repeated apart."""
         apart = self.last_apart.get(run)
         if apart is None:
-            apart = self.last_apart[run] = self._read_later(run, ops, True) != self._read_later(run, ops, False)
+            apart = self.last_apart[run] = self._read_later(run, True) != self._read_later(run, False)
         return apart
 
     def _add_to_replay(self, start: int) -> None:

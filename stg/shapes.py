@@ -115,7 +115,7 @@ def _action_shape(builder: _ProgramBuilder, action: Action, ops: list[Op], units
         parts.append(("send", at(edge.tensor), same.of_name(edge.tensor, tensors)))
         edges.append((edge, edge.target))
     last = bool(key[4:]) and key[4]
-    parts.append(tuple(sorted(map(at, builder._read_later(key[:2], ops, last)))))  # where its runs end
+    parts.append(tuple(sorted(map(at, builder._read_later(key[:2], last)))))  # where its runs end
     return tuple(parts), table.names, edges
 
 
