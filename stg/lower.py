@@ -757,39 +757,47 @@ class _ProgramBuilder:
     def _run_ops(self, stage: int, kind: Kind, ops: list[Op], units: dict, label: str, where: dict, final: bool,
                  microbatch: int) -> None:
         """Run a run's ops, each followed by the gradient buckets it finishes if `final`. Timing
-        (an action being recorded): a layer of the shape of an earlier layer of the run
-        (shapes.layer_shape: its ops equal but for names) repeats that layer's nodes under its
-        own names (LayerNodes) instead of running its ops; the run's first and last layers run
-        theirs (the first reads what came into the stage, a received tensor; what the last
-        makes may leave it, an edge tensor), as does one that sends gradient buckets."""
+        (an action being recorded): layer by layer, alike layers repeating nodes (_run_alike),
+        but for a layer that sends gradient buckets."""
+        def run_layer(layer_ops: list[Op]) -> None:
+            for op in layer_ops:
+                self.run(op, units, label, where)
+                for bucket in self.flush_after.get(op.name, []) if final else ():
+                    self.collective(self._bucket_name("S", bucket), bucket, where)
+
         layers = self.run_layers(stage, kind) if self.timing else ()
         if sum(len(layer_ops) for _, layer_ops in layers) != len(ops):  # (a short model's block stands for several)
-            layers = ((None, ops),)
+            return run_layer(ops)
+        if final:
+            layers = tuple((None if any(op.name in self.flush_after for op in layer_ops) else key, layer_ops)
+                           for key, layer_ops in layers)
+        self._run_alike(layers, units, run_layer, where, microbatch)
+
+    def _run_alike(self, layers: tuple, units: dict | None, run_layer: Callable[[list[Op]], None], where: dict,
+                   microbatch: int) -> None:
+        """Run `layers` ((key, ops) each; None: no shape) with `run_layer`, while an action or
+        the step is recorded for timing: a layer of the shape of an earlier one (shapes.layer_shape:
+        its ops equal but for names) repeats that layer's nodes under its own names (LayerNodes)
+        instead of running its ops; the first and last layers run theirs (the first reads what
+        came into the stage, a received tensor; what the last makes may leave it, an edge
+        tensor)."""
         alike: dict[tuple, LayerNodes] = {}  # by layer shape, a layer's nodes that later ones repeat
         for n, (layer_key, layer_ops) in enumerate(layers):
             shape = layer_shape(self, layer_key, layer_ops, units) if layer_key and 0 < n < len(layers) - 1 else None
-            if shape is not None and final and any(op.name in self.flush_after for op in layer_ops):
-                shape = None
             if shape is None:
-                self._run_layer(layer_ops, units, label, where, final)
+                run_layer(layer_ops)
             elif (earlier := alike.get(shape[0::2])) is None or not earlier.repeat(self, shape[1], layer_ops, where):
-                recorded = self._layer_recorded(layer_ops, units, label, where, final, microbatch, shape[1])
+                recorded = self._layer_recorded(layer_ops, run_layer, where, microbatch, shape[1])
                 if recorded is not None:
-                    alike.setdefault(shape[0::2], recorded)
+                    alike[shape[0::2]] = recorded  # the latest: the next layer follows it
 
-    def _run_layer(self, ops: list[Op], units: dict, label: str, where: dict, final: bool) -> None:
-        for op in ops:
-            self.run(op, units, label, where)
-            for bucket in self.flush_after.get(op.name, []) if final else ():
-                self.collective(self._bucket_name("S", bucket), bucket, where)
-
-    def _layer_recorded(self, ops: list[Op], units: dict, label: str, where: dict, final: bool, microbatch: int,
+    def _layer_recorded(self, ops: list[Op], run_layer: Callable[[list[Op]], None], where: dict, microbatch: int,
                         names: tuple[str, ...]) -> LayerNodes | None:
         """Run a layer's ops (`names`: its shape's) and record its nodes, with what they add
         to the stats apart (LayerNodes.record)."""
         start, chains, known, stats, terms = len(self.nodes), self.chain_roles(), len(where), self.stats, self.terms
         self.stats, self.terms = ClassStats(), Counter()
-        self._run_layer(ops, units, label, where, final)
+        run_layer(ops)
         delta, self.stats, layer_terms, self.terms = self.stats, stats, self.terms, terms
         stats.add(delta)
         if terms is not None:
@@ -1236,8 +1244,14 @@ class _ProgramBuilder:
             self.stats.comm_bytes[name] += total
 
     def _optimizer(self, ops: list[Op], where: dict[str, int]) -> None:
-        for op in ops:
-            self.op(op, "S", where)
+        def run_layer(layer_ops: list[Op]) -> None:
+            for op in layer_ops:
+                self.op(op, "S", where)
+
+        layers = self.step_layers(ops) if self.timing else ()
+        if sum(len(layer_ops) for _, layer_ops in layers) != len(ops):
+            return run_layer(ops)
+        self._run_alike(layers, None, run_layer, where, self.microbatches)
 
     def _gathers(self, where: dict[str, int]) -> None:
         self._step_buckets(self.step_gathers(), where)
