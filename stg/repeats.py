@@ -200,13 +200,18 @@ class ActionNodes:
         return tuple((roles, tuple((r[0] == "tensor", r[1] if r[0] == "tensor" else r) for r in roles))
                      for roles in self._roles)
 
-    def _resolve(self, builder: "_ProgramBuilder", here: dict) -> dict | None:
+    def _resolve(self, builder: "_ProgramBuilder", here: dict, rename: dict | None = None) -> dict | None:
         """Each set of roles -> the node that plays them all now; None if the chains set differ
-        from the recorded run's or a set does not name one node."""
+        from the recorded run's or a set does not name one node. `rename`: its tensors' names
+        here (LayerNodes), a set's tensors not among them left out (a node from before that is
+        also the comm chain's last is found by that role)."""
         if not builder.chains_present(self.present):
             return None
         resolved, chain = {}, builder.chain_role
         for roles, lookups in self._lookups:
+            if rename is not None:
+                lookups = [(tensor, rename[key] if tensor else key) for tensor, key in lookups
+                           if not tensor or key in rename] or [(True, None)]
             if len(lookups) == 1:  # most sets: one role
                 tensor, key = lookups[0]
                 node = here.get(key) if tensor else chain(key)
@@ -228,17 +233,24 @@ class ActionNodes:
             self._replay_compact(builder, microbatch, resolved)
         else:
             self._replay_nodes(builder, microbatch, resolved)
-        start = len(builder.nodes) - len(self.nodes)
+        self._exit_into(builder, here, len(builder.nodes) - len(self.nodes), resolved)
+        builder.repeated(self.stats)
+        return True
+
+    def _exit_into(self, builder: "_ProgramBuilder", here: dict, start: int, resolved: dict,
+                   rename: dict | None = None) -> None:
+        """Note what the nodes repeated from `start` on make (`here`) and the prefetch point
+        they leave; `rename`: the tensors' names here (LayerNodes)."""
         names, offsets, others = self._exits
+        if rename is not None:
+            names = map(rename.__getitem__, names)
         here.update(zip(names, map(start.__add__, offsets)))  # the tensors it makes, made here
         for role, ref in others:
             node = start + ref if type(ref) is int else resolved[ref]
             if role[0] == "prefetch":
                 builder.prefetch[role[1]] = node
             else:
-                here[role[1]] = node
-        builder.repeated(self.stats)
-        return True
+                here[role[1] if rename is None else rename[role[1]]] = node
 
     def _replay_nodes(self, builder: "_ProgramBuilder", microbatch: int, resolved: dict) -> None:
         start, name, shift = len(builder.nodes), str(microbatch), (microbatch - self.microbatch) * self.edges
@@ -397,31 +409,18 @@ class LayerNodes:
         if _noted_places(builder, names, ops) != self.noted:
             return False
         rename, template = dict(zip(self.names, names)), self.nodes
-        if not builder.chains_present(template.present):
+        resolved = template._resolve(builder, here, rename)
+        if resolved is None:
             return False
-        resolved, chain = {}, builder.chain_role
-        for roles, lookups in template._lookups:
-            # a node from before found by a tensor the layer does not read too (the comm chain's
-            # last, which made it) is found by its other roles
-            lookups = [(tensor, key) for tensor, key in lookups if not tensor or key in rename] or lookups
-            found = {here.get(rename.get(key)) if tensor else chain(key) for tensor, key in lookups}
-            if len(found) != 1 or None in found:
-                return False
-            resolved[roles] = found.pop()
         start = len(builder.nodes)
         template._replay_nodes(builder, template.microbatch, resolved)
+        # what lowering notes of each node it makes (_ProgramBuilder.compute, _add)
         builder.exact.update((start + n, entry[6]) for n, entry in enumerate(template.nodes) if entry[1] is _COMP)
         builder.sized_by.update(zip(range(start, len(builder.nodes)), template.sized_by))
         builder.stats.add(template.stats)
-        add_terms(builder.terms, self.terms, 1)
-        made, offsets, others = template._exits
-        here.update(zip(map(rename.__getitem__, made), map(start.__add__, offsets)))
-        for role, ref in others:
-            node = start + ref if type(ref) is int else resolved[ref]
-            if role[0] == "prefetch":
-                builder.prefetch[role[1]] = node
-            else:
-                here[rename[role[1]]] = node
+        if builder.terms is not None:
+            add_terms(builder.terms, self.terms, 1)
+        template._exit_into(builder, here, start, resolved, rename)
         builder.alias.update((op.outputs[0], op.inputs[0]) for op in ops if op.kind in VIEWS)
         return True
 
