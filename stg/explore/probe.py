@@ -1,4 +1,4 @@
-"""A plan's pipeline timed from shorter ones: two with fewer micro-batches, or four folded.
+"""A plan's pipeline timed from shorter ones: two with fewer micro-batches, or two or four folded.
 
 The slice replay costs time in proportion to the micro-batches. Past its warm-up a pipeline
 schedule repeats itself: the step is a max-plus linear system of identical micro-batches, and
