@@ -766,21 +766,22 @@ class _ProgramBuilder:
                     self.collective(self._bucket_name("S", bucket), bucket, where)
 
         layers = self.run_layers(stage, kind) if self.timing else ()
-        if sum(len(layer_ops) for _, layer_ops in layers) != len(ops):  # (a short model's block stands for several)
-            return run_layer(ops)
         if final:
             layers = tuple((None if any(op.name in self.flush_after for op in layer_ops) else key, layer_ops)
                            for key, layer_ops in layers)
-        self._run_alike(layers, units, run_layer, where, microbatch)
+        self._run_alike(ops, layers, units, run_layer, where, microbatch)
 
-    def _run_alike(self, layers: tuple, units: dict | None, run_layer: Callable[[list[Op]], None], where: dict,
-                   microbatch: int) -> None:
-        """Run `layers` ((key, ops) each; None: no shape) with `run_layer`, while an action or
-        the step is recorded for timing: a layer of the shape of an earlier one (shapes.layer_shape:
-        its ops equal but for names) repeats that layer's nodes under its own names (LayerNodes)
+    def _run_alike(self, ops: list[Op], layers: tuple, units: dict | None, run_layer: Callable[[list[Op]], None],
+                   where: dict, microbatch: int) -> None:
+        """Run `ops` with `run_layer`, by `layers` ((key, ops) each; key None: no shape) where
+        they hold them all (timing: an action or the step being recorded; a short model's block
+        stands for several): a layer of the shape of an earlier one (shapes.layer_shape: its ops
+        equal but for names) repeats that layer's nodes under its own names (LayerNodes)
         instead of running its ops; the first and last layers run theirs (the first reads what
         came into the stage, a received tensor; what the last makes may leave it, an edge
         tensor)."""
+        if sum(len(layer_ops) for _, layer_ops in layers) != len(ops):
+            return run_layer(ops)
         alike: dict[tuple, LayerNodes] = {}  # by layer shape, a layer's nodes that later ones repeat
         for n, (layer_key, layer_ops) in enumerate(layers):
             shape = layer_shape(self, layer_key, layer_ops, units) if layer_key and 0 < n < len(layers) - 1 else None
@@ -1248,10 +1249,7 @@ class _ProgramBuilder:
             for op in layer_ops:
                 self.op(op, "S", where)
 
-        layers = self.step_layers(ops) if self.timing else ()
-        if sum(len(layer_ops) for _, layer_ops in layers) != len(ops):
-            return run_layer(ops)
-        self._run_alike(layers, None, run_layer, where, self.microbatches)
+        self._run_alike(ops, self.step_layers(ops) if self.timing else (), None, run_layer, where, self.microbatches)
 
     def _gathers(self, where: dict[str, int]) -> None:
         self._step_buckets(self.step_gathers(), where)

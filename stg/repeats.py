@@ -306,7 +306,7 @@ class ActionNodes:
             exit = {(role[0], rename[role[1]]) if role[0] == "tensor" else role: ref if type(ref) is int else roles(ref)
                     for role, ref in self.exit.items()}
             compact = replace(c, outside_roles=tuple(r if r is _CHAIN else roles(r) for r in c.outside_roles),
-                              p2p=tuple((k, p2p(key)) for k, key in c.p2p),
+                              p2p_keys=tuple(map(p2p, c.p2p_keys)),
                               holes=frozenset(peers.get(h, h) for h in c.holes))
         except KeyError:
             return None
@@ -339,7 +339,7 @@ class ActionNodes:
         compact = replace(c, exacts=np.array(exacts, dtype=np.float64),
                           collective_keys=tuple((group, kind, n) for (group, kind, _), n in zip(c.collective_keys,
                                                                                                 collectives)),
-                          p2p=tuple((k, (src, dst, tag, n)) for (k, (src, dst, tag, _)), n in zip(c.p2p, p2p)))
+                          p2p_keys=tuple((src, dst, tag, n) for (src, dst, tag, _), n in zip(c.p2p_keys, p2p)))
         rebound = replace(self, stats=self.tally.bind(builder.ev, comm))
         rebound.__dict__["compact"] = compact  # (a cached_property's slot)
         return rebound
@@ -426,11 +426,11 @@ class LayerNodes:
 
 
 def _noted_places(builder: "_ProgramBuilder", names: tuple[str, ...], ops: list) -> tuple[int, ...]:
-    """The places among `names` of the tensors `ops` make that builder.where notes (a compute
+    """The places among `names` of the tensors `ops` make that a timing build notes (a compute
     node's when builder._noted holds it, a collective's always)."""
     noted = builder._noted
     made = {out for op in ops for out in op.outputs
-            if op.kind is OpKind.COLLECTIVE or (op.kind not in VIEWS and (noted is None or out in noted))}
+            if op.kind is OpKind.COLLECTIVE or (op.kind not in VIEWS and out in noted)}
     return tuple(place for place, name in enumerate(names) if name in made)
 
 
@@ -497,7 +497,7 @@ class _Compact:
     outside_at: np.ndarray
     outside_roles: tuple[frozenset, ...]  # the roles of those (_CHAIN: the compute chain's last)
     collective_keys: tuple  # the collectives' (group, type, bytes)
-    p2p: tuple  # (kept index, (src, dst, tag, bytes)) of sends and receives
+    p2p_keys: tuple  # the sends' and receives' (src, dst, tag, bytes)
     exacts: np.ndarray  # per COMP node in order: its unrounded duration
     runs: np.ndarray  # per COMP node: the index in `kept` of its run
     # (last node, first node) of each run of several whose last node a later node may name
@@ -518,7 +518,8 @@ class _Compact:
     def packed(self) -> np.ndarray:
         """The arrays a repeat's rows are made from, in one (stg/repeats_kernel.py says how)."""
         # per keyed node, 1 for a send or receive (a repeat shifts its tag)
-        sends_or_receives = np.repeat(np.array([0, 1], dtype=np.int64), [len(self.collective_keys), len(self.p2p)])
+        sends_or_receives = np.repeat(np.array([0, 1], dtype=np.int64), [len(self.collective_keys),
+                                                                         len(self.p2p_keys)])
         counts = (len(self.kept), len(self.deps), len(self.outside_at), len(self.exacts), len(self.keyed),
                   len(self.comm_offsets))
         return np.concatenate([np.array(counts, dtype=np.int64), self.kept, self.types, self.n_deps, self.deps,
@@ -527,7 +528,7 @@ class _Compact:
     @cached_property
     def keys(self) -> tuple:
         """The keys of `keyed`: the collectives', then the sends' and receives'."""
-        return self.collective_keys + tuple(key for _, key in self.p2p)
+        return self.collective_keys + self.p2p_keys
 
     @cached_property
     def no_nodes(self) -> tuple[None, ...]:
@@ -584,7 +585,7 @@ class _Compact:
         return cls(ints(kept), tuple(head), ints(types), ints([len(d) for d in deps]),
                    ints([d if type(d) is int else 0 for d in flat]), ints(outside_at),
                    tuple(flat[i] for i in outside_at), tuple(comm[k] for k in collectives),
-                   tuple((k, comm[k]) for k in p2p),
+                   tuple(comm[k] for k in p2p),
                    np.array(exacts, dtype=np.float64), ints(runs),
                    tuple((tail, first) for first, tail in tails.items() if tail in kept_by),
                    ints([n for n, e in enumerate(entries) if e[1] is not _COMP]), last_compute, last_comm,
