@@ -27,7 +27,7 @@ from __future__ import annotations
 from bisect import bisect_right
 from collections import Counter
 from dataclasses import dataclass, field, replace
-from functools import cached_property
+from functools import cached_property, partial
 from itertools import groupby, pairwise
 from operator import attrgetter, itemgetter
 from typing import Callable, Iterable, Mapping
@@ -46,7 +46,7 @@ from stg.program import (ClassStats, GroupHole, NodeType, RankHole, RankProgram,
 from stg.repeats import (COMM_ROLE, COMPUTE_ROLE, ActionNodes, ActionTally, LayerNodes, add_terms, add_to, alike_tally,
                          combined, flush_compact, tallies)
 from stg.schedule import Action, Kind, Order, order, virtual_stage
-from stg.shapes import layer_shape, moved_here, shape_of, step_shape
+from stg.shapes import Renaming, layer_shape, moved_here, shape_of, stage_likeness, step_shape
 from stg.sharding import CUT_LIMIT, ShardedGraph, op_places, per_graph
 
 
@@ -566,6 +566,12 @@ class _ProgramBuilder:
         self.rebindable: dict[tuple, tuple] = rebindable if rebindable is not None else {}
         self.sized_by: dict[int, object] = {}  # a node -> its op, its collective's ops, or its bytes
         self.lowered: dict[tuple, ActionNodes] = {}  # timing: the templates this stage recorded, by key
+        # timing: a stage alike to this one that ran before (_alike_stage), with the renaming of
+        # its names to this one's; else what this stage leaves for a later one alike to it
+        self.sibling: tuple[_StageRepeats, Renaming] | None = None
+        self.likeness: tuple | None = None  # (its cut, layers, units, step)
+        self.made: dict[tuple, ActionNodes] = {}  # timing: by action key and chains present, each template
+        self.step_template: ActionNodes | None = None
 
     def repeated(self, stats: ClassStats) -> None:
         """A repeated action's stats, added once per distinct stats at the end (build)."""
@@ -1025,6 +1031,9 @@ class _ProgramBuilder:
         roles.update((("prefetch", phase), node) for phase, node in self.prefetch.items())
         return roles
 
+    def present_chains(self) -> frozenset:
+        return frozenset(role for role, node in self.chain_roles().items() if node is not None)
+
     def chains_present(self, present: frozenset) -> bool:
         """Whether the chain roles set now (chain_roles' that are not None) are `present`:
         asked before every repeated action, without making the dict (the roles are distinct,
@@ -1063,19 +1072,21 @@ class _ProgramBuilder:
         if repeat is not None and repeat.replay(self, action.microbatch, here):
             self._views(key[:2], ops)  # a repeated action runs none of its ops
             return
-        if self.timing:  # another stage may have run an action of this shape
-            shape = shape_of(self, action, ops, units, here, key)
-            moved = self._moved(shape, action.microbatch, here) or self._last_apart_of(key, action, here, shape)
+        if self.timing:  # an alike stage, or another stage, may have run an action of this shape
+            moved = self._from_sibling(key, action.kind, action.microbatch, here) if self.sibling else None
+            if moved is None:
+                shape = shape_of(self, action, ops, units, here, key)
+                moved = self._moved(shape, action.microbatch, here) or self._last_apart_of(key, action, here, shape)
             if moved is not None:
-                self.node_repeats[key] = moved
+                self.node_repeats[key] = self.made[key, moved.present] = moved
                 self._views(key[:2], ops)
                 return
         # the latest run is the one to repeat: the first ran with empty chains, later ones do not
-        self.node_repeats[key] = self._recorded(lambda: self.action(action, ops, units, here, final=key[2]),
-                                                action.microbatch, here, self._read_later(key[:2], last),
-                                                shape if self.timing else None)
-        if self.timing and self.node_repeats[key] is not None:
-            self.lowered[key] = self.node_repeats[key]
+        self.node_repeats[key] = recorded = self._recorded(
+            lambda: self.action(action, ops, units, here, final=key[2]), action.microbatch, here,
+            self._read_later(key[:2], last), shape if self.timing else None)
+        if self.timing and recorded is not None:
+            self.lowered[key] = self.made[key, recorded.present] = recorded
 
     def _last_apart_of(self, key: tuple, action: Action, here: dict, shape: tuple) -> ActionNodes | None:
         """Timing: a last micro-batch's action repeated apart (_last_apart) as this stage
@@ -1096,7 +1107,7 @@ class _ProgramBuilder:
         moved to this stage (shapes.moved_here) and repeated here; None (nothing added) if there
         is none or it does not resolve. Without one, the latest recorded under another plan's
         sizes (of this structure and stage cut), rebound to this plan's."""
-        key = (shape[0], frozenset(r for r, v in self.chain_roles().items() if v is not None))
+        key = (shape[0], self.present_chains())
         found = self.stage_templates.get(key)
         if found is None and (other := self.rebindable.get(key)) is not None:
             found = self.stage_templates[key] = (other[0].rebound(self), other[1])
@@ -1351,8 +1362,10 @@ class _ProgramBuilder:
 
     def build(self) -> list[TraceNode]:
         stages = self.pipeline.stages
-        runs, units, step, _ = _stage_work(self.sharded, stages, self.pipeline.split_backward)[self.rank]
+        runs, units, step, layers = _stage_work(self.sharded, stages, self.pipeline.split_backward)[self.rank]
         self.plan_gradient_buckets()
+        if self.timing and not self.flushes:
+            self._alike_stage(layers, units, step)
         if self.keep_nodes:
             # the step's views first: a reduction that a degree of 1 turned into a view
             # (stg/passes.py, unit_bound) passes its input's producer on to the reduction after
@@ -1375,17 +1388,87 @@ class _ProgramBuilder:
         for stats, times in self.repeat_stats.values():
             self.stats.add(stats, times)
         flush_compact(self)
+        if self.likeness is not None:
+            self.stage_templates[self.likeness[0]] = _StageRepeats(self, *self.likeness[1:])
         return self.nodes
+
+    def _alike_stage(self, layers: dict, units: dict, step: list[Op]) -> None:
+        """Timing: find a stage of the plan that ran before whose nodes are this one's up to
+        names, peers and tags (shapes.stage_likeness: a pipeline's middle stages), so that this
+        one repeats its actions and step moved (_from_sibling) instead of finding each one's
+        shape; else note how this stage is cut, under which it leaves its own (build) for a
+        later stage cut alike to make sure of."""
+        cut = ("alike stage", tuple((stage // self.pipeline.stages.pp, kind, len(run)) for (stage, kind), run in
+                                    layers.items()), len(step), len(self.late_reductions))
+        found = self.stage_templates.get(cut)
+        if found is None:
+            self.likeness = (cut, layers, units, step)
+            return
+        parts, names, places, _ = stage_likeness(self, layers, units, step)
+        if found.likeness[:1] + found.likeness[2:3] == (parts, places):
+            self.sibling = (found, Renaming(found.likeness[3], names))
+
+    def _relative(self, key: tuple) -> tuple:
+        """An action key with its virtual stages as chunks: the same on every alike stage."""
+        chunk = lambda stage: self.pipeline.stages.rank_and_chunk(stage)[1]
+        return (chunk(key[0]), key[1], key[2], tuple((chunk(s), kind) for s, kind in key[3]), *key[4:])
+
+    def _from_sibling(self, key: tuple, kind: Kind, microbatch: int, here: dict) -> ActionNodes | None:
+        """Timing: the sibling stage's action of this key (_alike_stage), moved to this stage's
+        names, edges and peers and repeated here; None (nothing added) if it has none, an edge
+        does not match by name, or it does not resolve."""
+        found, rename = self.sibling
+        template = found.repeats.get((self._relative(key), self.present_chains()))
+        if template is None:
+            return None
+        stage = key[0]
+        theirs, retag, peers = stage - self.rank + found.rank, {}, {}
+        for side, end in ((0, "source"), (1, "target")):
+            mine, its = self._edges(stage, kind)[side], self._edges(theirs, kind)[side]
+            if len(mine) != len(its):
+                return None
+            for new, old in zip(mine, its):
+                peer = self._peer(getattr(new, end))
+                if old.tensor not in rename or rename[old.tensor] != new.tensor \
+                        or peers.setdefault(self._peer(getattr(old, end)), peer) != peer:
+                    return None
+                retag[old.index] = new.index
+        moved = template.moved(rename, retag, peers)
+        return moved if moved is not None and moved.replay(self, microbatch, here) else None
 
     def _timed_step(self, ops: list[Op], where: dict[str, int]) -> None:
         """The step lowered for timing: a stage repeats the step of another stage of the plan
         whose step has its shape (shapes.step_shape: the same layers' optimizers and buckets,
         a pipeline's middle stages'), moved to its names, instead of running its ops."""
+        if self.sibling is not None and (template := self.sibling[0].step) is not None:
+            moved = template.moved(self.sibling[1], {}, {}, reads_all=True)
+            if moved is not None and moved.replay(self, self.microbatches, where):
+                self.step_template = moved
+                return
         shape = step_shape(self, ops)
-        if self._moved(shape, self.microbatches, where, reads_all=True) is None:
+        self.step_template = self._moved(shape, self.microbatches, where, reads_all=True)
+        if self.step_template is None:
             # nothing runs after the step: its runs end where its nodes say
-            self._recorded(lambda: self.step(ops, where), self.microbatches, where, frozenset(), shape,
-                           made_read=False)
+            self.step_template = self._recorded(lambda: self.step(ops, where), self.microbatches, where,
+                                                frozenset(), shape, made_read=False)
+
+
+class _StageRepeats:
+    """What a timed stage leaves for the later stages alike to it (_ProgramBuilder._alike_stage):
+    its rank, the templates it repeated by action key relative to its chunks (_relative) and
+    chains present, its step's, and its likeness (shapes.stage_likeness), found when a later
+    stage is cut alike."""
+
+    def __init__(self, builder: _ProgramBuilder, layers: dict, units: dict, step: list[Op]):
+        self.rank = builder.rank
+        self.repeats = {(builder._relative(key), present): nodes for (key, present), nodes in builder.made.items()}
+        self.step = builder.step_template
+        self._likeness = partial(stage_likeness, builder, layers, units, step)
+
+    @cached_property
+    def likeness(self) -> tuple:
+        found, self._likeness = self._likeness(), None  # (the builder let go)
+        return found
 
 
 def lower(sharded: ShardedGraph, evaluate: Evaluator, device: DeviceSpec, *, pipeline: Pipeline,

@@ -257,3 +257,47 @@ def moved_here(builder: _ProgramBuilder, found: tuple, shape: tuple, reads_all: 
             return None  # two of its peers become one: not the same pattern
     retag = {old.index: new.index for (old, _), (new, _) in zip(edges, shape[2])}
     return template.moved(dict(zip(names, shape[1])), retag, peers, reads_all)
+
+
+class Renaming:
+    """A sibling stage's names -> this stage's (stage_likeness): by the place of each name's
+    first use in the sibling's list, the name at that place in this stage's."""
+
+    def __init__(self, first: dict[str, int], names: list[str]) -> None:
+        self.first, self.names = first, names
+
+    def __getitem__(self, name: str) -> str:
+        return self.names[self.first[name]]
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.first
+
+
+def stage_likeness(builder: _ProgramBuilder, layers_by_run: dict, units: dict,
+                   step: list[Op]) -> tuple[tuple, list[str], list[int], dict[str, int]]:
+    """What a timed stage's nodes depend on but names, peers and tags, given its plan: per run
+    (chunk and kind) its layers' shapes (layer_shape), then its step's layers' and where its
+    late and gathered buckets start; its names in that order (each layer's in order of first
+    use); the place of each name's first use, per place; and per name. Two stages of equal
+    likeness and places (a pipeline's middle stages) make the same nodes up to names, peers and
+    tags, the names matching place by place (ActionNodes.moved, Renaming)."""
+    chunk = builder.pipeline.stages.rank_and_chunk
+    parts: list = []
+    names: list[str] = []
+    for (stage, kind), layers in layers_by_run.items():
+        serials = []
+        for layer_key, layer_ops in layers:
+            serial, layer_names, _ = layer_shape(builder, layer_key, layer_ops, units)
+            serials.append(serial)
+            names += layer_names
+        parts.append((chunk(stage)[1], kind, tuple(serials)))
+    for layer_key, layer_ops in builder.step_layers(step):
+        serial, layer_names, _ = layer_shape(builder, layer_key, layer_ops, None)
+        parts.append(serial)
+        names += layer_names
+    for steps in (*builder.late_reductions, builder.step_gathers()):
+        parts.append(tuple(builder._starts(steps)))  # (its collectives are among the step's layers')
+        names += [name for op in steps for name in (op.inputs[0], op.outputs[0])]
+    first = dict(zip(reversed(names), range(len(names) - 1, -1, -1)))  # (the earliest place wins)
+    return tuple(parts), names, list(map(first.__getitem__, names)), first
+
