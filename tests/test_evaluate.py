@@ -219,8 +219,9 @@ def test_a_plan_lowered_for_timing_replays_as_its_nodes(name, tmp_path, monkeypa
     same; the compiled replay (stg/chakra/replay_kernel.py) gives TimedReplay's numbers.
     Without dp the step reads the last micro-batch's tied-embedding gradient itself
     (gpt-tied-pp-dp1): its producer must stay a node of its own in that action. In a 4-stage
-    pipeline a middle stage repeats the actions and the step of the stage before it
-    (ActionNodes.moved). While an action is recorded, its layers alike to an earlier one of it
+    pipeline the second middle stage repeats the actions and the step of the stage before it,
+    found alike as a whole and moved by one renaming (_ProgramBuilder._alike_stage,
+    ActionNodes.moved). While an action is recorded, its layers alike to an earlier one of it
     repeat that layer's nodes (LayerNodes). The replay's times are those of the longest paths
     through the slice (tests/helpers.py): a max-plus system, so an action's effect on the times
     composes from its own."""
@@ -258,9 +259,17 @@ def test_a_plan_lowered_for_timing_replays_as_its_nodes(name, tmp_path, monkeypa
     monkeypatch.setattr(stg.lower._ProgramBuilder, "action", counted)
     monkeypatch.setattr(stg.lower._ProgramBuilder, "step", counted_step)
     monkeypatch.setattr(stg.repeats.LayerNodes, "repeat", counted_layer)
+    siblings, alike_stage = [], stg.lower._ProgramBuilder._alike_stage
+
+    def found_sibling(self, *args):
+        alike_stage(self, *args)
+        siblings.append((self.rank, self.sibling is not None))
+
+    monkeypatch.setattr(stg.lower._ProgramBuilder, "_alike_stage", found_sibling)
     nodes, timing = build(model, plan), build(model, plan, nodes=False, timing=True)
     if name.startswith("pp4"):  # the middle stages' actions and steps are alike
         assert ran[True] < ran[False] and steps[True] < steps[False] == 4
+        assert siblings == [(0, False), (1, False), (2, True), (3, False)]  # stage 2 takes stage 1's
     if name in ("dp", "cp", "tp-sp", "zero3", "ep-skew"):  # a recorded action's middle layers repeat the first's nodes
         assert any(layers_repeated)
     assert [p.stats for p in timing.programs] == [p.stats for p in nodes.programs]
