@@ -1396,8 +1396,8 @@ class _ProgramBuilder:
         """Timing: find a stage of the plan that ran before whose nodes are this one's up to
         names, peers and tags (shapes.stage_likeness: a pipeline's middle stages), so that this
         one repeats its actions and step moved (_from_sibling) instead of finding each one's
-        shape; else note how this stage is cut, under which it leaves its own (build) for a
-        later stage cut alike to make sure of."""
+        shape; else note this stage's cut, under which build leaves its templates for a later
+        stage cut alike (which then checks that both are alike)."""
         cut = ("alike stage", tuple((stage // self.pipeline.stages.pp, kind, len(run)) for (stage, kind), run in
                                     layers.items()), len(step), len(self.late_reductions))
         found = self.stage_templates.get(cut)
