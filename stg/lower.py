@@ -27,7 +27,7 @@ from __future__ import annotations
 from bisect import bisect_right
 from collections import Counter
 from dataclasses import dataclass, field, replace
-from functools import cached_property, partial
+from functools import cached_property
 from itertools import groupby, pairwise
 from operator import attrgetter, itemgetter
 from typing import Callable, Iterable, Mapping
@@ -569,7 +569,7 @@ class _ProgramBuilder:
         # timing: a stage alike to this one that ran before (_alike_stage), with the renaming of
         # its names to this one's; else what this stage leaves for a later one alike to it
         self.sibling: tuple[_StageRepeats, Renaming] | None = None
-        self.likeness: tuple | None = None  # (its cut, layers, units, step)
+        self.likeness: tuple | None = None  # (its cut, stage_likeness's parts, places, first places)
         self.made: dict[tuple, ActionNodes] = {}  # timing: by action key and chains present, each template
         self.step_template: ActionNodes | None = None
 
@@ -1389,24 +1389,28 @@ class _ProgramBuilder:
             self.stats.add(stats, times)
         flush_compact(self)
         if self.likeness is not None:
-            self.stage_templates[self.likeness[0]] = _StageRepeats(self, *self.likeness[1:])
+            cut, parts, places, first = self.likeness
+            repeats = {(self._relative(key), present): nodes for (key, present), nodes in self.made.items()}
+            self.stage_templates[cut] = _StageRepeats(self.rank, parts, places, first, repeats, self.step_template)
         return self.nodes
 
     def _alike_stage(self, layers: dict, units: dict, step: list[Op]) -> None:
-        """Timing: find a stage of the plan that ran before whose nodes are this one's up to
-        names, peers and tags (shapes.stage_likeness: a pipeline's middle stages), so that this
-        one repeats its actions and step moved (_from_sibling) instead of finding each one's
-        shape; else note this stage's cut, under which build leaves its templates for a later
-        stage cut alike (which then checks that both are alike)."""
-        cut = ("alike stage", tuple((stage // self.pipeline.stages.pp, kind, len(run)) for (stage, kind), run in
-                                    layers.items()), len(step), len(self.late_reductions))
-        found = self.stage_templates.get(cut)
-        if found is None:
-            self.likeness = (cut, layers, units, step)
+        """Timing: find a middle stage of the plan that ran before whose nodes are this one's
+        up to names, peers and tags (shapes.stage_likeness), so that this one repeats its
+        actions and step moved (_from_sibling) instead of finding each one's shape; else, the
+        first middle stage of its cut, note its likeness, under which build leaves its
+        templates. (The first and last stages hold the embedding and the output layer.)"""
+        pp = self.pipeline.stages.pp
+        if not 0 < self.rank < pp - 1:
             return
-        parts, names, places, _ = stage_likeness(self, layers, units, step)
-        if found.likeness[:1] + found.likeness[2:3] == (parts, places):
-            self.sibling = (found, Renaming(found.likeness[3], names))
+        cut = ("alike stage", tuple((stage // pp, kind, len(run)) for (stage, kind), run in layers.items()),
+               len(step), len(self.late_reductions))
+        found = self.stage_templates.get(cut)
+        parts, names, places, first = stage_likeness(self, layers, units, step)
+        if found is None:
+            self.likeness = (cut, parts, places, first)
+        elif (found.parts, found.places) == (parts, places):
+            self.sibling = (found, Renaming(found.first, names))
 
     def _relative(self, key: tuple) -> tuple:
         """An action key with its virtual stages as chunks: the same on every alike stage."""
@@ -1453,22 +1457,19 @@ class _ProgramBuilder:
                                                 frozenset(), shape, made_read=False)
 
 
+@dataclass(frozen=True)
 class _StageRepeats:
-    """What a timed stage leaves for the later stages alike to it (_ProgramBuilder._alike_stage):
-    its rank, the templates it repeated by action key relative to its chunks (_relative) and
-    chains present, its step's, and its likeness (shapes.stage_likeness), found when a later
-    stage is cut alike."""
+    """What the first middle stage of a cut leaves for the later ones alike to it
+    (_ProgramBuilder._alike_stage): its rank, its likeness (shapes.stage_likeness: parts, the
+    place of each name's first use per place and per name), the templates it repeated by
+    action key relative to its chunks (_relative) and chains present, and its step's."""
 
-    def __init__(self, builder: _ProgramBuilder, layers: dict, units: dict, step: list[Op]):
-        self.rank = builder.rank
-        self.repeats = {(builder._relative(key), present): nodes for (key, present), nodes in builder.made.items()}
-        self.step = builder.step_template
-        self._likeness = partial(stage_likeness, builder, layers, units, step)
-
-    @cached_property
-    def likeness(self) -> tuple:
-        found, self._likeness = self._likeness(), None  # (the builder let go)
-        return found
+    rank: int
+    parts: tuple
+    places: list[int]
+    first: dict[str, int]
+    repeats: dict[tuple, ActionNodes]
+    step: ActionNodes | None
 
 
 def lower(sharded: ShardedGraph, evaluate: Evaluator, device: DeviceSpec, *, pipeline: Pipeline,
