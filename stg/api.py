@@ -10,7 +10,6 @@ its sharded graph, its rank-class programs, its summary.
 from __future__ import annotations
 
 import gc
-import math
 from collections import Counter
 from contextlib import contextmanager
 from dataclasses import dataclass, fields, replace
@@ -39,10 +38,9 @@ from stg.chakra.writer import fixed_varint, rank_width
 from stg.lower import VIEWS, Evaluator, Pipeline, check_divisibility, crossings, lower
 from stg.program import GroupHole, RankHole, RankProgram
 from stg.schedule import SPLIT_BACKWARD, Order, order
-from stg.memory import Memory, memory, memory_floor, shared_leaves
+from stg.memory import Memory, memory, shared_leaves
 from stg.mesh import DeviceMesh, axis_symbol
-from stg.passes import (held_leaves, passes_cached, structure_of, symbolic_passes, uncut_passes, unit_bound,
-                        unsharded)
+from stg.passes import held_leaves, passes_cached, structure_of, symbolic_passes, uncut_passes, unit_bound
 from stg.plan import Plan
 from stg.sharding import CUT_LIMIT, ShardedGraph, per_graph
 from stg.short import ShortForm, short_form
@@ -322,8 +320,12 @@ def _build(model, plan, memory_limit: int | None, nodes: bool, timing: bool,
         _refuse_over(memory_limit, _memories(uncut, plan, [stages] * plan.pp, schedule, variants, evaluators, shared),
                      "at least ")
     if memory_limit is not None and variants == [{}] and not passes_cached(structure) \
-            and (floor := _memory_floor(structure, plan, mesh, stages, shared)) is not None:
-        _refuse_peak(memory_limit, floor, "at least ")  # before the structure's passes
+            and (held := held_leaves(structure)) is not None:
+        # one stage of pp holds at least an even share of the weights and optimizer states:
+        # a plan over the limit by that alone is refused before the structure's passes (a
+        # schedule it cannot run is still said first)
+        order(plan.schedule, plan.pp, plan.microbatches, plan.vpp)
+        _refuse_peak(memory_limit, -(-sum(n * shared(nbytes) for nbytes, n in held.items()) // plan.pp), "at least ")
     sharded = symbolic_passes(structure)
     if form and any(used & form.interior for used in shared_leaves(sharded)):
         # a leaf that a block standing for several reads with others: counted on the real blocks
@@ -356,28 +358,6 @@ def _build(model, plan, memory_limit: int | None, nodes: bool, timing: bool,
     programs = lower_all(jobs) if lower_all else [job() for job in jobs]
     return Workload(model, plan, mesh, sharded, tuple(programs), tuple(memories), bindings, variant_axes,
                     variant_map, embeddings, stages)
-
-
-def _memory_floor(structure, plan: Plan, mesh, stages: StagePlan | None, shared: Evaluator) -> int | None:
-    """A lower bound of the plan's largest peak per rank, from its structure without the passes
-    (None for a tied model's): a search meets many plans over the device's memory, some of
-    structures no plan fits (llama3-405b's tp 1 without full recomputation), and refuses them
-    from it. The larger of: one stage of pp holds at least an even share of the weights and
-    optimizer states; and each stage's stg.memory.memory_floor (its leaves as the spec lays
-    them out, its other tensors at least 1 / the product of the mesh's axes but pp of the
-    graph before sharding's). A schedule the plan cannot run is still said first."""
-    held, whole = held_leaves(structure), unsharded(structure)
-    if held is None or whole is None:
-        return None
-    schedule = order(plan.schedule, plan.pp, plan.microbatches, plan.vpp)
-    least = {key: min(map(shared, sizes)) for key, sizes in held.by_whole.items()}
-    # without ZeRO-2/3 a rank accumulates a gradient laid out as its weight (stg/memory.py)
-    gradients = {key: min(map(shared, sizes)) for key, sizes in held.gradients.items()} if plan.zero < 2 else {}
-    spread = math.prod(size for axis, size in mesh.axes if axis != "pp")
-    return max(-(-sum(n * shared(nbytes) for nbytes, n in held.local.items()) // plan.pp),
-               *(memory_floor(whole, shared, stages, schedule.digest(rank).in_flight, rank,
-                              lambda role, nbytes: least.get((role, nbytes), 0), gradients.get, spread)
-                 for rank in range(plan.pp)))
 
 
 @per_graph(limit=2)  # a folded plan's probes run one fold length's two micro-batch counts in turn

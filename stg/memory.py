@@ -227,31 +227,6 @@ def memory(sharded: ShardedGraph, evaluate: Evaluator, stages=None, in_flight=No
     weights = held[Role.WEIGHT] + sum(n * evaluate(nbytes) for nbytes, n in casts)
     states = held[Role.OPTIMIZER_STATE]
     gradients = sum(n * evaluate(nbytes) for nbytes, n in grads)
-    activations, by_layer = _activations(saved, evaluate, in_flight)
-    return Memory(weights, gradients, states, activations, by_layer, *embedding)
-
-
-def memory_floor(whole: ShardedGraph, evaluate: Evaluator, stages, in_flight, rank: int, leaf_bytes,
-                 gradient_bytes, spread: int) -> int:
-    """A lower bound of memory(...).peak of pipeline stage `rank`, from the graph before
-    sharding (`whole`, stg.passes.unsharded): the same leaves, stored gradients and saved
-    tensors, each whole. A rank holds at least `leaf_bytes(role, whole bytes)` of a leaf (0:
-    no weight or optimizer state), `gradient_bytes(whole bytes)` of a stored gradient where
-    that is not None, and of any other tensor 1 / `spread`, the product of the mesh's axes but
-    pp (a layout splits a tensor over distinct axes, never pp)."""
-    leaves, casts, grads, saved = _stage_share(whole, stages, rank)
-    held = sum(n * leaf_bytes(role, nbytes) for (role, _, _, nbytes), n in leaves)
-    spread_out = sum(n * evaluate(nbytes) for nbytes, n in casts)
-    for nbytes, n in grads:
-        least = gradient_bytes(nbytes)
-        held += 0 if least is None else n * least
-        spread_out += n * evaluate(nbytes) if least is None else 0
-    return held + (spread_out + _activations(saved, evaluate, in_flight)[0]) // spread
-
-
-def _activations(saved: _Saved, evaluate: Evaluator, in_flight) -> tuple[int, dict[int, int]]:
-    """The bytes of a stage's saved tensors held at its schedule's peak (`in_flight`; without
-    it one micro-batch's), and per layer one micro-batch's."""
     # saved tensors per block: freed after the backward's B pass, or kept until its W pass;
     # the copies of a block keep alike tensors, whose sizes are found once
     sized = []  # per pattern: (its bytes, the bytes a W pass reads)
@@ -259,7 +234,11 @@ def _activations(saved: _Saved, evaluate: Evaluator, in_flight) -> tuple[int, di
         sizes = [(n, read_by_w, evaluate(nbytes)) for nbytes, n, read_by_w in kept]
         sized.append((sum(n * size for n, _, size in sizes), sum(w * size for _, w, size in sizes)))
     by_layer = {layer: sized[place][0] for layer, place in saved.layers}
-    return (sum(by_layer.values()) if in_flight is None else _peak(in_flight, saved, sized)), by_layer
+    if in_flight is None:
+        activations = sum(by_layer.values())
+    else:
+        activations = _peak(in_flight, saved, sized)
+    return Memory(weights, gradients, states, activations, by_layer, *embedding)
 
 
 def _peak(in_flight, saved: _Saved, sized: list[tuple[int, int]]) -> int:

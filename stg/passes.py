@@ -12,8 +12,7 @@ from model_zoo import GraphOptions, Model
 from parallelism import sharding_spec
 from parallelism.pipeline import retie, tie_copies, tie_gradients, tie_pattern, untie
 from stg.autodiff import training_graph
-from stg.graph import DType, Graph, OpKind, Role, Tensor
-from stg.memory import stored_gradient
+from stg.graph import DType, Graph, OpKind, Role
 from stg.plan import OPTIMIZERS, Plan
 from stg.recompute import recompute
 from stg.sharding import ShardedGraph, local_leaf, op_places, per_graph, recent, shard
@@ -45,16 +44,11 @@ class Structure:
 
     def untied(self) -> tuple[ShardedGraph, dict]:
         """The sharded graph before the tied copies' gradients are summed, and the copies."""
-        graph, ties = self.recomputed()
-        return shard(graph, self.spec), ties
-
-    def recomputed(self) -> tuple[Graph, dict]:
-        """The training graph with its recomputation, not sharded, and the tied weights' copies."""
         # one training graph per model and options, and one re-run of it per recompute mode
         cached = _hashable(self)
         train, ties = _cached(_TRAINING, self.key()[:5], self.training) if cached else self.training()
         rerun = lambda: recompute(train, self.recompute, last_block=self.config.layers)  # noqa: E731
-        return _cached(_RECOMPUTED, self.key()[:6], rerun) if cached else rerun(), ties
+        return shard(_cached(_RECOMPUTED, self.key()[:6], rerun) if cached else rerun(), self.spec), ties
 
     def passes(self) -> ShardedGraph:
         if not self.stages:
@@ -99,8 +93,7 @@ _CACHE: dict[tuple, ShardedGraph] = {}
 _UNTIED: dict[tuple, tuple[ShardedGraph, dict]] = {}  # a tied model's, per tie pattern (Structure.passes)
 _BOUNDS: dict[tuple, ShardedGraph] = {}  # a tied model's without a cut (build's memory bound)
 _UNIT_BOUND: dict[tuple, ShardedGraph] = {}  # unit_bound's, per structure and unit axes
-_HELD: dict[tuple, Held] = {}  # held_leaves, per structure
-_UNSHARDED: dict[tuple, ShardedGraph] = {}  # unsharded's, per training graph and recomputation
+_HELD: dict[tuple, Counter] = {}  # held_leaves, per structure
 _HELD_ROLES = (Role.WEIGHT, Role.OPTIMIZER_STATE)
 _CACHE_SIZE = 16  # sharded graphs of the largest models hold tens of thousands of ops
 
@@ -109,61 +102,26 @@ def _cached(cache: dict, key: tuple, make):
     return recent(cache, key, make, _CACHE_SIZE)
 
 
-@dataclass(frozen=True)
-class Held:
-    """The weights and optimizer states a structure's ops read, laid out by its sharding spec
-    without the passes (shard() lays a leaf out by the spec alone)."""
-
-    local: Counter  # their local bytes: each distinct expression, with how many leaves have it
-    by_whole: dict[tuple, tuple]  # (role, whole bytes) -> the local bytes of the leaves of that role and size
-    # whole bytes -> the bytes of the stored gradients of that size laid out as their weights
-    # (without ZeRO-2/3, how a rank accumulates them)
-    gradients: dict[object, tuple]
-
-
-def held_leaves(structure: Structure) -> Held | None:
-    """The structure's Held, from its training graph; None for a tied model, whose cut copies
-    its tied weights. Each stage holds the leaves its ops read, so one of pp stages holds at
-    least their sum / pp, and each leaf at least the least local bytes of its role and whole
-    size (build refuses a plan from these: stg.api, _memory_floor)."""
+def held_leaves(structure: Structure) -> Counter | None:
+    """The local bytes of the structure's weights and optimizer states that its ops read,
+    each distinct expression with how many leaves have it, from its training graph and
+    sharding spec without the passes (shard() lays a leaf out by the spec alone); None for a
+    tied model, whose cut copies its tied weights. Each stage holds the leaves its ops read,
+    so one of pp stages holds at least their sum / pp (build refuses a plan from it)."""
     if structure.stages is not None or not _hashable(structure):
         return None
 
-    def count() -> Held:
+    def count() -> Counter:
         train, _ = _cached(_TRAINING, structure.key()[:5], structure.training)
         held: Counter = Counter()
         local: dict[tuple, object] = {}  # by signature: the layers' leaves share a few
-        by_whole: dict[tuple, set] = {}
         for name, tensor in train.tensors.items():
             if tensor.role in _HELD_ROLES and name not in train.producer and name in train.consumers:
                 if tensor.signature not in local:
                     local[tensor.signature] = local_leaf(structure.spec, tensor).nbytes
-                    by_whole.setdefault((tensor.role, tensor.nbytes), set()).add(local[tensor.signature])
                 held[local[tensor.signature]] += 1
-        gradients: dict[object, set] = {}
-        whole = ShardedGraph(train, {}, train.tensors, ())
-        for op in train.ops:
-            if op.kind is OpKind.OPTIMIZER and "weight" in op.attrs:
-                grad = train.tensors[stored_gradient(whole, op.inputs[0])]
-                laid = local_leaf(structure.spec, train.tensors[op.attrs["weight"]])
-                gradients.setdefault(grad.nbytes, set()).add(Tensor(grad.name, laid.shape, grad.dims, grad.dtype,
-                                                                    grad.role).nbytes)
-        return Held(held, {key: tuple(sizes) for key, sizes in by_whole.items()},
-                    {key: tuple(sizes) for key, sizes in gradients.items()})
+        return held
     return _cached(_HELD, structure.key(), count)
-
-
-def unsharded(structure: Structure) -> ShardedGraph | None:
-    """The structure's training graph with its recomputation, before sharding, as a sharded
-    graph on no mesh axes (each tensor whole): what a plan's memory is bounded from before its
-    passes (stg.api, _memory_floor). None for a tied model, whose cut copies its tied weights."""
-    if structure.stages is not None or not _hashable(structure):
-        return None
-
-    def whole() -> ShardedGraph:
-        graph = structure.recomputed()[0]
-        return ShardedGraph(graph, {}, graph.tensors, ())
-    return _cached(_UNSHARDED, structure.key()[:6], whole)
 
 
 def passes_cached(structure: Structure) -> bool:
