@@ -276,12 +276,13 @@ class Renaming:
 def stage_likeness(builder: _ProgramBuilder, layers_by_run: dict, units: dict,
                    step: list[Op]) -> tuple[tuple, list[str], list[int], dict[str, int]]:
     """What a timed stage's nodes depend on but names, peers and tags, given its plan: per run
-    (chunk and kind) its layers' shapes (layer_shape), then its step's layers' and where its
-    late and gathered buckets start; its names in that order (each layer's in order of first
-    use); the place of each name's first use, per place; and per name. Two stages of equal
-    likeness and places (a pipeline's middle stages) make the same nodes up to names, peers and
-    tags, the names matching place by place (ActionNodes.moved, Renaming)."""
-    chunk = builder.pipeline.stages.rank_and_chunk
+    (chunk and kind) its layers' shapes (layer_shape), then its step's layers', and its late
+    and gathered buckets' collectives and where each bucket starts; its names in that order
+    (each layer's in order of first use); the place of each name's first use, per place; and
+    per name. Two stages of equal likeness and places (a pipeline's middle stages) make the
+    same nodes up to names, peers and tags, the names matching place by place
+    (ActionNodes.moved, Renaming)."""
+    same, chunk = _alike(builder.sharded), builder.pipeline.stages.rank_and_chunk
     parts: list = []
     names: list[str] = []
     for (stage, kind), layers in layers_by_run.items():
@@ -296,8 +297,7 @@ def stage_likeness(builder: _ProgramBuilder, layers_by_run: dict, units: dict,
         parts.append(serial)
         names += layer_names
     for steps in (*builder.late_reductions, builder.step_gathers()):
-        parts.append(tuple(builder._starts(steps)))  # (its collectives are among the step's layers')
+        parts.append((tuple(builder._starts(steps)), tuple(map(same.of_op, steps))))
         names += [name for op in steps for name in (op.inputs[0], op.outputs[0])]
     first = dict(zip(reversed(names), range(len(names) - 1, -1, -1)))  # (the earliest place wins)
     return tuple(parts), names, list(map(first.__getitem__, names)), first
-
