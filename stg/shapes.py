@@ -282,6 +282,17 @@ def stage_likeness(builder: _ProgramBuilder, layers_by_run: dict, units: dict,
     per name. Two stages of equal likeness and places (a pipeline's middle stages) make the
     same nodes up to names, peers and tags, the names matching place by place
     (ActionNodes.moved, Renaming)."""
+    buckets = (*builder.late_reductions, builder.step_gathers())
+    starts = tuple(tuple(builder._starts(steps)) for steps in buckets)
+    memo = _shapes(builder.sharded)  # a stage cut's stage: the same in every plan of its structure and sizes
+    key = ("stage likeness", builder.pipeline.stages, builder.pipeline.split_backward, builder.rank, starts)
+    if key not in memo:
+        memo[key] = _stage_likeness(builder, layers_by_run, units, step, buckets, starts)
+    return memo[key]
+
+
+def _stage_likeness(builder: _ProgramBuilder, layers_by_run: dict, units: dict, step: list[Op], buckets: tuple,
+                    starts: tuple) -> tuple[tuple, list[str], list[int], dict[str, int]]:
     same, chunk = _alike(builder.sharded), builder.pipeline.stages.rank_and_chunk
     parts: list = []
     names: list[str] = []
@@ -296,8 +307,8 @@ def stage_likeness(builder: _ProgramBuilder, layers_by_run: dict, units: dict,
         serial, layer_names, _ = layer_shape(builder, layer_key, layer_ops, None)
         parts.append(serial)
         names += layer_names
-    for steps in (*builder.late_reductions, builder.step_gathers()):
-        parts.append((tuple(builder._starts(steps)), tuple(map(same.of_op, steps))))
+    for steps, at in zip(buckets, starts):
+        parts.append((at, tuple(map(same.of_op, steps))))
         names += [name for op in steps for name in (op.inputs[0], op.outputs[0])]
     first = dict(zip(reversed(names), range(len(names) - 1, -1, -1)))  # (the earliest place wins)
     return tuple(parts), names, list(map(first.__getitem__, names)), first
