@@ -46,7 +46,7 @@ from stg.program import (ClassStats, GroupHole, NodeType, RankHole, RankProgram,
 from stg.repeats import (COMM_ROLE, COMPUTE_ROLE, ActionNodes, ActionTally, LayerNodes, add_terms, add_to, alike_tally,
                          combined, flush_compact, tallies)
 from stg.schedule import Action, Kind, Order, order, virtual_stage
-from stg.shapes import Renaming, layer_shape, moved_here, shape_of, stage_likeness, step_shape
+from stg.shapes import Renaming, edge_moves, layer_shape, moved_here, shape_of, stage_likeness, step_shape
 from stg.sharding import CUT_LIMIT, ShardedGraph, op_places, per_graph
 
 
@@ -1426,18 +1426,15 @@ class _ProgramBuilder:
         if template is None:
             return None
         stage = key[0]
-        theirs, retag, peers = stage - self.rank + found.rank, {}, {}
+        theirs, pairs = stage - self.rank + found.rank, []
         for side, end in ((0, "source"), (1, "target")):
-            mine, its = self._edges(stage, kind)[side], self._edges(theirs, kind)[side]
-            if len(mine) != len(its):
+            its, mine = self._edges(theirs, kind)[side], self._edges(stage, kind)[side]
+            if len(mine) != len(its) or any(old.tensor not in rename or rename[old.tensor] != new.tensor
+                                             for old, new in zip(its, mine)):
                 return None
-            for new, old in zip(mine, its):
-                peer = self._peer(getattr(new, end))
-                if old.tensor not in rename or rename[old.tensor] != new.tensor \
-                        or peers.setdefault(self._peer(getattr(old, end)), peer) != peer:
-                    return None
-                retag[old.index] = new.index
-        moved = template.moved(rename, retag, peers)
+            pairs += [((old, getattr(old, end)), (new, getattr(new, end))) for old, new in zip(its, mine)]
+        moves = edge_moves(self, pairs)
+        moved = template.moved(rename, *moves) if moves else None
         return moved if moved is not None and moved.replay(self, microbatch, here) else None
 
     def _timed_step(self, ops: list[Op], where: dict[str, int]) -> None:

@@ -181,7 +181,7 @@ def _bucket(builder: _ProgramBuilder, table: NameTable, at, bucket: list[Op]) ->
 
 
 def layer_shape(builder: _ProgramBuilder, layer_key: tuple, ops: list[Op],
-                 units: dict | None) -> tuple[int, tuple, tuple]:
+                units: dict | None) -> tuple[int, tuple, tuple]:
     """A layer's run of an action's ops as its action's shape reads it, kept per structure (a
     layer's ops and coalescing units are the same in every stage cut): a number for what its
     nodes depend on but names (per op its kind, phase, costs, attributes, tensors by place
@@ -251,12 +251,20 @@ def moved_here(builder: _ProgramBuilder, found: tuple, shape: tuple, reads_all: 
         # this stage's own, run in a plan of other sizes: nothing to move (and nothing renamed,
         # so a tensor its nodes name that its shape does not, e.g. a received one, still resolves)
         return template
+    moves = edge_moves(builder, list(zip(edges, shape[2])))
+    return template.moved(dict(zip(names, shape[1])), *moves, reads_all) if moves else None
+
+
+def edge_moves(builder: _ProgramBuilder, pairs: list[tuple[tuple, tuple]]) -> tuple[dict, dict] | None:
+    """How a template's sends and receives move to another stage's edges (ActionNodes.moved):
+    the edge indices and the peers, from `pairs` of ((its edge, that edge's peer stage), (the
+    new edge, its peer stage)); None where two of its peers would become one (not the same
+    pattern)."""
     peers: dict = {}
-    for (_, old), (_, new) in zip(edges, shape[2]):
+    for (_, old), (_, new) in pairs:
         if peers.setdefault(builder._peer(old), builder._peer(new)) != builder._peer(new):
-            return None  # two of its peers become one: not the same pattern
-    retag = {old.index: new.index for (old, _), (new, _) in zip(edges, shape[2])}
-    return template.moved(dict(zip(names, shape[1])), retag, peers, reads_all)
+            return None
+    return {old.index: new.index for (old, _), (new, _) in pairs}, peers
 
 
 class Renaming:
