@@ -41,6 +41,7 @@ from stg.mesh import axis_symbol
 from stg import numeric
 from parallelism.pipeline import Edge, StagePlan, block_weight, layer_crossings
 from stg.blocks import blocks
+from stg.borrowed import wire
 from stg.program import (ClassStats, GroupHole, NodeType, RankHole, RankProgram, ReplayChunks, TraceNode,
                          replay_nodes)
 from stg.repeats import (COMM_ROLE, COMPUTE_ROLE, ActionNodes, ActionTally, LayerNodes, add_terms, add_to, alike_tally,
@@ -569,16 +570,17 @@ class _ProgramBuilder:
         # timing: a stage alike to this one that ran before (_alike_stage), with the renaming of
         # its names to this one's; else what this stage leaves for a later one alike to it
         self.sibling: tuple[_StageRepeats, Renaming] | None = None
+        self.sibling_moves: dict[tuple, tuple | None] = {}  # by virtual stage and kind: _sibling_edges
         self.likeness: tuple | None = None  # (its cut, stage_likeness's parts, places, first places)
         self.made: dict[tuple, ActionNodes] = {}  # timing: by action key and chains present, each template
         self.step_template: ActionNodes | None = None
 
-    def repeated(self, stats: ClassStats) -> None:
+    def repeated(self, stats: ClassStats, times: int = 1) -> None:
         """A repeated action's stats, added once per distinct stats at the end (build)."""
         entry = self.repeat_stats.get(id(stats))
         if entry is None:
             entry = self.repeat_stats[id(stats)] = [stats, 0]
-        entry[1] += 1
+        entry[1] += times
 
     def unit(self, op: Op) -> tuple | None:
         return _unit(op, self.graph)
@@ -1366,6 +1368,8 @@ class _ProgramBuilder:
         self.plan_gradient_buckets()
         if self.timing and not self.flushes:
             self._alike_stage(layers, units, step)
+            if self.sibling is not None and wire(self):  # every action and the step repeated, in one loop
+                return self._built()
         if self.keep_nodes:
             # the step's views first: a reduction that a degree of 1 turned into a view
             # (stg/passes.py, unit_bound) passes its input's producer on to the reduction after
@@ -1385,6 +1389,11 @@ class _ProgramBuilder:
             self.step(step, final)
         else:
             self._count_step(step)
+        return self._built()
+
+    def _built(self) -> list[TraceNode]:
+        """The stats of the repeated actions added, their nodes flushed; a stage that leaves its
+        templates for those alike to it (_alike_stage) leaves them."""
         for stats, times in self.repeat_stats.values():
             self.stats.add(stats, times)
         flush_compact(self)
@@ -1399,7 +1408,8 @@ class _ProgramBuilder:
         up to names, peers and tags (shapes.stage_likeness), so that this one repeats its
         actions and step moved (_from_sibling) instead of finding each one's shape; else, the
         first middle stage of its cut, note its likeness, under which build leaves its
-        templates. (The first and last stages hold the embedding and the output layer.)"""
+        templates. (The first and last stages hold the embedding and the output layer.) A stage
+        that finds one repeats them all in the sibling's names (stg/borrowed.py) where it can."""
         pp = self.pipeline.stages.pp
         if not 0 < self.rank < pp - 1:
             return
@@ -1425,7 +1435,16 @@ class _ProgramBuilder:
         template = found.repeats.get((self._relative(key), self.present_chains()))
         if template is None:
             return None
-        stage = key[0]
+        moves = self.sibling_moves.get((key[0], kind), False)
+        if moves is False:
+            moves = self.sibling_moves[key[0], kind] = self._sibling_edges(key[0], kind)
+        moved = template.moved(rename, *moves) if moves else None
+        return moved if moved is not None and moved.replay(self, microbatch, here) else None
+
+    def _sibling_edges(self, stage: int, kind: Kind) -> tuple[dict, dict] | None:
+        """How the sibling's sends and receives of a run move to this stage's (edge_moves);
+        None if an edge does not match by name."""
+        found, rename = self.sibling
         theirs, pairs = stage - self.rank + found.rank, []
         for side, end in ((0, "source"), (1, "target")):
             its, mine = self._edges(theirs, kind)[side], self._edges(stage, kind)[side]
@@ -1433,9 +1452,7 @@ class _ProgramBuilder:
                                              for old, new in zip(its, mine)):
                 return None
             pairs += [((old, getattr(old, end)), (new, getattr(new, end))) for old, new in zip(its, mine)]
-        moves = edge_moves(self, pairs)
-        moved = template.moved(rename, *moves) if moves else None
-        return moved if moved is not None and moved.replay(self, microbatch, here) else None
+        return edge_moves(self, pairs)
 
     def _timed_step(self, ops: list[Op], where: dict[str, int]) -> None:
         """The step lowered for timing: a stage repeats the step of another stage of the plan
@@ -1467,6 +1484,7 @@ class _StageRepeats:
     first: dict[str, int]
     repeats: dict[tuple, ActionNodes]
     step: ActionNodes | None
+    wiring: dict = field(default_factory=dict, compare=False)  # stg/borrowed.py's packed templates
 
 
 def lower(sharded: ShardedGraph, evaluate: Evaluator, device: DeviceSpec, *, pipeline: Pipeline,

@@ -186,6 +186,12 @@ class ActionNodes:
         return tuple(name for name, _ in made), tuple(ref for _, ref in made), others
 
     @cached_property
+    def names(self) -> frozenset[str]:
+        """The tensors its exits and dependencies name (what `moved` renames)."""
+        exits = (role[1] for role in self.exit if role[0] == "tensor")
+        return frozenset(chain(exits, (r[1] for roles in self._roles for r in roles if r[0] == "tensor")))
+
+    @cached_property
     def _roles(self) -> frozenset:
         """Every set of roles a dependency or an exit refers to."""
         if self.roles is not None:
@@ -297,17 +303,11 @@ class ActionNodes:
                 refs = [r for r in refs if r[0] != "tensor" or r[1] in rename] or refs
             return frozenset(("tensor", rename[r[1]]) if r[0] == "tensor" else r for r in refs)
 
-        def p2p(key):
-            src, dst, tag, size = key
-            return peers.get(src, src), peers.get(dst, dst), tag - tag % self.edges + retag[tag % self.edges], size
-
-        c = self.compact
         try:
             exit = {(role[0], rename[role[1]]) if role[0] == "tensor" else role: ref if type(ref) is int else roles(ref)
                     for role, ref in self.exit.items()}
-            compact = replace(c, outside_roles=tuple(r if r is _CHAIN else roles(r) for r in c.outside_roles),
-                              p2p_keys=tuple(map(p2p, c.p2p_keys)),
-                              holes=frozenset(peers.get(h, h) for h in c.holes))
+            compact = replace(self.rekeyed(retag, peers),
+                              outside_roles=tuple(r if r is _CHAIN else roles(r) for r in self.compact.outside_roles))
         except KeyError:
             return None
         moved = replace(self, exit=exit, roles=frozenset(map(roles, self._roles)))
@@ -317,6 +317,20 @@ class ActionNodes:
                                     tuple(((role[0], rename[role[1]]) if role[0] == "tensor" else role,
                                            ref if type(ref) is int else roles(ref)) for role, ref in others))
         return moved
+
+    def rekeyed(self, retag: dict[int, int], peers: dict) -> "_Compact":
+        """The compact form with its sends and receives on the edges `retag` maps edge indices
+        to, its peers and holes under `peers`, as `moved` moves them (KeyError: an edge `retag`
+        does not map); what a stage that keeps an alike stage's names repeats (stg/borrowed.py)."""
+        def p2p(key):
+            src, dst, tag, size = key
+            return peers.get(src, src), peers.get(dst, dst), tag - tag % self.edges + retag[tag % self.edges], size
+
+        c = self.compact
+        rekeyed = replace(c, p2p_keys=tuple(map(p2p, c.p2p_keys)), holes=frozenset(peers.get(h, h) for h in c.holes))
+        if "packed" in c.__dict__:  # (its cached_properties but `keys` do not read the keys)
+            rekeyed.__dict__["packed"] = c.packed
+        return rekeyed
 
     @cached_property
     def compact(self) -> "_Compact":
@@ -453,13 +467,21 @@ def flush_compact(builder: "_ProgramBuilder") -> None:
             serial = place[id(entry[0])] = len(templates)
             templates.append(entry[0])
         serials.append(serial)
+    starts, shifts = (np.array([entry[k] for entry in pending], dtype=np.int64) for k in (1, 3))
+    flush_arrays(builder, templates, np.array(serials, dtype=np.int64), starts, shifts,
+                 np.fromiter(chain.from_iterable(entry[2] for entry in pending), dtype=np.int64))
+
+
+def flush_arrays(builder: "_ProgramBuilder", templates: list[_Compact], serials: np.ndarray, starts: np.ndarray,
+                 shifts: np.ndarray, outside: np.ndarray) -> None:
+    """flush_compact's repeats given as arrays: per repeat its template (an index into
+    `templates`), first node id and tag shift, and the nodes from before it that its
+    dependencies name, all repeats' in order (stg/borrowed.py wires a whole stage so)."""
     packed = [c.packed for c in templates]
     offsets = lambda sizes: np.cumsum([0, *sizes[:-1]], dtype=np.int64)  # noqa: E731
-    starts, shifts = (np.array([entry[k] for entry in pending], dtype=np.int64) for k in (1, 3))
     ids, types, n_deps, deps, sums, builder.carry, comm_at, comm_key, comm_shift, comm_ids = _rows()(
         np.concatenate(packed), offsets([len(p) for p in packed]), np.concatenate([c.exacts for c in templates]),
-        offsets([len(c.exacts) for c in templates]), np.array(serials, dtype=np.int64), starts, shifts,
-        np.fromiter(chain.from_iterable(entry[2] for entry in pending), dtype=np.int64),
+        offsets([len(c.exacts) for c in templates]), serials, starts, shifts, outside,
         offsets([len(c.keys) for c in templates]), builder.carry)
     for c in templates:
         builder.holes |= c.holes

@@ -220,8 +220,9 @@ def test_a_plan_lowered_for_timing_replays_as_its_nodes(name, tmp_path, monkeypa
     Without dp the step reads the last micro-batch's tied-embedding gradient itself
     (gpt-tied-pp-dp1): its producer must stay a node of its own in that action. In a 4-stage
     pipeline the second middle stage repeats the actions and the step of the stage before it,
-    found alike as a whole and moved by one renaming (_ProgramBuilder._alike_stage,
-    ActionNodes.moved). While an action is recorded, its layers alike to an earlier one of it
+    found alike as a whole, in that stage's names, only its sends and receives moved
+    (_ProgramBuilder._alike_stage, ActionNodes.rekeyed), every action wired in one compiled
+    loop (stg/borrowed.py). While an action is recorded, its layers alike to an earlier one of it
     repeat that layer's nodes (LayerNodes). The replay's times are those of the longest paths
     through the slice (tests/helpers.py): a max-plus system, so an action's effect on the times
     composes from its own."""
@@ -265,11 +266,19 @@ def test_a_plan_lowered_for_timing_replays_as_its_nodes(name, tmp_path, monkeypa
         alike_stage(self, *args)
         siblings.append((self.rank, self.sibling is not None))
 
+    wired, wire = [], stg.lower.wire
+
+    def counted_wire(builder):
+        wired.append((builder.rank, wire(builder)))
+        return wired[-1][1]
+
     monkeypatch.setattr(stg.lower._ProgramBuilder, "_alike_stage", found_sibling)
+    monkeypatch.setattr(stg.lower, "wire", counted_wire)
     nodes, timing = build(model, plan), build(model, plan, nodes=False, timing=True)
     if name.startswith("pp4"):  # the middle stages' actions and steps are alike
         assert ran[True] < ran[False] and steps[True] < steps[False] == 4
-        assert siblings == [(0, False), (1, False), (2, True), (3, False)]  # stage 2 takes stage 1's
+        # stage 2 takes stage 1's, all of them, in stage 1's names (stg/borrowed.py)
+        assert siblings == [(0, False), (1, False), (2, True), (3, False)] and wired == [(2, True)]
     if name in ("dp", "cp", "tp-sp", "zero3", "ep-skew"):  # a recorded action's middle layers repeat the first's nodes
         assert any(layers_repeated)
     assert [p.stats for p in timing.programs] == [p.stats for p in nodes.programs]

@@ -1,0 +1,164 @@
+"""A middle pipeline stage lowered for timing in its sibling's names, its actions wired in one
+compiled loop.
+
+A middle stage cut like the plan's first middle stage makes that stage's nodes up to names,
+peers and tags (stg.lower._ProgramBuilder._alike_stage), so it repeats that stage's templates:
+every action and the step. ActionNodes.replay does so one action at a time -- it finds what
+each depends on by role (a chain's last node, its micro-batch's producer of a tensor), notes
+what it makes, and puts its nodes off for the flush -- in Python dicts of names, a few tens of
+microseconds an action; a 32-stage pipeline of 32 micro-batches repeats 4,000 of them.
+
+Here a stage keeps its sibling's names, as places (shapes.stage_likeness numbers them), the
+producers of each micro-batch's tensors a row of an array, and _wire does for every action at
+once what replay does. Renaming is unobservable: the templates only look names up among what
+templates made. Python picks each action's template (its key, as lowering finds it) and moves
+each template's sends and receives to this stage's edges and peers (ActionNodes.rekeyed). The
+nodes are those lowering would make, bit for bit (tests/test_evaluate.py, the timing test).
+"""
+
+from __future__ import annotations
+
+from functools import cache
+from typing import TYPE_CHECKING, Callable
+
+import numpy as np
+
+from stg.repeats import _CHAIN, COMM_ROLE, COMPUTE_ROLE, ActionNodes, _Compact, flush_arrays
+from stg.schedule import virtual_stage
+
+if TYPE_CHECKING:
+    from stg.lower import _ProgramBuilder
+
+# a role's kind in the packed arrays: a micro-batch tensor's producer, a chain's last node
+_TENSOR, _COMPUTE, _COMM, _PREFETCH = 0, 1, 2, 3
+HEADER = 9
+
+
+def _packed(template: ActionNodes, place: dict[str, int], phases: dict) -> np.ndarray:
+    """What _wire reads of a template, in one array: its node count and chains' last nodes,
+    then the role sets its dependencies and exits refer to (each role as kind and place),
+    where each dependency from before it comes from (a set, or -1: the compute chain's last),
+    the tensors it makes (places, offsets), its other exits and its merged runs' tails."""
+    c = template.compact
+
+    def role(r) -> tuple[int, int]:
+        if r[0] == "tensor":
+            return _TENSOR, place[r[1]]
+        if r == COMPUTE_ROLE:
+            return _COMPUTE, 0
+        if r == COMM_ROLE:
+            return _COMM, 0
+        return _PREFETCH, phases.setdefault(r[1], len(phases))
+
+    lookups = template._lookups
+    index = {roles: s for s, (roles, _) in enumerate(lookups)}
+    entries = [role(r) for roles, _ in lookups for r in roles]
+    names, offsets, others = template._exits
+    other_roles = [role(r) for r, _ in others]
+    refs = [(0, ref) if type(ref) is int else (1, index[ref]) for _, ref in others]
+    tails, firsts = c.tail_offsets
+    none = lambda offset: -1 if offset is None else offset  # noqa: E731
+    counts = [len(c.head), none(c.last_compute), none(c.last_comm), len(lookups), len(entries),
+              len(c.outside_roles), len(names), len(others), len(tails)]
+    return np.array([*counts, *(len(roles) for roles, _ in lookups), *(k for k, _ in entries),
+                     *(i for _, i in entries), *(-1 if r is _CHAIN else index[r] for r in c.outside_roles),
+                     *(place[n] for n in names), *offsets, *(k for k, _ in other_roles), *(i for _, i in other_roles),
+                     *(k for k, _ in refs), *(r for _, r in refs), *tails, *firsts], dtype=np.int64)
+
+
+def wire(builder: _ProgramBuilder) -> bool:
+    """Lower `builder`'s stage (timing, with a sibling: _alike_stage) from the sibling's
+    templates: its actions' and step's nodes put into builder.replay, their stats counted;
+    False (nothing added) if an action has no template there or a role does not resolve as
+    it did there -- the stage is then lowered in its own names."""
+    found, _ = builder.sibling
+    pipeline, rank, m = builder.pipeline, builder.rank, builder.microbatches
+    pp, finals = pipeline.stages.pp, pipeline.order.digest(rank).finals
+    place = found.first
+    kept = _templates(found)  # a template's packed arrays
+    chosen: dict[tuple, int] = {}  # (key, chains present) -> index into `used`
+    used: list[tuple] = []  # (its compact form moved to this stage's edges, the template as the sibling has it)
+    rekeyed: dict[tuple, _Compact] = {}  # by template, virtual stage and kind
+    order_t, order_mb, shifts = [], [], []
+    history: dict[int, tuple] = {}
+    present = frozenset()
+    for action in pipeline.schedule[rank]:
+        mb = action.microbatch
+        stage = virtual_stage(rank, action.chunk, pp)
+        key = builder._key(stage, action.kind, action in finals, history.get(mb, ()))
+        history[mb] = key[3] + (key[:2],)
+        if builder._last_apart(key[:2]):
+            key += (mb == m - 1,)
+        at = chosen.get((key, present))
+        if at is None:
+            template = found.repeats.get((builder._relative(key), present))
+            moves = builder.sibling_moves.get((stage, action.kind), False)
+            if moves is False:
+                moves = builder.sibling_moves[stage, action.kind] = builder._sibling_edges(stage, action.kind)
+            if template is None or not moves or not template.names <= place.keys():
+                return False
+            moved = rekeyed.get(its := (id(template), stage, action.kind))
+            if moved is None:
+                moved = rekeyed[its] = template.rekeyed(*moves)
+            at = chosen[key, present] = len(used)
+            used.append((moved, template))
+        template = used[at][1]
+        order_t.append(at)
+        order_mb.append(mb)
+        shifts.append((mb - template.microbatch) * template.edges)
+        present = _after(present, template)
+    step = found.step
+    if step is None or not step.names <= place.keys():
+        return False
+    used.append((step.compact, step))  # (a step moves no send or receive)
+    order_t.append(len(used) - 1)
+    order_mb.append(m)  # the step reads every micro-batch's tensors, the latest producer of each
+    shifts.append((m - step.microbatch) * step.edges)
+    packed = [kept(template) for _, template in used]
+    at = np.cumsum([0, *(len(p) for p in packed[:-1])], dtype=np.int64)
+    order = np.array(order_t, dtype=np.int64)
+    nodes = int(np.array([p[0] for p in packed], dtype=np.int64)[order].sum())
+    starts, outside, ok = _wire()(np.concatenate(packed), at, order, np.array(order_mb, dtype=np.int64), m,
+                                   max(place.values()) + 1, max(1, len(found.wiring["phases"])), nodes)
+    if not ok:
+        return False
+    builder.nodes.extend([None] * nodes)  # their ids are taken (no node is made)
+    for (_, template), times in zip(used, np.bincount(order, minlength=len(used)).tolist()):
+        builder.repeated(template.stats, times)
+    builder.step_template = step
+    flush_arrays(builder, [compact for compact, _ in used], order, starts, np.array(shifts, dtype=np.int64),
+                 outside)
+    return True
+
+
+def _after(present: frozenset, template: ActionNodes) -> frozenset:
+    """The chain roles set after `template` ran where `present` were (ActionNodes.replay sets
+    the chains its nodes end and the prefetch points it leaves)."""
+    c = template.compact
+    added = {role for role, _ in template._exits[2] if role[0] == "prefetch"}
+    if c.last_compute is not None:
+        added.add(COMPUTE_ROLE)
+    if c.last_comm is not None:
+        added.add(COMM_ROLE)
+    return present if added <= present else present | added
+
+
+def _templates(found) -> Callable[[ActionNodes], np.ndarray]:
+    """Per sibling, each template's packed arrays (_packed), made once."""
+    cache_ = found.wiring
+    phases = cache_.setdefault("phases", {})
+
+    def kept(template: ActionNodes) -> np.ndarray:
+        packed = cache_.get(id(template))
+        if packed is None:
+            packed = cache_[id(template)] = _packed(template, found.first, phases)
+        return packed
+    return kept
+
+
+@cache
+def _wire():
+    """_wire's compiled loop (loading numba is left to the builds that time a plan)."""
+    from stg.borrowed_kernel import wired
+
+    return wired
