@@ -10,7 +10,7 @@ from collections import Counter
 from dataclasses import dataclass, replace
 from functools import cache, cached_property
 from itertools import chain, islice
-from typing import TYPE_CHECKING, Iterable
+from typing import TYPE_CHECKING, Iterable, Mapping
 
 import numpy as np
 
@@ -341,22 +341,40 @@ class ActionNodes:
         nodes and dependencies -- its shape holds all they depend on but sizes -- each COMP
         node lasting what its op lasts there, each collective, send and receive moving the bytes
         its ops or tensor hold there, its stats its tally bound there."""
-        exacts, collectives, p2p, comm = [], [], [], builder.comm_ev
-        for entry, sized_by in zip(self.nodes, self.sized_by):
-            if entry[1] is _COMP:
-                exacts.append(builder._costs(sized_by)[2])
-            elif entry[1] is _COLL:
-                collectives.append(sum(comm(op.bytes) for op in sized_by))
-            else:
-                p2p.append(comm(sized_by))
+        sizing, comm = self.__dict__.get("_sizing"), builder.comm_ev
+        if sizing is None:  # (its structure's: a template is rebound in the plans of its stage cut)
+            sizing = self.__dict__["_sizing"] = self._sizing(builder.origins)
+        stands_for, which, collective_bytes, p2p_bytes = sizing
+        exacts = np.array([builder._costs(op)[2] for op in stands_for], dtype=np.float64)[which]
+        collectives = [sum(map(comm, exprs)) for exprs in collective_bytes]
+        p2p = list(map(comm, p2p_bytes))
         c = self.compact
-        compact = replace(c, exacts=np.array(exacts, dtype=np.float64),
+        compact = replace(c, exacts=exacts,
                           collective_keys=tuple((group, kind, n) for (group, kind, _), n in zip(c.collective_keys,
                                                                                                 collectives)),
                           p2p_keys=tuple((src, dst, tag, n) for (src, dst, tag, _), n in zip(c.p2p_keys, p2p)))
         rebound = replace(self, stats=self.tally.bind(builder.ev, comm))
         rebound.__dict__["compact"] = compact  # (a cached_property's slot)
         return rebound
+
+    def _sizing(self, origins: Mapping[str, str]) -> tuple:
+        """What `rebound` reads of the nodes' sizes: the ops that stand for the COMP nodes (one
+        per origin and cost expressions: lowering times those alike, _ProgramBuilder._costs)
+        and per COMP node its op's place among them; per collective its ops' bytes; per send
+        and receive its bytes."""
+        stands_for, place, which, collective_bytes, p2p_bytes = [], {}, [], [], []
+        for entry, sized_by in zip(self.nodes, self.sized_by):
+            if entry[1] is _COMP:
+                key = (origins.get(sized_by.name) or sized_by.name, sized_by.flops, sized_by.bytes)
+                if key not in place:
+                    place[key] = len(stands_for)
+                    stands_for.append(sized_by)
+                which.append(place[key])
+            elif entry[1] is _COLL:
+                collective_bytes.append(tuple(op.bytes for op in sized_by))
+            else:
+                p2p_bytes.append(sized_by)
+        return tuple(stands_for), np.array(which, dtype=np.int64), tuple(collective_bytes), tuple(p2p_bytes)
 
     def _replay_compact(self, builder: "_ProgramBuilder", microbatch: int, resolved: dict) -> None:
         """The action's nodes as the timed replay reads them, put off (builder.pending) until
