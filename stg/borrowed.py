@@ -70,15 +70,79 @@ def wire(builder: _ProgramBuilder) -> bool:
     """Lower `builder`'s stage (timing, with a sibling: _alike_stage) from the sibling's
     templates: its actions' and step's nodes put into builder.replay, their stats counted;
     False (nothing added) if an action has no template there or a role does not resolve as
-    it did there -- the stage is then lowered in its own names."""
+    it did there -- the stage is then lowered action by action."""
     found, _ = builder.sibling
+    place = found.first
+    rekeyed: dict[tuple, _Compact] = {}  # by template, virtual stage and kind
+
+    def choose(key: tuple, present: frozenset, stage: int, kind) -> tuple | None:
+        template = found.repeats.get((builder._relative(key), present))
+        moves = builder.sibling_moves.get((stage, kind), False)
+        if moves is False:
+            moves = builder.sibling_moves[stage, kind] = builder._sibling_edges(stage, kind)
+        if template is None or not moves or not template.names <= place.keys():
+            return None
+        moved = rekeyed.get(its := (id(template), stage, kind))
+        if moved is None:
+            moved = rekeyed[its] = template.rekeyed(*moves)
+        return moved, template, template
+
+    step = found.step
+    if step is None or not step.names <= place.keys():
+        return False
+    return _wired(builder, choose, (step.compact, step, step), place, found.wiring)  # (a step moves no send)
+
+
+def wire_own(builder: _ProgramBuilder, kept: "StageTemplates") -> bool:
+    """Lower `builder`'s stage (timing) from the templates a plan of other sizes lowered it
+    with (StageTemplates: the same structure, stage cut, rank and gradient buckets), each
+    rebound to this plan's sizes (ActionNodes.rebound); False (nothing added) as wire. The
+    templates rebound are the stage's (builder.made, step_template), as if it had run."""
+    rebound: dict[int, ActionNodes] = {}
+
+    def bound(template: ActionNodes) -> tuple:
+        done = rebound.get(id(template))
+        if done is None:
+            done = rebound[id(template)] = template.rebound(builder)
+        return done.compact, template, done
+
+    def choose(key: tuple, present: frozenset, stage: int, kind) -> tuple | None:
+        template = kept.made.get((key, present))
+        if template is None:
+            return None
+        builder.made[key, present] = (found := bound(template))[2]
+        return found
+
+    step = bound(kept.step)
+    if not _wired(builder, choose, step, kept.place, kept.wiring):
+        builder.made.clear()
+        return False
+    builder.step_template = step[2]
+    return True
+
+
+class StageTemplates:
+    """What a stage lowered for timing action by action leaves for the next plan that
+    lowers it (stg.lower._ProgramBuilder._built): its templates by action key and chains
+    present, its step's, its names as places, and their packed arrays (_packed)."""
+
+    def __init__(self, made: dict, step: ActionNodes) -> None:
+        self.made, self.step = made, step
+        names = sorted(set().union(*(t.names for t in made.values()), step.names))
+        self.place = dict(zip(names, range(len(names))))
+        self.wiring: dict = {}
+
+
+def _wired(builder: _ProgramBuilder, choose: Callable, step: tuple, place: dict[str, int], cache_: dict) -> bool:
+    """Wire the stage's actions in schedule order, then the step: `choose(key, chains
+    present, virtual stage, kind)` gives an action's (compact form to flush, template whose
+    roles and exits it has, template whose stats it adds), or None; `step` the step's. Names
+    are `place`'s; `cache_` keeps the templates' packed arrays."""
     pipeline, rank, m = builder.pipeline, builder.rank, builder.microbatches
     pp, finals = pipeline.stages.pp, pipeline.order.digest(rank).finals
-    place = found.first
-    kept = _templates(found)  # a template's packed arrays
+    kept = _templates(cache_, place)
     chosen: dict[tuple, int] = {}  # (key, chains present) -> index into `used`
-    used: list[tuple] = []  # (its compact form moved to this stage's edges, the template as the sibling has it)
-    rekeyed: dict[tuple, _Compact] = {}  # by template, virtual stage and kind
+    used: list[tuple] = []
     order_t, order_mb, shifts = [], [], []
     history: dict[int, tuple] = {}
     present = frozenset()
@@ -91,42 +155,32 @@ def wire(builder: _ProgramBuilder) -> bool:
             key += (mb == m - 1,)
         at = chosen.get((key, present))
         if at is None:
-            template = found.repeats.get((builder._relative(key), present))
-            moves = builder.sibling_moves.get((stage, action.kind), False)
-            if moves is False:
-                moves = builder.sibling_moves[stage, action.kind] = builder._sibling_edges(stage, action.kind)
-            if template is None or not moves or not template.names <= place.keys():
+            found = choose(key, present, stage, action.kind)
+            if found is None:
                 return False
-            moved = rekeyed.get(its := (id(template), stage, action.kind))
-            if moved is None:
-                moved = rekeyed[its] = template.rekeyed(*moves)
             at = chosen[key, present] = len(used)
-            used.append((moved, template))
+            used.append(found)
         template = used[at][1]
         order_t.append(at)
         order_mb.append(mb)
         shifts.append((mb - template.microbatch) * template.edges)
         present = _after(present, template)
-    step = found.step
-    if step is None or not step.names <= place.keys():
-        return False
-    used.append((step.compact, step))  # (a step moves no send or receive)
+    used.append(step)
     order_t.append(len(used) - 1)
     order_mb.append(m)  # the step reads every micro-batch's tensors, the latest producer of each
-    shifts.append((m - step.microbatch) * step.edges)
-    packed = [kept(template) for _, template in used]
+    shifts.append((m - step[1].microbatch) * step[1].edges)
+    packed = [kept(template) for _, template, _ in used]
     at = np.cumsum([0, *(len(p) for p in packed[:-1])], dtype=np.int64)
     order = np.array(order_t, dtype=np.int64)
     nodes = int(np.array([p[0] for p in packed], dtype=np.int64)[order].sum())
     starts, outside, ok = _wire()(np.concatenate(packed), at, order, np.array(order_mb, dtype=np.int64), m,
-                                   max(place.values()) + 1, max(1, len(found.wiring["phases"])), nodes)
+                                   max(place.values(), default=0) + 1, max(1, len(cache_["phases"])), nodes)
     if not ok:
         return False
     builder.nodes.extend([None] * nodes)  # their ids are taken (no node is made)
-    for (_, template), times in zip(used, np.bincount(order, minlength=len(used)).tolist()):
-        builder.repeated(template.stats, times)
-    builder.step_template = step
-    flush_arrays(builder, [compact for compact, _ in used], order, starts, np.array(shifts, dtype=np.int64),
+    for (_, _, stats_of), times in zip(used, np.bincount(order, minlength=len(used)).tolist()):
+        builder.repeated(stats_of.stats, times)
+    flush_arrays(builder, [compact for compact, _, _ in used], order, starts, np.array(shifts, dtype=np.int64),
                  outside)
     return True
 
@@ -143,15 +197,14 @@ def _after(present: frozenset, template: ActionNodes) -> frozenset:
     return present if added <= present else present | added
 
 
-def _templates(found) -> Callable[[ActionNodes], np.ndarray]:
-    """Per sibling, each template's packed arrays (_packed), made once."""
-    cache_ = found.wiring
+def _templates(cache_: dict, place: dict[str, int]) -> Callable[[ActionNodes], np.ndarray]:
+    """Each template's packed arrays (_packed), made once per `cache_`."""
     phases = cache_.setdefault("phases", {})
 
     def kept(template: ActionNodes) -> np.ndarray:
         packed = cache_.get(id(template))
         if packed is None:
-            packed = cache_[id(template)] = _packed(template, found.first, phases)
+            packed = cache_[id(template)] = _packed(template, place, phases)
         return packed
     return kept
 

@@ -41,7 +41,7 @@ from stg.mesh import axis_symbol
 from stg import numeric
 from parallelism.pipeline import Edge, StagePlan, block_weight, layer_crossings
 from stg.blocks import blocks
-from stg.borrowed import wire
+from stg.borrowed import StageTemplates, wire, wire_own
 from stg.program import (ClassStats, GroupHole, NodeType, RankHole, RankProgram, ReplayChunks, TraceNode,
                          replay_nodes)
 from stg.repeats import (COMM_ROLE, COMPUTE_ROLE, ActionNodes, ActionTally, LayerNodes, add_terms, add_to, alike_tally,
@@ -61,6 +61,7 @@ class Evaluator:
         self.numbers = {k: n for k, v in self.bindings.items() if (n := numeric.exact(v)) is not None}
         self.cache: dict[sympy.Expr, int] = {}
         self.bound: dict[tuple, ClassStats] = {}  # tallies bound under these bindings (_ProgramBuilder._bound)
+        self.timing: dict[tuple, dict] = {}  # ops' durations under these bindings (_ProgramBuilder._costs)
 
     def __call__(self, expr: sympy.Expr) -> int:
         found = self.cache.get(expr)
@@ -544,7 +545,9 @@ class _ProgramBuilder:
         self.holes: set = set()  # without nodes, the holes they would have had
         self.terms: Counter | None = None  # the tally of the action being run, without nodes
         self.op_costs: dict[str, tuple[int, int, float, str]] = {}
-        self.op_timing: dict[tuple, tuple[float, str]] = {}  # by origin (or name) and sizes: _costs
+        # by origin (or name) and sizes: _costs; the plan's (its stages' layers are copies of a few blocks)
+        self.op_timing: dict[tuple, tuple[float, str]] = self.ev.timing.setdefault(
+            (id(device), self.keep_nodes), {}) if timing else {}
         self.origins = sharded.origins
         self.comm_ids: set[int] = set()  # nodes that are not COMP
         self.exact: dict[int, float] = {}  # a COMP node -> its duration before rounding
@@ -573,6 +576,7 @@ class _ProgramBuilder:
         self.sibling_moves: dict[tuple, tuple | None] = {}  # by virtual stage and kind: _sibling_edges
         self.likeness: tuple | None = None  # (its cut, stage_likeness's parts, places, first places)
         self.made: dict[tuple, ActionNodes] = {}  # timing: by action key and chains present, each template
+        self.templated = True  # timing: every action came from one template per key and chains present
         self.step_template: ActionNodes | None = None
 
     def repeated(self, stats: ClassStats, times: int = 1) -> None:
@@ -1080,6 +1084,7 @@ class _ProgramBuilder:
                 shape = shape_of(self, action, ops, units, here, key)
                 moved = self._moved(shape, action.microbatch, here) or self._last_apart_of(key, action, here, shape)
             if moved is not None:
+                self.templated &= (key, moved.present) not in self.made
                 self.node_repeats[key] = self.made[key, moved.present] = moved
                 self._views(key[:2], ops)
                 return
@@ -1088,6 +1093,7 @@ class _ProgramBuilder:
             lambda: self.action(action, ops, units, here, final=key[2]), action.microbatch, here,
             self._read_later(key[:2], last), shape if self.timing else None)
         if self.timing and recorded is not None:
+            self.templated &= (key, recorded.present) not in self.made
             self.lowered[key] = self.made[key, recorded.present] = recorded
 
     def _last_apart_of(self, key: tuple, action: Action, here: dict, shape: tuple) -> ActionNodes | None:
@@ -1193,6 +1199,7 @@ class _ProgramBuilder:
     def _add_to_replay(self, start: int) -> None:
         """The nodes made from `start` on, as the timed replay reads them, each its own run (an
         action that could not be recorded: a recorded one's come from its template)."""
+        self.templated = False
         made = self.nodes[start:]
         rows = replay_nodes(made, range(len(made)), start, self.head_of)
         self.replay.add(rows.ids, rows.types, rows.n_deps, rows.deps, rows.durations, rows.comm)
@@ -1370,6 +1377,9 @@ class _ProgramBuilder:
             self._alike_stage(layers, units, step)
             if self.sibling is not None and wire(self):  # every action and the step repeated, in one loop
                 return self._built()
+            kept = _lowered_stages(self.sharded).get(self._stage_key()) if self.sibling is None else None
+            if kept is not None and wire_own(self, kept):  # as a plan of other sizes lowered it
+                return self._built()
         if self.keep_nodes:
             # the step's views first: a reduction that a degree of 1 turned into a view
             # (stg/passes.py, unit_bound) passes its input's producer on to the reduction after
@@ -1393,15 +1403,25 @@ class _ProgramBuilder:
 
     def _built(self) -> list[TraceNode]:
         """The stats of the repeated actions added, their nodes flushed; a stage that leaves its
-        templates for those alike to it (_alike_stage) leaves them."""
+        templates for those alike to it (_alike_stage) leaves them, and a stage lowered action
+        by action, every action and the step from a template, leaves them for the next plan
+        that lowers it (stg/borrowed.py, wire_own)."""
         for stats, times in self.repeat_stats.values():
             self.stats.add(stats, times)
         flush_compact(self)
+        if self.timing and self.templated and self.sibling is None and self.step_template is not None:
+            _lowered_stages(self.sharded).setdefault(self._stage_key(), StageTemplates(self.made, self.step_template))
         if self.likeness is not None:
             cut, parts, places, first = self.likeness
             repeats = {(self._relative(key), present): nodes for (key, present), nodes in self.made.items()}
             self.stage_templates[cut] = _StageRepeats(self.rank, parts, places, first, repeats, self.step_template)
         return self.nodes
+
+    def _stage_key(self) -> tuple:
+        """What a stage's templates depend on but sizes: its cut, rank and gradient buckets."""
+        buckets = (*self.late_reductions, self.step_gathers())
+        return (self.pipeline.stages, self.pipeline.split_backward, self.rank,
+                tuple(tuple(self._starts(steps)) for steps in buckets))
 
     def _alike_stage(self, layers: dict, units: dict, step: list[Op]) -> None:
         """Timing: find a middle stage of the plan that ran before whose nodes are this one's
@@ -1469,6 +1489,13 @@ class _ProgramBuilder:
             # nothing runs after the step: its runs end where its nodes say
             self.step_template = self._recorded(lambda: self.step(ops, where), self.microbatches, where,
                                                 frozenset(), shape, made_read=False)
+
+
+@per_graph
+def _lowered_stages(sharded: ShardedGraph) -> dict:
+    """Per stage cut, rank and gradient buckets (_stage_key), the templates a plan lowered the
+    stage with for timing (StageTemplates): the next plan of other sizes repeats them all."""
+    return {}
 
 
 @dataclass(frozen=True)

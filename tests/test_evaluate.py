@@ -317,6 +317,7 @@ def test_a_plan_lowered_for_timing_replays_as_its_nodes(name, tmp_path, monkeypa
     with monkeypatch.context() as fresh_templates:
         fresh_templates.setattr(stg.api, "_timing_templates", lambda *key: {})
         fresh_templates.setattr(stg.api, "_rebindable_templates", lambda *key: {})
+        fresh_templates.setattr(stg.lower, "_lowered_stages", lambda *key: {})
         fresh = build(model, longer, nodes=False, timing=True)
     assert reused_runs < ran[True] - before
     assert [p.stats for p in reused.programs] == [p.stats for p in fresh.programs]
