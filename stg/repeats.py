@@ -311,6 +311,8 @@ class ActionNodes:
         except KeyError:
             return None
         moved = replace(self, exit=exit, roles=frozenset(map(roles, self._roles)))
+        if "_sizing" in self.__dict__:  # (its nodes are these: only names move)
+            moved.__dict__["_sizing"] = self._sizing
         moved.__dict__["compact"] = compact  # cached_properties' slots
         names, offsets, others = self._exits  # renamed as `exit` is, in its order
         moved.__dict__["_exits"] = (tuple(map(rename.__getitem__, names)), offsets,
@@ -344,8 +346,10 @@ class ActionNodes:
         sizing, comm = self.__dict__.get("_sizing"), builder.comm_ev
         if sizing is None:  # (its structure's: a template is rebound in the plans of its stage cut)
             sizing = self.__dict__["_sizing"] = self._sizing(builder.origins)
-        stands_for, which, collective_bytes, p2p_bytes = sizing
-        exacts = np.array([builder._costs(op)[2] for op in stands_for], dtype=np.float64)[which]
+        stands_for, keys, which, collective_bytes, p2p_bytes = sizing
+        timed = builder.ev.timing.setdefault(("rebound", id(builder.device)), {})  # the plan's, by origin and costs
+        exacts = np.array([timed[key] if key in timed else timed.setdefault(key, builder._costs(op)[2])
+                           for op, key in zip(stands_for, keys)], dtype=np.float64)[which]
         collectives = [sum(map(comm, exprs)) for exprs in collective_bytes]
         p2p = list(map(comm, p2p_bytes))
         c = self.compact
@@ -354,27 +358,31 @@ class ActionNodes:
                                                                                                 collectives)),
                           p2p_keys=tuple((src, dst, tag, n) for (src, dst, tag, _), n in zip(c.p2p_keys, p2p)))
         rebound = replace(self, stats=self.tally.bind(builder.ev, comm))
-        rebound.__dict__["compact"] = compact  # (a cached_property's slot)
+        rebound.__dict__.update(self._sized_alike(), compact=compact)
         return rebound
+
+    def _sized_alike(self) -> dict:
+        """What this template has worked out that a copy with other stats, sizes or peers
+        (rebound, moved) shares: its nodes' sizing and roles (cached_properties' slots)."""
+        return {name: value for name, value in self.__dict__.items()
+                if name in ("_sizing", "_roles", "_lookups", "_exits", "names")}
 
     def _sizing(self, origins: Mapping[str, str]) -> tuple:
         """What `rebound` reads of the nodes' sizes: the ops that stand for the COMP nodes (one
-        per origin and cost expressions: lowering times those alike, _ProgramBuilder._costs)
-        and per COMP node its op's place among them; per collective its ops' bytes; per send
-        and receive its bytes."""
-        stands_for, place, which, collective_bytes, p2p_bytes = [], {}, [], [], []
+        per origin and cost expressions: lowering times those alike, _ProgramBuilder._costs),
+        those keys, and per COMP node its op's place among them; per collective its ops'
+        bytes; per send and receive its bytes."""
+        place, which, collective_bytes, p2p_bytes = {}, [], [], []  # place: by origin and costs, its op
         for entry, sized_by in zip(self.nodes, self.sized_by):
             if entry[1] is _COMP:
                 key = (origins.get(sized_by.name) or sized_by.name, sized_by.flops, sized_by.bytes)
-                if key not in place:
-                    place[key] = len(stands_for)
-                    stands_for.append(sized_by)
-                which.append(place[key])
+                which.append(place.setdefault(key, (len(place), sized_by))[0])
             elif entry[1] is _COLL:
                 collective_bytes.append(tuple(op.bytes for op in sized_by))
             else:
                 p2p_bytes.append(sized_by)
-        return tuple(stands_for), np.array(which, dtype=np.int64), tuple(collective_bytes), tuple(p2p_bytes)
+        return (tuple(op for _, op in place.values()), tuple(place), np.array(which, dtype=np.int64),
+                tuple(collective_bytes), tuple(p2p_bytes))
 
     def _replay_compact(self, builder: "_ProgramBuilder", microbatch: int, resolved: dict) -> None:
         """The action's nodes as the timed replay reads them, put off (builder.pending) until
