@@ -209,6 +209,49 @@ TIMING_CASES = {  # beyond the digest matrix: stages 1 and 2 of a 4-stage pipeli
 }
 
 
+def test_a_stage_that_does_not_wire_is_lowered_action_by_action(monkeypatch):
+    """stg/borrowed.py repeats a stage's templates all at once only where every action and the
+    step resolve; where they do not, nothing of the attempt stays and the stage is lowered
+    action by action. With the compiled loop made to report a role that does not resolve, and
+    again with a kept stage missing one action's template, a 4-stage pipeline, lowered after a
+    plan of other sizes of its cut, times and counts as it does wired."""
+    import stg.borrowed
+    import stg.lower
+    from stg.explore.cost import slice_timings
+    from stg.explore.network import load_network
+
+    network = load_network("dgx-h100-superpod")
+    plan = dict(pp=4, tp=2, dp=2, zero=1, global_batch=24, seq=32)
+    resized = {**plan, "seq": 64}
+
+    def timed() -> tuple:
+        build(DEEP, plan, nodes=False, timing=True)  # leaves its stages' templates (StageTemplates)
+        workload = build(DEEP, resized, nodes=False, timing=True)
+        return [p.stats for p in workload.programs], slice_timings(workload, network)
+
+    attempts, wire, wire_own = [], stg.lower.wire, stg.lower.wire_own
+    monkeypatch.setattr(stg.lower, "wire", lambda b: attempts.append(wire(b)) or attempts[-1])
+    monkeypatch.setattr(stg.lower, "wire_own", lambda b, k: attempts.append(wire_own(b, k)) or attempts[-1])
+    wired = timed()
+    assert attempts and all(attempts)
+    loop = stg.borrowed._wire()
+    with monkeypatch.context() as failing:
+        failing.setattr(stg.borrowed, "_wire", lambda: lambda *args: (*loop(*args)[:2], False))
+        attempts.clear()
+        assert timed() == wired
+        assert attempts and not any(attempts)
+    with monkeypatch.context() as missing:
+        init = stg.borrowed.StageTemplates.__init__
+
+        def without_one(self, made, step):
+            init(self, dict(list(made.items())[1:]), step)
+        missing.setattr(stg.borrowed.StageTemplates, "__init__", without_one)
+        missing.setattr(stg.lower, "_lowered_stages", lambda *key, kept={}: kept)
+        attempts.clear()
+        assert timed() == wired
+        assert False in attempts
+
+
 @pytest.mark.parametrize("name", sorted(PLANS) + sorted(TIMING_CASES))
 def test_a_plan_lowered_for_timing_replays_as_its_nodes(name, tmp_path, monkeypatch):
     """stg explore times a plan from programs lowered for the replay only (build(timing=True):
@@ -332,10 +375,13 @@ def test_a_plan_lowered_for_timing_replays_as_its_nodes(name, tmp_path, monkeypa
     rebound, rebind = [], stg.repeats.ActionNodes.rebound
     monkeypatch.setattr(stg.repeats.ActionNodes, "rebound", lambda self, builder: rebound.append(1) or
                         rebind(self, builder))
+    own, wire_own = [], stg.lower.wire_own
+    monkeypatch.setattr(stg.lower, "wire_own", lambda builder, kept: own.append(wire_own(builder, kept)) or own[-1])
     resized = {**plan, "seq": 2 * plan["seq"]}
     before = ran[True]
     timing, nodes = build(model, resized, nodes=False, timing=True), build(model, resized)
     assert rebound and ran[True] == before  # none of its actions runs its ops
+    assert own and all(own)  # its stages repeat the templates they were lowered with (stg/borrowed.py)
     assert [p.stats for p in timing.programs] == [p.stats for p in nodes.programs]
     for variant in range(nodes.variants):
         free, costed = slice_timings(nodes, network, variant)
