@@ -9,11 +9,14 @@ what it makes, and puts its nodes off for the flush -- in Python dicts of names,
 microseconds an action; a 32-stage pipeline of 32 micro-batches repeats 4,000 of them.
 
 Here a stage keeps its sibling's names, as places (shapes.stage_likeness numbers them), the
-producers of each micro-batch's tensors a row of an array, and _wire does for every action at
-once what replay does. Renaming is unobservable: the templates only look names up among what
-templates made. Python picks each action's template (its key, as lowering finds it) and moves
-each template's sends and receives to this stage's edges and peers (ActionNodes.rekeyed). The
-nodes are those lowering would make, bit for bit (tests/test_evaluate.py, the timing test).
+producers of each micro-batch's tensors a row of an array, and one compiled loop
+(stg/borrowed_kernel.py) does for every action at once what replay does. Renaming is
+unobservable: the templates only look names up among what templates made. Python picks each
+action's template (its key, as lowering finds it) and moves each template's sends and
+receives to this stage's edges and peers (ActionNodes.rekeyed). A stage that a plan of other
+sizes lowered from templates alone repeats those (StageTemplates), rebound to its sizes, in
+its own names, the same way (wire_own). The nodes are those lowering would make, bit for bit
+(tests/test_evaluate.py, the timing test).
 """
 
 from __future__ import annotations

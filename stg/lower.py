@@ -1377,7 +1377,7 @@ class _ProgramBuilder:
             self._alike_stage(layers, units, step)
             if self.sibling is not None and wire(self):  # every action and the step repeated, in one loop
                 return self._built()
-            kept = _lowered_stages(self.sharded).get(self._stage_key()) if self.sibling is None else None
+            kept = _lowered_stages(self.sharded, stages).get(self._stage_key()) if self.sibling is None else None
             if kept is not None and wire_own(self, kept):  # as a plan of other sizes lowered it
                 return self._built()
         if self.keep_nodes:
@@ -1410,7 +1410,8 @@ class _ProgramBuilder:
             self.stats.add(stats, times)
         flush_compact(self)
         if self.timing and self.templated and self.sibling is None and self.step_template is not None:
-            _lowered_stages(self.sharded).setdefault(self._stage_key(), StageTemplates(self.made, self.step_template))
+            _lowered_stages(self.sharded, self.pipeline.stages).setdefault(
+                self._stage_key(), StageTemplates(self.made, self.step_template))
         if self.likeness is not None:
             cut, parts, places, first = self.likeness
             repeats = {(self._relative(key), present): nodes for (key, present), nodes in self.made.items()}
@@ -1418,10 +1419,10 @@ class _ProgramBuilder:
         return self.nodes
 
     def _stage_key(self) -> tuple:
-        """What a stage's templates depend on but sizes: its cut, rank and gradient buckets."""
+        """What a stage's templates depend on but sizes, given its cut: its backward split,
+        rank and gradient buckets."""
         buckets = (*self.late_reductions, self.step_gathers())
-        return (self.pipeline.stages, self.pipeline.split_backward, self.rank,
-                tuple(tuple(self._starts(steps)) for steps in buckets))
+        return self.pipeline.split_backward, self.rank, tuple(tuple(self._starts(steps)) for steps in buckets)
 
     def _alike_stage(self, layers: dict, units: dict, step: list[Op]) -> None:
         """Timing: find a middle stage of the plan that ran before whose nodes are this one's
@@ -1491,10 +1492,11 @@ class _ProgramBuilder:
                                                 frozenset(), shape, made_read=False)
 
 
-@per_graph
-def _lowered_stages(sharded: ShardedGraph) -> dict:
-    """Per stage cut, rank and gradient buckets (_stage_key), the templates a plan lowered the
-    stage with for timing (StageTemplates): the next plan of other sizes repeats them all."""
+@per_graph(limit=16)  # a search meets its plans by structure and cut
+def _lowered_stages(sharded: ShardedGraph, stages: StagePlan) -> dict:
+    """Per backward split, rank and gradient buckets (_stage_key), the templates a plan of the
+    stage cut `stages` lowered each stage with for timing (StageTemplates): the next plan of
+    other sizes repeats them all."""
     return {}
 
 
