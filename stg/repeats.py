@@ -311,8 +311,8 @@ class ActionNodes:
         except KeyError:
             return None
         moved = replace(self, exit=exit, roles=frozenset(map(roles, self._roles)))
-        if "_sizing" in self.__dict__:  # (its nodes are these: only names move)
-            moved.__dict__["_sizing"] = self._sizing
+        if "_sizing" in self.__dict__:  # (its nodes are these: only names move; see rebound)
+            moved.__dict__["_sizing"] = self.__dict__["_sizing"]
         moved.__dict__["compact"] = compact  # cached_properties' slots
         names, offsets, others = self._exits  # renamed as `exit` is, in its order
         moved.__dict__["_exits"] = (tuple(map(rename.__getitem__, names)), offsets,
@@ -345,7 +345,7 @@ class ActionNodes:
         its ops or tensor hold there, its stats its tally bound there."""
         sizing, comm = self.__dict__.get("_sizing"), builder.comm_ev
         if sizing is None:  # (its structure's: a template is rebound in the plans of its stage cut)
-            sizing = self.__dict__["_sizing"] = self._sizing(builder.origins)
+            sizing = self.__dict__["_sizing"] = self._sizing_of(builder.origins)
         stands_for, keys, which, collective_bytes, p2p_bytes = sizing
         timed = builder.ev.timing.setdefault(("rebound", id(builder.device)), {})  # the plan's, by origin and costs
         exacts = np.array([timed[key] if key in timed else timed.setdefault(key, builder._costs(op)[2])
@@ -367,7 +367,7 @@ class ActionNodes:
         return {name: value for name, value in self.__dict__.items()
                 if name in ("_sizing", "_roles", "_lookups", "_exits", "names")}
 
-    def _sizing(self, origins: Mapping[str, str]) -> tuple:
+    def _sizing_of(self, origins: Mapping[str, str]) -> tuple:
         """What `rebound` reads of the nodes' sizes: the ops that stand for the COMP nodes (one
         per origin and cost expressions: lowering times those alike, _ProgramBuilder._costs),
         those keys, and per COMP node its op's place among them; per collective its ops'
