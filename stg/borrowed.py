@@ -32,9 +32,10 @@ from stg.schedule import virtual_stage
 if TYPE_CHECKING:
     from stg.lower import _ProgramBuilder
 
-# a role's kind in the packed arrays: a micro-batch tensor's producer, a chain's last node
-_TENSOR, _COMPUTE, _COMM, _PREFETCH = 0, 1, 2, 3
-HEADER = 9
+# a role's kind in the packed arrays (stg/borrowed_kernel.py reads them): a micro-batch
+# tensor's producer, the compute or comm chain's last node, a prefetch point
+TENSOR, COMPUTE, COMM, PREFETCH = 0, 1, 2, 3
+HEADER = 9  # the counts that open a template's packed array
 
 
 def _packed(template: ActionNodes, place: dict[str, int], phases: dict) -> np.ndarray:
@@ -46,12 +47,12 @@ def _packed(template: ActionNodes, place: dict[str, int], phases: dict) -> np.nd
 
     def role(r) -> tuple[int, int]:
         if r[0] == "tensor":
-            return _TENSOR, place[r[1]]
+            return TENSOR, place[r[1]]
         if r == COMPUTE_ROLE:
-            return _COMPUTE, 0
+            return COMPUTE, 0
         if r == COMM_ROLE:
-            return _COMM, 0
-        return _PREFETCH, phases.setdefault(r[1], len(phases))
+            return COMM, 0
+        return PREFETCH, phases.setdefault(r[1], len(phases))
 
     lookups = template._lookups
     index = {roles: s for s, (roles, _) in enumerate(lookups)}
@@ -62,7 +63,7 @@ def _packed(template: ActionNodes, place: dict[str, int], phases: dict) -> np.nd
     tails, firsts = c.tail_offsets
     none = lambda offset: -1 if offset is None else offset  # noqa: E731
     counts = [len(c.head), none(c.last_compute), none(c.last_comm), len(lookups), len(entries),
-              len(c.outside_roles), len(names), len(others), len(tails)]
+              len(c.outside_roles), len(names), len(others), len(tails)]  # HEADER of them
     return np.array([*counts, *(len(roles) for roles, _ in lookups), *(k for k, _ in entries),
                      *(i for _, i in entries), *(-1 if r is _CHAIN else index[r] for r in c.outside_roles),
                      *(place[n] for n in names), *offsets, *(k for k, _ in other_roles), *(i for _, i in other_roles),

@@ -14,8 +14,7 @@ from __future__ import annotations
 import numba
 import numpy as np
 
-HEADER = 9
-TENSOR, COMPUTE, COMM, PREFETCH = 0, 1, 2, 3
+from stg.borrowed import COMM, COMPUTE, HEADER, PREFETCH, TENSOR
 
 
 @numba.njit(cache=True)

@@ -577,6 +577,7 @@ class _ProgramBuilder:
         self.likeness: tuple | None = None  # (its cut, stage_likeness's parts, places, first places)
         self.made: dict[tuple, ActionNodes] = {}  # timing: by action key and chains present, each template
         self.templated = True  # timing: every action came from one template per key and chains present
+        self.kept_by: tuple | None = None  # timing: what its templates are kept by (_lowered_stages), if they may be
         self.step_template: ActionNodes | None = None
 
     def repeated(self, stats: ClassStats, times: int = 1) -> None:
@@ -1278,6 +1279,12 @@ class _ProgramBuilder:
         """The collectives the step sends after its optimizer, to be bucketed."""
         return self._step_plan().deferred
 
+    def step_bucket_lists(self) -> tuple[tuple[list[Op], ...], tuple[tuple[int, ...], ...]]:
+        """The step's bucketed lists (late reductions, then the gathers) and where each one's
+        buckets start under this plan's sizes: what the step's nodes depend on of the sizes."""
+        lists = (*self.late_reductions, self.step_gathers())
+        return lists, tuple(tuple(self._starts(steps)) for steps in lists)
+
     @staticmethod
     def step_layers(ops: list[Op]) -> tuple:
         """The step's optimizer ops layer by layer (_step_layers)."""
@@ -1377,9 +1384,11 @@ class _ProgramBuilder:
             self._alike_stage(layers, units, step)
             if self.sibling is not None and wire(self):  # every action and the step repeated, in one loop
                 return self._built()
-            kept = _lowered_stages(self.sharded, stages).get(self._stage_key()) if self.sibling is None else None
-            if kept is not None and wire_own(self, kept):  # as a plan of other sizes lowered it
-                return self._built()
+            if self.sibling is None:
+                self.kept_by = self._stage_key()
+                kept = _lowered_stages(self.sharded, stages).get(self.kept_by)
+                if kept is not None and wire_own(self, kept):  # as a plan of other sizes lowered it
+                    return self._built()
         if self.keep_nodes:
             # the step's views first: a reduction that a degree of 1 turned into a view
             # (stg/passes.py, unit_bound) passes its input's producer on to the reduction after
@@ -1409,9 +1418,9 @@ class _ProgramBuilder:
         for stats, times in self.repeat_stats.values():
             self.stats.add(stats, times)
         flush_compact(self)
-        if self.timing and self.templated and self.sibling is None and self.step_template is not None:
+        if self.kept_by is not None and self.templated and self.step_template is not None:
             _lowered_stages(self.sharded, self.pipeline.stages).setdefault(
-                self._stage_key(), StageTemplates(self.made, self.step_template))
+                self.kept_by, StageTemplates(self.made, self.step_template))
         if self.likeness is not None:
             cut, parts, places, first = self.likeness
             repeats = {(self._relative(key), present): nodes for (key, present), nodes in self.made.items()}
@@ -1421,8 +1430,7 @@ class _ProgramBuilder:
     def _stage_key(self) -> tuple:
         """What a stage's templates depend on but sizes, given its cut: its backward split,
         rank and gradient buckets."""
-        buckets = (*self.late_reductions, self.step_gathers())
-        return self.pipeline.split_backward, self.rank, tuple(tuple(self._starts(steps)) for steps in buckets)
+        return self.pipeline.split_backward, self.rank, self.step_bucket_lists()[1]
 
     def _alike_stage(self, layers: dict, units: dict, step: list[Op]) -> None:
         """Timing: find a middle stage of the plan that ran before whose nodes are this one's

@@ -128,8 +128,7 @@ def step_shape(builder: _ProgramBuilder, ops: list[Op]) -> tuple:
     structure, stage cut and buckets: the stage's runs, so the views it has noted, are its
     cut's (a search meets a cut's steps once per micro-batch size)."""
     pipeline = builder.pipeline
-    key = ("step", pipeline.stages, pipeline.split_backward, builder.rank,
-           tuple(tuple(builder._starts(steps)) for steps in (*builder.late_reductions, builder.step_gathers())))
+    key = ("step", pipeline.stages, pipeline.split_backward, builder.rank, builder.step_bucket_lists()[1])
     memo = _shapes(builder.sharded)
     if key not in memo:
         memo[key] = _step_shape(builder, ops)
@@ -290,8 +289,7 @@ def stage_likeness(builder: _ProgramBuilder, layers_by_run: dict, units: dict,
     per name. Two stages of equal likeness and places (a pipeline's middle stages) make the
     same nodes up to names, peers and tags, the names matching place by place
     (ActionNodes.moved, Renaming)."""
-    buckets = (*builder.late_reductions, builder.step_gathers())
-    starts = tuple(tuple(builder._starts(steps)) for steps in buckets)
+    buckets, starts = builder.step_bucket_lists()
     memo = _shapes(builder.sharded)  # a stage cut's stage: the same in every plan of its structure and sizes
     key = ("stage likeness", builder.pipeline.stages, builder.pipeline.split_backward, builder.rank, starts)
     if key not in memo:
