@@ -30,7 +30,7 @@ from dataclasses import dataclass, field, replace
 from functools import cached_property
 from itertools import groupby, pairwise
 from operator import attrgetter, itemgetter
-from typing import Callable, Iterable, Mapping
+from typing import Callable, Iterable, Iterator, Mapping
 
 import sympy
 
@@ -490,17 +490,17 @@ def _viewed(graph, tensor: str) -> str:
 @per_graph
 def _layer_reads(sharded: ShardedGraph) -> dict:
     """Per layer (_stage_work's layer key), the tensors its ops make that collectives read
-    (_collective_readers), a few of its hundreds, each as _layer_read gives it: found once per
-    structure (_read_later)."""
+    (_collective_readers), a few of its hundreds, each as _layer_read gives it, those the
+    step's read apart: found once per structure (_ProgramBuilder._layer_reads)."""
     return {}
 
 
-def _layer_read(tensor: str, maker: Op, readers: list[Op]) -> tuple[str, bool, tuple[Op, ...]]:
+def _layer_read(tensor: str, maker: Op, readers: list[Op]) -> tuple[str, bool, tuple[tuple[int, Phase], ...]]:
     """A tensor of a layer as _read_later reads it: whether the step's collectives read it,
-    and its other readers but those of its maker's layer and phase (of its run in any cut)."""
+    and the layers and phases of its other readers but its maker's own (of its run in any cut)."""
     return (tensor, any(op.phase is Phase.STEP for op in readers),
-            tuple(op for op in readers if op.phase is not Phase.STEP
-                  and (op.layer != maker.layer or op.phase is not maker.phase)))
+            tuple({(op.layer, op.phase): None for op in readers if op.phase is not Phase.STEP
+                   and (op.layer != maker.layer or op.phase is not maker.phase)}))
 
 
 @per_graph
@@ -1175,27 +1175,41 @@ class _ProgramBuilder:
         memo = _reads_later(self.sharded)  # a run's ops are its structure's and cut's: kept across plans
         key = (self.pipeline.stages, self.pipeline.split_backward, run, last)
         if key not in memo:
-            readers, read = _collective_readers(self.sharded), _layer_reads(self.sharded)
-            stages, split = self.pipeline.stages, self.pipeline.split_backward
-            found = set()
-            for layer_key, layer_ops in self.run_layers(*run):
-                if layer_key not in read:
-                    read[layer_key] = tuple(_layer_read(t, op, readers[t])
-                                            for op in layer_ops for t in op.outputs if t in readers)
-                # a reader of the step's, or (not the step's) of another run
-                found.update(t for t, by_step, others in read[layer_key]
-                             if (last and by_step) or any(_run(op, stages, split) != run for op in others))
-            memo[key] = frozenset(found)
+            outside = self._outside(run)
+            memo[key] = frozenset(t for _, reads in self._layer_reads(run) for t, by_step, others in reads
+                                  if (last and by_step) or outside(others))
         self.later[run, last] = memo[key]
         return memo[key]
 
     def _last_apart(self, run: tuple) -> bool:
         """Whether the step reads more of the run's last micro-batch than later actions read
-        of the others' (_read_later): its last action is then repeated apart."""
+        of the others' (_read_later): its last action is then repeated apart -- a tensor of the
+        run that the step reads and no other run does."""
         apart = self.last_apart.get(run)
         if apart is None:
-            apart = self.last_apart[run] = self._read_later(run, True) != self._read_later(run, False)
+            memo = _reads_later(self.sharded)
+            key = (self.pipeline.stages, self.pipeline.split_backward, run, "apart")
+            if key not in memo:
+                outside = self._outside(run)
+                memo[key] = any(not outside(others) for stepped, _ in self._layer_reads(run)
+                                for _, _, others in stepped)
+            apart = self.last_apart[run] = memo[key]
         return apart
+
+    def _layer_reads(self, run: tuple) -> Iterator[tuple[tuple, tuple]]:
+        """Per layer of `run`, (the reads of it that the step's collectives make, all its
+        reads) as _layer_read gives them, found once per structure."""
+        readers, read = _collective_readers(self.sharded), _layer_reads(self.sharded)
+        for layer_key, layer_ops in self.run_layers(*run):
+            if layer_key not in read:
+                reads = tuple(_layer_read(t, op, readers[t]) for op in layer_ops for t in op.outputs if t in readers)
+                read[layer_key] = (tuple(r for r in reads if r[1]), reads)
+            yield read[layer_key]
+
+    def _outside(self, run: tuple) -> Callable[[tuple], bool]:
+        """Whether any of some (layer, phase) readers lies outside `run` in this cut."""
+        stages, split = self.pipeline.stages, self.pipeline.split_backward
+        return lambda others: any((stages.virtual_stage(layer), _kind(phase, split)) != run for layer, phase in others)
 
     def _add_to_replay(self, start: int) -> None:
         """The nodes made from `start` on, as the timed replay reads them, each its own run (an
