@@ -21,13 +21,13 @@ its own names, the same way (wire_own). The nodes are those lowering would make,
 
 from __future__ import annotations
 
-from functools import cache
+from functools import cache, lru_cache
 from typing import TYPE_CHECKING, Callable
 
 import numpy as np
 
 from stg.repeats import _CHAIN, COMM_ROLE, COMPUTE_ROLE, ActionNodes, _Compact, flush_arrays
-from stg.schedule import virtual_stage
+from stg.schedule import Kind, Order, virtual_stage
 
 if TYPE_CHECKING:
     from stg.lower import _ProgramBuilder
@@ -141,64 +141,84 @@ def _wired(builder: _ProgramBuilder, choose: Callable, step: tuple, place: dict[
     """Wire the stage's actions in schedule order, then the step: `choose(key, chains
     present, virtual stage, kind)` gives an action's (compact form to flush, template whose
     roles and exits it has, template whose stats it adds), or None; `step` the step's. Names
-    are `place`'s; `cache_` keeps the templates' packed arrays."""
+    are `place`'s; `cache_` keeps the templates' packed arrays. (A stage whose actions send
+    gradient buckets is not wired: no key marks a final action.)"""
     pipeline, rank, m = builder.pipeline, builder.rank, builder.microbatches
-    pp, finals = pipeline.stages.pp, pipeline.order.digest(rank).finals
+    chunks = range(pipeline.order.v)
+    apart = frozenset(run for run in ((virtual_stage(rank, chunk, pipeline.order.p), kind)
+                                      for chunk in chunks for kind in Kind) if builder._last_apart(run))
+    keys, which, microbatches = _schedule_keys(pipeline.order, rank, apart)
     kept = _templates(cache_, place)
-    chosen: dict[tuple, int] = {}  # (key, chains present) -> index into `used`
+    chosen: dict[tuple, int] = {}  # (key's index, chains present) -> index into `used`
     used: list[tuple] = []
-    order_t, order_mb, shifts = [], [], []
-    history: dict[int, tuple] = {}
+    sets: list[frozenset] = []  # per template used, the chain roles it sets
+    order_t = []
     present = frozenset()
-    for action in pipeline.schedule[rank]:
-        mb = action.microbatch
-        stage = virtual_stage(rank, action.chunk, pp)
-        key = builder._key(stage, action.kind, action in finals, history.get(mb, ()))
-        history[mb] = key[3] + (key[:2],)
-        if builder._last_apart(key[:2]):
-            key += (mb == m - 1,)
-        at = chosen.get((key, present))
+    for k in which:
+        at = chosen.get((k, present))
         if at is None:
-            found = choose(key, present, stage, action.kind)
+            key = keys[k]
+            found = choose(key, present, key[0], key[1])
             if found is None:
                 return False
-            at = chosen[key, present] = len(used)
+            at = chosen[k, present] = len(used)
             used.append(found)
-        template = used[at][1]
+            sets.append(_sets(found[1]))
         order_t.append(at)
-        order_mb.append(mb)
-        shifts.append((mb - template.microbatch) * template.edges)
-        present = _after(present, template)
+        if not sets[at] <= present:
+            present = present | sets[at]
     used.append(step)
     order_t.append(len(used) - 1)
-    order_mb.append(m)  # the step reads every micro-batch's tensors, the latest producer of each
-    shifts.append((m - step[1].microbatch) * step[1].edges)
+    order = np.array(order_t, dtype=np.int64)
+    # the step reads every micro-batch's tensors, the latest producer of each
+    order_mb = np.append(microbatches, m)
+    first = np.array([template.microbatch for _, template, _ in used], dtype=np.int64)
+    edges = np.array([template.edges for _, template, _ in used], dtype=np.int64)
+    shifts = (order_mb - first[order]) * edges[order]
     packed = [kept(template) for _, template, _ in used]
     at = np.cumsum([0, *(len(p) for p in packed[:-1])], dtype=np.int64)
-    order = np.array(order_t, dtype=np.int64)
     nodes = int(np.array([p[0] for p in packed], dtype=np.int64)[order].sum())
-    starts, outside, ok = _wire()(np.concatenate(packed), at, order, np.array(order_mb, dtype=np.int64), m,
+    starts, outside, ok = _wire()(np.concatenate(packed), at, order, order_mb, m,
                                    max(place.values(), default=0) + 1, max(1, len(cache_["phases"])), nodes)
     if not ok:
         return False
     builder.nodes.extend([None] * nodes)  # their ids are taken (no node is made)
     for (_, _, stats_of), times in zip(used, np.bincount(order, minlength=len(used)).tolist()):
         builder.repeated(stats_of.stats, times)
-    flush_arrays(builder, [compact for compact, _, _ in used], order, starts, np.array(shifts, dtype=np.int64),
-                 outside)
+    flush_arrays(builder, [compact for compact, _, _ in used], order, starts, shifts, outside)
     return True
 
 
-def _after(present: frozenset, template: ActionNodes) -> frozenset:
-    """The chain roles set after `template` ran where `present` were (ActionNodes.replay sets
-    the chains its nodes end and the prefetch points it leaves)."""
+@lru_cache(maxsize=256)
+def _schedule_keys(order: Order, rank: int, apart: frozenset) -> tuple[tuple[tuple, ...], list[int], np.ndarray]:
+    """Stage `rank`'s actions of `order` as lowering keys them (_ProgramBuilder._key, no
+    action final: none sends buckets; the last micro-batch's apart in the runs `apart`): the
+    distinct keys, each action's key by its index, each action's micro-batch. Plans of one
+    schedule share them (a pipeline of 64 stages and micro-batches keys 8,192 actions)."""
+    keys: dict[tuple, int] = {}
+    which, microbatches = [], []
+    history: dict[int, tuple] = {}  # micro-batch -> (virtual stage, kind) of its actions so far
+    for action in order.stages[rank]:
+        mb = action.microbatch
+        key = (virtual_stage(rank, action.chunk, order.p), action.kind, False, history.get(mb, ()))
+        history[mb] = key[3] + (key[:2],)
+        if key[:2] in apart:
+            key += (mb == order.m - 1,)
+        which.append(keys.setdefault(key, len(keys)))
+        microbatches.append(mb)
+    return tuple(keys), which, np.array(microbatches, dtype=np.int64)
+
+
+def _sets(template: ActionNodes) -> frozenset:
+    """The chain roles set after `template` ran (ActionNodes.replay sets the chains its nodes
+    end and the prefetch points it leaves)."""
     c = template.compact
     added = {role for role, _ in template._exits[2] if role[0] == "prefetch"}
     if c.last_compute is not None:
         added.add(COMPUTE_ROLE)
     if c.last_comm is not None:
         added.add(COMM_ROLE)
-    return present if added <= present else present | added
+    return frozenset(added)
 
 
 def _templates(cache_: dict, place: dict[str, int]) -> Callable[[ActionNodes], np.ndarray]:
