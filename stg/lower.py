@@ -62,6 +62,7 @@ class Evaluator:
         self.cache: dict[sympy.Expr, int] = {}
         self.bound: dict[tuple, ClassStats] = {}  # tallies bound under these bindings (_ProgramBuilder._bound)
         self.timing: dict[tuple, dict] = {}  # ops' durations under these bindings (_ProgramBuilder._costs)
+        self.layers: dict[tuple, object] = {}  # layers' nodes recorded under them (_ProgramBuilder._run_alike)
 
     def __call__(self, expr: sympy.Expr) -> int:
         found = self.cache.get(expr)
@@ -795,7 +796,9 @@ class _ProgramBuilder:
         tensor)."""
         if sum(len(layer_ops) for _, layer_ops in layers) != len(ops):
             return run_layer(ops)
-        alike: dict[tuple, LayerNodes] = {}  # by layer shape, a layer's nodes that later ones repeat
+        # by layer shape, a layer's nodes that later ones repeat, kept for every recording of
+        # the plan (its stages' layers are copies of a few blocks, of its sizes)
+        alike: dict[tuple, LayerNodes] = self.ev.layers.setdefault((id(self.sharded), units is None), {})
         for n, (layer_key, layer_ops) in enumerate(layers):
             shape = layer_shape(self, layer_key, layer_ops, units) if layer_key and 0 < n < len(layers) - 1 else None
             if shape is None:
