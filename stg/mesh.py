@@ -166,11 +166,17 @@ class DeviceMesh:
         return math.prod(self.sizes.values())
 
     def stride(self, axis: str) -> int:
-        names = self.names
-        return math.prod(size for _, size in self.axes[names.index(axis) + 1 :])
+        return self._strides[axis]
+
+    @functools.cached_property
+    def _strides(self) -> dict[str, int]:
+        """Each axis's stride, asked for every hole of every rank a replay or a written set
+        places (a dataclass's cached_property: its __dict__ is its own)."""
+        return {name: math.prod(size for _, size in self.axes[k + 1:]) for k, (name, _) in enumerate(self.axes)}
 
     def coords(self, rank: int) -> dict[str, int]:
-        return {name: (rank // self.stride(name)) % size for name, size in self.axes}
+        strides = self._strides
+        return {name: (rank // strides[name]) % size for name, size in self.axes}
 
     def rank(self, coords: Mapping[str, int]) -> int:
         return sum(coords.get(name, 0) * self.stride(name) for name in self.names)
