@@ -30,6 +30,18 @@ class StagePlan:
     # per block, how many blocks of a longer model it stands for (stg/short.py; () -- each one)
     weights: tuple[int, ...] = ()
 
+    def __hash__(self) -> int:
+        # a stage cut keys the memos of every pass that reads it, asked per stage and action;
+        # the dataclass hash rehashes its tuples each time
+        cached = self.__dict__.get("_hash")
+        if cached is None:
+            cached = self.__dict__["_hash"] = hash((self.pp, self.vpp, self.first_block, self.weights))
+        return cached
+
+    def __getstate__(self) -> dict:
+        # the cached hash stays behind: a hash may differ between processes
+        return {k: v for k, v in self.__dict__.items() if k != "_hash"}
+
     def weight(self, layer: int) -> int:
         return self.weights[layer] if self.weights else 1
 
