@@ -351,11 +351,17 @@ def _build(model, plan, memory_limit: int | None, nodes: bool, timing: bool,
         templates = {id(evaluate): kept.setdefault(frozenset(evaluate.bindings.items()), {})
                      for evaluate in evaluators}
         rebindable = _rebindable_templates(sharded, *cut)
+    # counting alone: a pipeline stage alike to an earlier one counts what that one counts
+    alike = _alike_stages(model, plan, sharded, stages) if not (nodes or timing or form) else {}
     jobs = [partial(lower, sharded, evaluate, device, pipeline=pipelines[rank], bucket_bytes=bucket_bytes, rank=rank,
                     comm_evaluate=shared, keep_nodes=nodes, timing=timing, stage_templates=templates.get(id(evaluate)),
                     rebindable=rebindable)
-            for rank in range(plan.pp) for evaluate in evaluators]  # one per rank class
-    programs = lower_all(jobs) if lower_all else [job() for job in jobs]
+            for rank in range(plan.pp) if rank not in alike for evaluate in evaluators]  # one per rank class
+    lowered = iter(lower_all(jobs) if lower_all else [job() for job in jobs])
+    programs = [next(lowered) for rank in range(plan.pp) if rank not in alike for _ in evaluators]
+    for rank, like in sorted(alike.items()):  # (an earlier stage's, placed at its rank)
+        at = rank * len(evaluators)
+        programs[at:at] = [_moved_count(programs[like * len(evaluators) + v], like, rank) for v in range(len(evaluators))]
     return Workload(model, plan, mesh, sharded, tuple(programs), tuple(memories), bindings, variant_axes,
                     variant_map, embeddings, stages)
 
@@ -374,6 +380,37 @@ def _rebindable_templates(sharded: ShardedGraph, *key) -> dict:
     """Action templates of timed lowerings by stage cut, backward split, device and bucket
     size, whatever the plan's sizes (stg/lower.py, rebindable)."""
     return {}
+
+
+def _alike_stages(model: Model, plan: Plan, sharded: ShardedGraph, stages: StagePlan | None) -> dict[int, int]:
+    """Pipeline stages that count what an earlier stage counts, each with the first such
+    stage: middle stages whose chunks hold as many blocks each, all of one run of alike
+    blocks (stg/short.py: the same kind and neighbours' kinds; what a block adds to a
+    summary depends on those alone, tests/test_short.py), so their actions, sends, step and
+    buckets are alike -- but a stage holding a block that reads a leaf other blocks read."""
+    form = short_form(model, plan.vpp) if stages is not None and plan.pp > 2 else None
+    if form is None:
+        return {}
+    shared = frozenset().union(*shared_leaves(sharded))  # (a tied embedding's: the first and last stages')
+    run_of = [k for k, run in enumerate(form.runs) for _ in range(run.first, run.last + 1)]
+    starts = (*stages.first_block, model.layers + 2)
+    first: dict[tuple, int] = {}
+    alike = {}
+    for rank in range(1, plan.pp - 1):
+        chunks = [range(starts[stage], starts[stage + 1]) for stage in range(rank, stages.stages, plan.pp)]
+        if all(chunk and run_of[chunk[0]] == run_of[chunk[-1]] and shared.isdisjoint(chunk) for chunk in chunks):
+            like = first.setdefault(tuple((run_of[chunk[0]], len(chunk)) for chunk in chunks), rank)
+            if like != rank:
+                alike[rank] = like
+    return alike
+
+
+def _moved_count(program: RankProgram, stage: int, to: int) -> RankProgram:
+    """A counted program of pipeline stage `stage` as stage `to` alike to it counts it: the
+    same stats, its peers as many stages on (a middle stage's are its neighbours)."""
+    move = lambda hole: RankHole(hole.stage + to - stage) if isinstance(hole, RankHole) and hole.stage is not None \
+        else hole
+    return replace(program, key=(to,), counted_holes=frozenset(map(move, program.counted_holes)))
 
 
 def _check_graph(model: Model, plan: Plan, sharded: ShardedGraph, bindings: Mapping,

@@ -172,3 +172,54 @@ def test_the_real_cut_has_as_many_edges_as_the_stages_cuts_say():
             pipelines = _short_pipelines(plan, short.sharded.base or short.sharded, short.stages,
                                          short_form(load_model(spec), vpp))
             assert _short_edges(plan, pipelines) == len(_cut(full.sharded.base or full.sharded, full.stages))
+
+
+COUNTED = [(spec, plan) for spec, plan in PLANS if plan.get("pp", 1) > 2] + [
+    (LONGER, dict(pp=8, dp=2, zero=1, global_batch=32)),
+    (LONGER, dict(pp=6, vpp=2, schedule="interleaved", tp=2, recompute="full", global_batch=12)),
+    (LONGER, dict(pp=4, schedule="zb-h1", cp=2, bucket_mb=0.03, global_batch=8)),
+    (LONG_GPT, dict(pp=4, tp=2, zero=1, dp=2, global_batch=16)),
+    ({**LONG_MOE, "layers": 24}, dict(pp=6, ep=2, dp=2, expert_skew=1.0, global_batch=24)),
+    # stage 3 (blocks 7..9) starts in the run of stage 2's blocks (2..7) and leaves it: its own
+    ({**LONG_MOE, "first_dense_layers": 8}, dict(pp=5, ep=2, dp=2, layers_per_stage=[1, 2, 3, 3, 7],
+                                                  global_batch=20)),
+]
+
+
+@pytest.mark.parametrize("spec,plan", COUNTED, ids=range(len(COUNTED)))
+def test_a_count_takes_an_alike_middle_stage_from_an_earlier_one(spec, plan, monkeypatch):
+    """Without nodes, a middle stage whose chunks hold as many blocks of one run of alike
+    blocks as an earlier stage's is not lowered: it counts what that stage counts, its peers
+    its own. Every rank class as lowering it gives it: stats and holes."""
+    import stg.api
+
+    plan = {"seq": 32, **plan}
+    taken = build(spec, plan, nodes=False, memory_limit=2**40)
+    monkeypatch.setattr(stg.api, "_alike_stages", lambda *args: {})
+    lowered = build(spec, plan, nodes=False, memory_limit=2**40)
+    assert [(p.key, p.stats.to_dict(), p.counted_holes) for p in taken.programs] == \
+        [(p.key, p.stats.to_dict(), p.counted_holes) for p in lowered.programs]
+
+
+def test_alike_middle_stages_are_found_by_their_blocks():
+    """Hand count: 12 blocks on 12 stages (the first also holds the embedding and block 1,
+    the last block 12 and the head): blocks 2..11 are one run of alike blocks (block 1
+    follows the embedding, block 12 precedes the head), so stages 2..10 count as stage 1
+    does. With 24 blocks on 6 stages of 2 chunks (2 blocks a chunk, 3 on the first), stages
+    1..4's chunks all lie in the run (blocks 2..23): 2..4 count as 1. A stage holding a block
+    of another run (a dense block before the MoE ones) is its own. A tied model's middle
+    stages hold no block of its shared table."""
+    from stg.api import _alike_stages
+
+    def alike(spec, **plan):
+        workload = build(spec, {"seq": 32, **plan}, nodes=False, memory_limit=2**40)
+        return _alike_stages(workload.model, workload.plan, workload.sharded, workload.stages)
+
+    assert alike(LONG, pp=12, global_batch=24) == {stage: 1 for stage in range(2, 11)}
+    assert alike(LONGER, pp=6, vpp=2, schedule="interleaved", global_batch=12) == {2: 1, 3: 1, 4: 1}
+    # blocks 1..5 dense, 6..16 MoE: stages of 4 blocks, stage 1 (5..8) holds both kinds
+    assert alike(LONG_MOE, pp=4, ep=2, dp=2, global_batch=16) == {}
+    assert alike(LONG_MOE, pp=4, ep=2, dp=2, layers_per_stage=[2, 4, 4, 6], global_batch=16) == {}
+    # blocks 6..8, 9..11, 12..14: block 6 (after a dense one) is a run of its own
+    assert alike(LONG_MOE, pp=5, ep=2, dp=2, layers_per_stage=[5, 3, 3, 3, 2], global_batch=20) == {3: 2}
+    assert alike(LONG_GPT, pp=4, tp=2, zero=1, dp=2, global_batch=16) == {2: 1}
