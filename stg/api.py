@@ -361,7 +361,8 @@ def _build(model, plan, memory_limit: int | None, nodes: bool, timing: bool,
     programs = [next(lowered) for rank in range(plan.pp) if rank not in alike for _ in evaluators]
     for rank, like in sorted(alike.items()):  # (an earlier stage's, placed at its rank)
         at = rank * len(evaluators)
-        programs[at:at] = [_moved_count(programs[like * len(evaluators) + v], like, rank) for v in range(len(evaluators))]
+        programs[at:at] = [_moved_count(programs[like * len(evaluators) + v], like, rank)
+                           for v in range(len(evaluators))]
     return Workload(model, plan, mesh, sharded, tuple(programs), tuple(memories), bindings, variant_axes,
                     variant_map, embeddings, stages)
 
