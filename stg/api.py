@@ -351,15 +351,17 @@ def _build(model, plan, memory_limit: int | None, nodes: bool, timing: bool,
         templates = {id(evaluate): kept.setdefault(frozenset(evaluate.bindings.items()), {})
                      for evaluate in evaluators}
         rebindable = _rebindable_templates(sharded, *cut)
-    # counting alone: a pipeline stage alike to an earlier one counts what that one counts
-    alike = _alike_stages(model, plan, sharded, stages) if not (nodes or timing or form) else {}
+    # a pipeline stage alike to an earlier one: counting alone, it counts what that one counts;
+    # timed, it repeats that one's templates (found without walking its names)
+    alike = _alike_stages(model, plan, sharded, stages) if (timing or not nodes) and not form else {}
+    counted = {} if timing else alike
     jobs = [partial(lower, sharded, evaluate, device, pipeline=pipelines[rank], bucket_bytes=bucket_bytes, rank=rank,
                     comm_evaluate=shared, keep_nodes=nodes, timing=timing, stage_templates=templates.get(id(evaluate)),
-                    rebindable=rebindable)
-            for rank in range(plan.pp) if rank not in alike for evaluate in evaluators]  # one per rank class
+                    rebindable=rebindable, alike_to=alike.get(rank))
+            for rank in range(plan.pp) if rank not in counted for evaluate in evaluators]  # one per rank class
     lowered = iter(lower_all(jobs) if lower_all else [job() for job in jobs])
-    programs = [next(lowered) for rank in range(plan.pp) if rank not in alike for _ in evaluators]
-    for rank, like in sorted(alike.items()):  # (an earlier stage's, placed at its rank)
+    programs = [next(lowered) for rank in range(plan.pp) if rank not in counted for _ in evaluators]
+    for rank, like in sorted(counted.items()):  # (an earlier stage's, placed at its rank)
         at = rank * len(evaluators)
         programs[at:at] = [_moved_count(programs[like * len(evaluators) + v], like, rank)
                            for v in range(len(evaluators))]

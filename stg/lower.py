@@ -521,7 +521,8 @@ class _ProgramBuilder:
 
     def __init__(self, sharded: ShardedGraph, evaluate: Evaluator, device: DeviceSpec, bucket_bytes: int,
                  pipeline: Pipeline, rank: int, comm_evaluate: Evaluator | None = None, keep_nodes: bool = True,
-                 timing: bool = False, stage_templates: dict | None = None, rebindable: dict | None = None):
+                 timing: bool = False, stage_templates: dict | None = None, rebindable: dict | None = None,
+                 alike_to: int | None = None):
         self.sharded = sharded
         self.graph = sharded.graph
         self.ev = evaluate
@@ -573,7 +574,8 @@ class _ProgramBuilder:
         self.lowered: dict[tuple, ActionNodes] = {}  # timing: the templates this stage recorded, by key
         # timing: a stage alike to this one that ran before (_alike_stage), with the renaming of
         # its names to this one's; else what this stage leaves for a later one alike to it
-        self.sibling: tuple[_StageRepeats, Renaming] | None = None
+        self.sibling: tuple[_StageRepeats, Renaming | None] | None = None
+        self.alike_to = alike_to  # timing: an earlier stage alike to this one by its blocks (_alike_stage)
         self.sibling_moves: dict[tuple, tuple | None] = {}  # by virtual stage and kind: _sibling_edges
         self.likeness: tuple | None = None  # (its cut, stage_likeness's parts, places, first places)
         self.made: dict[tuple, ActionNodes] = {}  # timing: by action key and chains present, each template
@@ -1399,7 +1401,13 @@ class _ProgramBuilder:
         self.plan_gradient_buckets()
         if self.timing and not self.flushes:
             self._alike_stage(layers, units, step)
-            if self.sibling is not None and wire(self):  # every action and the step repeated, in one loop
+            wired = self.sibling is not None and wire(self)  # every action and the step repeated, in one loop
+            if not wired and self.sibling is not None and self.sibling[1] is None:
+                # alike by its blocks, yet not wired: found by its names then, as any stage
+                self.sibling, self.sibling_moves = None, {}
+                self._alike_stage(layers, units, step, by_blocks=False)
+                wired = self.sibling is not None and wire(self)
+            if wired:
                 return self._built()
             if self.sibling is None:
                 self.kept_by = self._stage_key()
@@ -1449,19 +1457,25 @@ class _ProgramBuilder:
         rank and gradient buckets."""
         return self.pipeline.split_backward, self.rank, self.step_bucket_lists()[1]
 
-    def _alike_stage(self, layers: dict, units: dict, step: list[Op]) -> None:
+    def _alike_stage(self, layers: dict, units: dict, step: list[Op], by_blocks: bool = True) -> None:
         """Timing: find a middle stage of the plan that ran before whose nodes are this one's
         up to names, peers and tags (shapes.stage_likeness), so that this one repeats its
         actions and step moved (_from_sibling) instead of finding each one's shape; else, the
         first middle stage of its cut, note its likeness, under which build leaves its
         templates. (The first and last stages hold the embedding and the output layer.) A stage
-        that finds one repeats them all in the sibling's names (stg/borrowed.py) where it can."""
+        that finds one repeats them all in the sibling's names (stg/borrowed.py) where it can.
+        `by_blocks`: a stage that the plan found alike to that stage by its blocks
+        (`alike_to`, stg.api._alike_stages) takes it without its likeness, no renaming: its
+        edges match the sibling's in order."""
         pp = self.pipeline.stages.pp
         if not 0 < self.rank < pp - 1:
             return
         cut = ("alike stage", tuple((stage // pp, kind, len(run)) for (stage, kind), run in layers.items()),
                len(step), len(self.late_reductions))
         found = self.stage_templates.get(cut)
+        if by_blocks and found is not None and found.rank == self.alike_to:
+            self.sibling = (found, None)
+            return
         parts, names, places, first = stage_likeness(self, layers, units, step)
         if found is None:
             self.likeness = (cut, parts, places, first)
@@ -1489,13 +1503,13 @@ class _ProgramBuilder:
 
     def _sibling_edges(self, stage: int, kind: Kind) -> tuple[dict, dict] | None:
         """How the sibling's sends and receives of a run move to this stage's (edge_moves);
-        None if an edge does not match by name."""
+        None if an edge does not match by name (without a renaming: in order)."""
         found, rename = self.sibling
         theirs, pairs = stage - self.rank + found.rank, []
         for side, end in ((0, "source"), (1, "target")):
             its, mine = self._edges(theirs, kind)[side], self._edges(stage, kind)[side]
-            if len(mine) != len(its) or any(old.tensor not in rename or rename[old.tensor] != new.tensor
-                                             for old, new in zip(its, mine)):
+            if len(mine) != len(its) or rename is not None and any(
+                    old.tensor not in rename or rename[old.tensor] != new.tensor for old, new in zip(its, mine)):
                 return None
             pairs += [((old, getattr(old, end)), (new, getattr(new, end))) for old, new in zip(its, mine)]
         return edge_moves(self, pairs)
@@ -1544,7 +1558,7 @@ class _StageRepeats:
 def lower(sharded: ShardedGraph, evaluate: Evaluator, device: DeviceSpec, *, pipeline: Pipeline,
           bucket_bytes: int, rank: int = 0, comm_evaluate: Evaluator | None = None,
           keep_nodes: bool = True, timing: bool = False, stage_templates: dict | None = None,
-          rebindable: dict | None = None) -> RankProgram:
+          rebindable: dict | None = None, alike_to: int | None = None) -> RankProgram:
     """The program of pipeline stage `rank`'s class: its schedule's actions, then the step.
     `comm_evaluate` sizes collectives and sends (default `evaluate`): the values that all
     ranks of a group share, where a class's own work differs (its embedding tables).
@@ -1554,9 +1568,11 @@ def lower(sharded: ShardedGraph, evaluate: Evaluator, device: DeviceSpec, *, pip
     that the stages of one plan (one evaluator) share, so that a stage repeats an action
     another stage ran (stage-to-stage the actions differ in names, peers and tags only);
     `rebindable`, with timing: a dict that the plans of one stage cut share, whose templates a
-    stage takes with this plan's sizes (the same nodes, other durations and bytes)."""
+    stage takes with this plan's sizes (the same nodes, other durations and bytes); `alike_to`,
+    with timing: an earlier stage whose nodes this one's are up to names, peers and tags, as
+    its blocks say (stg.api._alike_stages)."""
     builder = _ProgramBuilder(sharded, evaluate, device, bucket_bytes, pipeline, rank, comm_evaluate,
-                              keep_nodes or timing, timing, stage_templates, rebindable)
+                              keep_nodes or timing, timing, stage_templates, rebindable, alike_to)
     nodes = builder.build()
     if timing:
         return RankProgram((rank,), (), builder.stats, counted_holes=frozenset(builder.holes),

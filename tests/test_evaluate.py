@@ -175,7 +175,8 @@ def test_a_plan_with_another_pp_binds_the_layers_tallies():
 
     model = {**LLAMA, "layers": 8}
     layer_keys = []
-    for plan in (dict(pp=2, dp=2, zero=1), dict(pp=4, dp=2, zero=1), dict(pp=4, vpp=2, schedule="interleaved")):
+    for plan in (dict(pp=2, dp=2, zero=1), dict(pp=4, dp=2, zero=1),
+                 dict(pp=4, vpp=2, schedule="interleaved", dp=2, zero=1)):
         plan = {"seq": 32, "global_batch": 8, **plan}
         workload = build(model, plan, nodes=False)
         assert workload.summary() == build(model, plan).summary(), plan
