@@ -796,7 +796,7 @@ class _ProgramBuilder:
         instead of running its ops; the first and last layers run theirs (the first reads what
         came into the stage, a received tensor; what the last makes may leave it, an edge
         tensor)."""
-        if sum(len(layer_ops) for _, layer_ops in layers) != len(ops):
+        if not layers or sum(len(layer_ops) for _, layer_ops in layers) != len(ops):
             return run_layer(ops)
         # by layer shape, a layer's nodes that later ones repeat, kept for every recording of
         # the plan (its stages' layers are copies of a few blocks, of its sizes)
