@@ -20,6 +20,9 @@
    plans per CPU-second in one process (issue 13 asks for 200).
 7. --agreement: for a few plans, the estimate against `stg validate --timed alpha-beta
    --network` of the written set (relative difference).
+8. With --405b-space: the warm per-plan floor, four llama3-405b plans each evaluated again
+   with every cache of its structure, cut and sizes warm (milliseconds of CPU): what a plan
+   costs that shares everything with one seen before. 200 plans per CPU-second is 5 ms.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ import argparse
 import tempfile
 import time
 
+from model_zoo import load_model
 from stg.api import build, generate
 from stg.chakra.validate import timed_replay
 from stg.explore import Cluster, Job, Space, explore, load_network
@@ -64,6 +68,25 @@ def meta_405b() -> None:
               f"step {e.step_us / 1e6:.2f} s, {e.tokens_per_s / 1e6:.2f} M tokens/s, MFU {e.mfu:.1%}, bubble "
               f"{e.bubble:.1%}, exposed comm {e.exposed_comm_us / 1e6:.2f} s "
               f"[{time.process_time() - started:.1f} CPU-s]")
+
+
+def warm_floor() -> None:
+    """Per plan, the CPU of evaluating it again in this process (median of 5): what is left of
+    a plan once its structure's passes, its cut's recordings and its sizes are known."""
+    from stg.explore.search import evaluate
+
+    network, model = load_network(NETWORK), load_model("llama3-405b")
+    for tp, pp, schedule, vpp in ((8, 16, "1f1b", 1), (8, 64, "1f1b", 1), (8, 32, "interleaved", 2), (4, 8, "1f1b", 1)):
+        plan = Plan(dp=16384 // (tp * pp), tp=tp, sp=True, pp=pp, vpp=vpp, schedule=schedule, zero=1, recompute="full",
+                    global_batch=2048, seq=8192, layers_per_stage="auto")
+        evaluate(model, plan, network, 80 * 2**30)
+        times = []
+        for _ in range(5):
+            started = time.process_time()
+            evaluate(model, plan, network, 80 * 2**30)
+            times.append(time.process_time() - started)
+        print(f"  warm llama3-405b tp{tp} pp{pp} {schedule} ({plan.microbatches} micro-batches): "
+              f"{sorted(times)[2] * 1e3:.0f} ms a plan")
 
 
 def probes() -> None:
@@ -153,6 +176,7 @@ def main() -> None:
     if args.space_405b:
         rate("llama3-405b on 16,384 x h100, default space", "llama3-405b", Cluster(gpus=16384),
              Job(global_batch=2048, seq=8192))
+        warm_floor()
     if not args.skip_405b:
         meta_405b()
     if args.agreement:
