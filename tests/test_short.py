@@ -201,7 +201,7 @@ def test_a_count_takes_an_alike_middle_stage_from_an_earlier_one(spec, plan, mon
         [(p.key, p.stats.to_dict(), p.counted_holes) for p in lowered.programs]
 
 
-def test_alike_middle_stages_are_found_by_their_blocks():
+def test_alike_middle_stages_are_found_by_their_blocks(monkeypatch):
     """Hand count: 12 blocks on 12 stages (the first also holds the embedding and block 1,
     the last block 12 and the head): blocks 2..11 are one run of alike blocks (block 1
     follows the embedding, block 12 precedes the head), so stages 2..10 count as stage 1
@@ -223,3 +223,9 @@ def test_alike_middle_stages_are_found_by_their_blocks():
     # blocks 6..8, 9..11, 12..14: block 6 (after a dense one) is a run of its own
     assert alike(LONG_MOE, pp=5, ep=2, dp=2, layers_per_stage=[5, 3, 3, 3, 2], global_batch=20) == {3: 2}
     assert alike(LONG_GPT, pp=4, tp=2, zero=1, dp=2, global_batch=16) == {2: 1}
+    # no zoo model shares a leaf between interior blocks: one said to (blocks 5 and 9) keeps
+    # their stages (4 and 8) to themselves
+    import stg.api
+
+    monkeypatch.setattr(stg.api, "shared_leaves", lambda sharded: [frozenset({5, 9})])
+    assert alike(LONG, pp=12, global_batch=24) == {stage: 1 for stage in (2, 3, 5, 6, 7, 9, 10)}
