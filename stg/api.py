@@ -359,12 +359,11 @@ def _build(model, plan, memory_limit: int | None, nodes: bool, timing: bool,
                     comm_evaluate=shared, keep_nodes=nodes, timing=timing, stage_templates=templates.get(id(evaluate)),
                     rebindable=rebindable, alike_to=alike.get(rank))
             for rank in range(plan.pp) if rank not in counted for evaluate in evaluators]  # one per rank class
-    lowered = iter(lower_all(jobs) if lower_all else [job() for job in jobs])
-    programs = [next(lowered) for rank in range(plan.pp) if rank not in counted for _ in evaluators]
-    for rank, like in sorted(counted.items()):  # (an earlier stage's, placed at its rank)
-        at = rank * len(evaluators)
-        programs[at:at] = [_moved_count(programs[like * len(evaluators) + v], like, rank)
-                           for v in range(len(evaluators))]
+    lowered, programs = iter(lower_all(jobs) if lower_all else [job() for job in jobs]), []
+    for rank in range(plan.pp):
+        like = counted.get(rank)
+        programs += [next(lowered) for _ in evaluators] if like is None else \
+            [_moved_count(programs[like * len(evaluators) + v], like, rank) for v in range(len(evaluators))]
     return Workload(model, plan, mesh, sharded, tuple(programs), tuple(memories), bindings, variant_axes,
                     variant_map, embeddings, stages)
 
@@ -411,9 +410,9 @@ def _alike_stages(model: Model, plan: Plan, sharded: ShardedGraph, stages: Stage
 def _moved_count(program: RankProgram, stage: int, to: int) -> RankProgram:
     """A counted program of pipeline stage `stage` as stage `to` alike to it counts it: the
     same stats, its peers as many stages on (a middle stage's are its neighbours)."""
-    move = lambda hole: RankHole(hole.stage + to - stage) if isinstance(hole, RankHole) and hole.stage is not None \
-        else hole
-    return replace(program, key=(to,), counted_holes=frozenset(map(move, program.counted_holes)))
+    def moved(hole):
+        return RankHole(hole.stage + to - stage) if isinstance(hole, RankHole) and hole.stage is not None else hole
+    return replace(program, key=(to,), counted_holes=frozenset(map(moved, program.counted_holes)))
 
 
 def _check_graph(model: Model, plan: Plan, sharded: ShardedGraph, bindings: Mapping,

@@ -78,13 +78,18 @@ def wire(builder: _ProgramBuilder) -> bool:
     found, _ = builder.sibling
     place = found.first
     rekeyed: dict[tuple, _Compact] = {}  # by template, virtual stage and kind
+    fits = found.wiring.setdefault("fits", {})  # by template: whether its names are the sibling's (every stage asks)
 
     def choose(key: tuple, present: frozenset, stage: int, kind) -> tuple | None:
         template = found.repeats.get((builder._relative(key), present))
         moves = builder.sibling_moves.get((stage, kind), False)
         if moves is False:
             moves = builder.sibling_moves[stage, kind] = builder._sibling_edges(stage, kind)
-        if template is None or not moves or not template.names <= place.keys():
+        if template is None or not moves:
+            return None
+        if (fit := fits.get(id(template))) is None:
+            fit = fits[id(template)] = template.names <= place.keys()
+        if not fit:
             return None
         moved = rekeyed.get(its := (id(template), stage, kind))
         if moved is None:

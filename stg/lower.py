@@ -492,7 +492,7 @@ def _viewed(graph, tensor: str) -> str:
 def _layer_reads(sharded: ShardedGraph) -> dict:
     """Per layer (_stage_work's layer key), the tensors its ops make that collectives read
     (_collective_readers), a few of its hundreds, each as _layer_read gives it, those the
-    step's read apart: found once per structure (_ProgramBuilder._layer_reads)."""
+    step's read apart: found once per structure (_ProgramBuilder._run_reads)."""
     return {}
 
 
@@ -506,7 +506,8 @@ def _layer_read(tensor: str, maker: Op, readers: list[Op]) -> tuple[str, bool, t
 
 @per_graph
 def _reads_later(sharded: ShardedGraph) -> dict:
-    """_ProgramBuilder._read_later's answers, by stage cut, backward split, run and last."""
+    """_ProgramBuilder._read_later's answers, by stage cut, backward split, run and last, and
+    _last_apart's (last: "apart")."""
     return {}
 
 
@@ -1181,7 +1182,7 @@ class _ProgramBuilder:
         key = (self.pipeline.stages, self.pipeline.split_backward, run, last)
         if key not in memo:
             outside = self._outside(run)
-            memo[key] = frozenset(t for _, reads in self._layer_reads(run) for t, by_step, others in reads
+            memo[key] = frozenset(t for _, reads in self._run_reads(run) for t, by_step, others in reads
                                   if (last and by_step) or outside(others))
         self.later[run, last] = memo[key]
         return memo[key]
@@ -1196,12 +1197,12 @@ class _ProgramBuilder:
             key = (self.pipeline.stages, self.pipeline.split_backward, run, "apart")
             if key not in memo:
                 outside = self._outside(run)
-                memo[key] = any(not outside(others) for stepped, _ in self._layer_reads(run)
+                memo[key] = any(not outside(others) for stepped, _ in self._run_reads(run)
                                 for _, _, others in stepped)
             apart = self.last_apart[run] = memo[key]
         return apart
 
-    def _layer_reads(self, run: tuple) -> Iterator[tuple[tuple, tuple]]:
+    def _run_reads(self, run: tuple) -> Iterator[tuple[tuple, tuple]]:
         """Per layer of `run`, (the reads of it that the step's collectives make, all its
         reads) as _layer_read gives them, found once per structure."""
         readers, read = _collective_readers(self.sharded), _layer_reads(self.sharded)
