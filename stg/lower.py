@@ -1576,8 +1576,9 @@ def lower(sharded: ShardedGraph, evaluate: Evaluator, device: DeviceSpec, *, pip
                               keep_nodes or timing, timing, stage_templates, rebindable, alike_to)
     nodes = builder.build()
     if timing:
+        builder.replay.ids = len(builder.nodes)
         return RankProgram((rank,), (), builder.stats, counted_holes=frozenset(builder.holes),
-                           replay=builder.replay.nodes())
+                           timed=builder.replay)
     if keep_nodes:
         return RankProgram((rank,), tuple(nodes), builder.stats)
     return RankProgram((rank,), (), builder.stats, counted_holes=frozenset(builder.holes))

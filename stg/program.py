@@ -175,6 +175,14 @@ class CommNodes:
         return len(self.at)
 
 
+def plain_key(key: tuple) -> tuple:
+    """A comm key (CommNodes) as plain values: equal keys give equal plain keys, hashed and
+    compared without a Python call (a hole's dataclass hash and equality are one)."""
+    if len(key) == 3:
+        return key[0].axes, key[0].members, key[1], key[2]
+    return key[0].stage, key[1].stage, key[2], key[3]
+
+
 @dataclass(frozen=True)
 class ReplayNodes:
     """A program as the timed replay reads it (stg/slice_check.py): each run of COMP nodes that
@@ -273,27 +281,69 @@ def program_replay(nodes: Sequence[TraceNode]) -> ReplayNodes:
     return ReplayNodes(ids, types[kept], n_deps, deps, times, CommNodes.of(comm))
 
 
+@dataclass(frozen=True, eq=False)
+class Repeats:
+    """Repeated actions as lowering's flush has them (stg/repeats.py flush_arrays), their rows
+    not yet made: the templates packed into one array (stg/repeats_kernel.py says how), each
+    template's place there, its unrounded COMP durations and the place of its comm keys among
+    `keys`; per repeat its template, first node id, tag shift, and (all repeats' in order) the
+    nodes from before it that its dependencies name; the rounding carry they start from.
+    explore's slice replay reads them as they are (stg/chakra/repeat_paths.py)."""
+
+    packed: np.ndarray
+    at: np.ndarray
+    exacts: np.ndarray
+    exact_at: np.ndarray
+    key_at: np.ndarray
+    template: np.ndarray
+    start: np.ndarray
+    shift: np.ndarray
+    outside: np.ndarray
+    carry: float
+    keys: tuple[tuple, ...]
+
+    def rows(self) -> tuple[tuple, CommNodes]:
+        """Their rows (ids, types, n_deps, deps, durations) and comm nodes, as flushing them made."""
+        from stg.repeats_kernel import repeated_rows  # compiled: timing only
+
+        ids, types, n_deps, deps, sums, _, comm_at, comm_key, comm_shift, _ = repeated_rows(
+            self.packed, self.at, self.exacts, self.exact_at, self.template, self.start, self.shift, self.outside,
+            self.key_at, self.carry)
+        return (ids, types, n_deps, deps, sums), CommNodes(comm_at, comm_key, comm_shift, self.keys)
+
+
 class ReplayChunks:
     """ReplayNodes built a run of nodes at a time (lowering for timing: an action's nodes come
-    as arrays), joined once at the end."""
+    as arrays, repeated actions as Repeats), joined when first asked for."""
 
     def __init__(self) -> None:
-        self.chunks: list[tuple] = []
-        self.size = 0  # nodes so far
-        self.comm: list[tuple[int, CommNodes]] = []
+        self.parts: list[tuple | Repeats] = []  # rows (ids, types, n_deps, deps, durations, comm), or Repeats
+        self.ids = 0  # node ids taken (set when lowering ends): every id a part names is below
 
     def add(self, ids, types, n_deps, deps, durations, comm: CommNodes | None = None) -> None:
         """Append nodes: ids, types, dependency counts, flat dependencies and durations
         (sequences or arrays), and their comm nodes (positions among them)."""
-        if comm is not None and len(comm):
-            self.comm.append((self.size, comm))
-        self.chunks.append((ids, types, n_deps, deps, durations))
-        self.size += len(ids)
+        self.parts.append((ids, types, n_deps, deps, durations, comm))
+
+    def add_repeats(self, repeats: Repeats) -> None:
+        self.parts.append(repeats)
+
+    @property
+    def repeats(self) -> list[Repeats] | None:
+        """The parts, where all are Repeats."""
+        return self.parts if all(isinstance(part, Repeats) for part in self.parts) else None  # type: ignore
 
     def nodes(self) -> ReplayNodes:
-        joined = [np.concatenate([np.asarray(c[k], dtype=np.float64 if k == 4 else np.int64) for c in self.chunks])
-                  if self.chunks else np.empty(0) for k in range(5)]
-        return ReplayNodes(*joined, CommNodes.joined(self.comm))
+        chunks, comm, size = [], [], 0
+        for part in self.parts:
+            rows, nodes = part.rows() if isinstance(part, Repeats) else (part[:5], part[5])
+            if nodes is not None and len(nodes):
+                comm.append((size, nodes))
+            chunks.append(rows)
+            size += len(rows[0])
+        joined = [np.concatenate([np.asarray(c[k], dtype=np.float64 if k == 4 else np.int64) for c in chunks])
+                  if chunks else np.empty(0) for k in range(5)]
+        return ReplayNodes(*joined, CommNodes.joined(comm))
 
 
 @dataclass(frozen=True)
@@ -302,7 +352,12 @@ class RankProgram:
     nodes: tuple[TraceNode, ...]
     stats: ClassStats
     counted_holes: frozenset | None = None  # a program lowered without its nodes: their holes
-    replay: ReplayNodes | None = None  # lowered for the timed replay only: its compact nodes
+    timed: ReplayChunks | None = None  # lowered for the timed replay only: its compact nodes, in parts
+
+    @cached_property
+    def replay(self) -> ReplayNodes | None:
+        """A program lowered for the timed replay only: its compact nodes."""
+        return self.timed.nodes() if self.timed is not None else None
 
     @cached_property
     def holes(self) -> list[Hole]:

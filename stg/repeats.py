@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Iterable, Mapping
 import numpy as np
 
 from stg.graph import VIEWS, OpKind
-from stg.program import ClassStats, CommNodes, NodeType, TraceNode, merged_runs
+from stg.program import ClassStats, NodeType, Repeats, TraceNode, merged_runs
 from stg.sharding import ShardedGraph, per_graph
 
 if TYPE_CHECKING:
@@ -505,15 +505,18 @@ def flush_arrays(builder: "_ProgramBuilder", templates: list[_Compact], serials:
     dependencies name, all repeats' in order (stg/borrowed.py wires a whole stage so)."""
     packed = [c.packed for c in templates]
     offsets = lambda sizes: np.cumsum([0, *sizes[:-1]], dtype=np.int64)  # noqa: E731
-    ids, types, n_deps, deps, sums, builder.carry, comm_at, comm_key, comm_shift, comm_ids = _rows()(
-        np.concatenate(packed), offsets([len(p) for p in packed]), np.concatenate([c.exacts for c in templates]),
-        offsets([len(c.exacts) for c in templates]), serials, starts, shifts, outside,
-        offsets([len(c.keys) for c in templates]), builder.carry)
+    repeats = Repeats(np.concatenate(packed), offsets([len(p) for p in packed]),
+                      np.concatenate([c.exacts for c in templates]), offsets([len(c.exacts) for c in templates]),
+                      offsets([len(c.keys) for c in templates]), serials, starts, shifts, outside, builder.carry,
+                      tuple(chain.from_iterable(c.keys for c in templates)))
+    # their rows wait until asked for (explore's replay reads the repeats); the carry after
+    # them, and their comm nodes, the nodes lowered next read
+    builder.carry, comm_ids = _carried()(repeats.packed, repeats.at, repeats.exacts, repeats.exact_at, serials, starts,
+                                         builder.carry)
     for c in templates:
         builder.holes |= c.holes
     builder.comm_ids.update(comm_ids.tolist())
-    keys = tuple(chain.from_iterable(c.keys for c in templates))
-    builder.replay.add(ids, types, n_deps, deps, sums, CommNodes(comm_at, comm_key, comm_shift, keys))
+    builder.replay.add_repeats(repeats)
 
 
 COMPUTE_ROLE, COMM_ROLE = ("chain", "compute"), ("chain", "comm")  # the chains' last nodes' roles
@@ -521,12 +524,12 @@ _CHAIN = frozenset({COMPUTE_ROLE})  # a COMP node's first dependency: what ran l
 
 
 @cache
-def _rows():
-    """flush_compact's compiled loop (timing only: loading numba is left to the builds that
+def _carried():
+    """flush_arrays's compiled loop (timing only: loading numba is left to the builds that
     time a plan)."""
-    from stg.repeats_kernel import repeated_rows
+    from stg.repeats_kernel import carried
 
-    return repeated_rows
+    return carried
 
 
 @dataclass(frozen=True)

@@ -74,3 +74,29 @@ def repeated_rows(packed, at, exacts, exact_at, template, start, shift, outside,
         q += n_keyed
         m += n_comm
     return ids, types, n_deps, deps, sums, carry, comm_at, comm_key, comm_shift, comm_ids
+
+
+@numba.njit(cache=True)
+def carried(packed, at, exacts, exact_at, template, start, carry):
+    """What repeated_rows gives of the repeats without their rows: the carry after their COMP
+    runs are rounded in order, and the comm nodes' ids."""
+    comm = 0
+    for e in range(template.size):
+        comm += packed[at[template[e]] + 5]
+    comm_ids = np.empty(comm, np.int64)
+    m = 0
+    for e in range(template.size):
+        t = template[e]
+        b = at[t]
+        n_kept, n_flat, n_out, n_comp, n_keyed, n_comm = (packed[b], packed[b + 1], packed[b + 2], packed[b + 3],
+                                                         packed[b + 4], packed[b + 5])
+        x0 = exact_at[t]
+        for i in range(n_comp):
+            exact = exacts[x0 + i] + carry
+            duration = round(exact) if exact > 0 else 0
+            carry = exact - duration
+        p = b + HEADER + 3 * n_kept + n_flat + n_out + n_comp + 2 * n_keyed
+        for j in range(n_comm):
+            comm_ids[m + j] = packed[p + j] + start[e]
+        m += n_comm
+    return carry, comm_ids

@@ -33,6 +33,7 @@ from stg.sharding import per_graph
 
 if TYPE_CHECKING:
     from stg.chakra.longest_paths import SlicePaths
+    from stg.chakra.repeat_paths import RepeatPaths
 
 
 class SliceCheckError(StgError):
@@ -78,13 +79,21 @@ def _graph(index: int, rank: int, program: RankProgram, index_of: dict[int, int]
     return graph
 
 
-def slice_paths(workload, ranks: list[int]) -> SlicePaths:
+def slice_paths(workload, ranks: list[int], repeats: bool = True) -> SlicePaths | RepeatPaths:
     """The programs of `ranks` (renumbered 0..len-1) laid out for the longest-path replay; a
-    collective's members as rank_graphs has them."""
+    collective's members as rank_graphs has them. Programs lowered for timing from repeats
+    alone are read as they are (stg/chakra/repeat_paths.py), their rows never made (unless
+    not `repeats`)."""
     from stg.chakra.longest_paths import SlicePaths  # compiled: loaded by the replays that time a plan
 
     index_of = {rank: i for i, rank in enumerate(ranks)}
     programs = [workload.programs[workload.class_of(rank)] for rank in ranks]
+    if repeats and all(program.timed is not None and program.timed.repeats is not None for program in programs):
+        from stg.chakra.repeat_paths import RepeatPaths
+
+        return RepeatPaths([program.timed for program in programs],
+                           [_hole_values(rank, program, index_of, workload) for rank, program in zip(ranks, programs)],
+                           _members(workload, ranks, programs))
     chains = [_chains(program) for program in programs]
     keys = [_translated_keys(c.comm.keys, _hole_values(rank, program, index_of, workload))
             for c, rank, program in zip(chains, ranks, programs)]

@@ -276,6 +276,8 @@ def test_a_plan_lowered_for_timing_replays_as_its_nodes(name, tmp_path, monkeypa
     from stg.chakra.replay_kernel import CompiledReplay
     from stg.explore.cost import real_groups, slice_timings
     from stg.explore.network import load_network
+    from stg.chakra.longest_paths import SlicePaths
+    from stg.chakra.repeat_paths import RepeatPaths
     from stg.slice_check import rank_graphs, replay_durations, slice_paths, slice_ranks
 
     model, plan = TIMING_CASES[name] if name in TIMING_CASES else (model_of(name, tmp_path), PLANS[name][1])
@@ -333,12 +335,15 @@ def test_a_plan_lowered_for_timing_replays_as_its_nodes(name, tmp_path, monkeypa
         ranks = slice_ranks(timing, variant)
         graphs, members = rank_graphs(timing, ranks)
         durations = [replay_durations(timing.programs[timing.class_of(rank)]) for rank in ranks]
-        paths = slice_paths(timing, ranks)
+        # programs lowered for timing are all repeats: the sweep reads them as they are
+        paths, rows = slice_paths(timing, ranks), slice_paths(timing, ranks, repeats=False)
+        assert isinstance(paths, RepeatPaths) and isinstance(rows, SlicePaths)
         for cost in (CommCost(), network.bind(real_groups(timing, ranks), ranks, timing.mesh.size)):
-            # the longest-path sweep explore runs, and the compiled loop it falls back on, are
-            # TimedReplay's, to the last bit; the sweep does not stall on lowered programs
+            # the longest-path sweep explore runs (of the repeats, and of their rows), and the
+            # compiled loop it falls back on, are TimedReplay's, to the last bit; the sweep does
+            # not stall on lowered programs
             replayed = TimedReplay(graphs, members, durations, cost).run()
-            assert paths.run(cost) == replayed
+            assert paths.run(cost) == replayed and rows.run(cost) == replayed
             assert CompiledReplay(graphs, members, durations).run(cost) == replayed
             # and a longest-path schedule: every node starts when its inputs are done, never
             # waiting for its rank's compute or comm slot (lowering's chains order both)

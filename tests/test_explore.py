@@ -195,15 +195,20 @@ def test_estimate_equals_the_timed_replay_of_the_written_set(model, plan, tmp_pa
 
 
 def test_a_slice_the_sweep_cannot_order_is_timed_by_the_event_queue(monkeypatch):
-    """slice_timings runs the longest-path sweep first (stg/chakra/longest_paths.py); where it
-    stalls (None), the compiled event queue times the slice, with the same numbers."""
+    """slice_timings runs the longest-path sweep first (stg/chakra/longest_paths.py, of
+    programs lowered for timing stg/chakra/repeat_paths.py); where it stalls (None), the
+    compiled event queue times the slice, with the same numbers."""
     from stg.chakra.longest_paths import SlicePaths
+    from stg.chakra.repeat_paths import RepeatPaths
 
     network = load_network("dgx-h100-superpod")
-    workload = build(MID, Plan(dp=2, tp=2, pp=2, zero=1, global_batch=8, seq=512), timing=True)
-    swept, runs = slice_timings(workload, network), []
-    monkeypatch.setattr(SlicePaths, "run", lambda self, cost: runs.append(cost))  # stalls: None
-    assert slice_timings(workload, network) == swept and len(runs) == 2
+    plan = Plan(dp=2, tp=2, pp=2, zero=1, global_batch=8, seq=512)
+    for workload in build(MID, plan, timing=True), build(MID, plan):
+        swept, runs = slice_timings(workload, network), []
+        for sweep in SlicePaths, RepeatPaths:
+            monkeypatch.setattr(sweep, "run", lambda self, cost: runs.append(cost))  # stalls: None
+        assert slice_timings(workload, network) == swept and len(runs) == 2
+        monkeypatch.undo()
 
 
 # --- the search ----------------------------------------------------------------------------

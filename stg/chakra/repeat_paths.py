@@ -1,0 +1,295 @@
+"""explore's slice replay read straight from lowering's repeats, their rows never made.
+
+A program lowered for timing is a list of Repeats (stg.program): templates, and per repeat
+its template, first node id, tag shift and the nodes its dependencies name from before it.
+Making its rows (the replay's ids, types, dependencies, durations and comm keys, node by
+node) and laying the slice's out for the longest-path sweep (stg/chakra/longest_paths.py)
+cost more than the sweep itself: a pp 16 slice of llama3-405b holds 87,000 replay nodes made
+from 784 repeats of 83 templates. Here one compiled loop walks each repeat's template as the
+sweep walks rows: entering a repeat it places the template's dependencies, rounds its COMP
+runs on the rank's carry (lowering's rounding, in lowering's order) and finds its comm keys;
+then each node ends as SlicePaths' sweep ends it -- the same additions and maxima in the same
+order, the same switch to another rank where a receive's message or a collective's other
+members are not in yet, the same checks -- so every time is the float the sweep finds
+(tests/test_evaluate.py, the timing test). Keys are translated once per distinct key of a
+rank (a few tens), not per comm node; messages are matched and collectives joined as they
+come, in open-addressing hash tables.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from itertools import chain
+
+import numba
+import numpy as np
+
+from stg.chakra.rank_graph import COLL, COMP, RECV, SEND
+from stg.chakra.replay import CostModel, Timing
+from stg.chakra.replay_kernel import slot_times
+from stg.program import ReplayChunks, Repeats, plain_key
+from stg.repeats_kernel import HEADER
+
+TAG_LIMIT = 2**31  # a message's tag, shifted, fits 32 bits of its hash key
+
+
+class RepeatPaths:
+    """The timed programs of a slice (`programs`: their ReplayChunks, all Repeats; `values`:
+    per program what each hole stands for, slice_check._hole_values) laid out for the sweep
+    once; `run(cost)` per cost model, as SlicePaths. `groups`: each group's member indices
+    among these ranks."""
+
+    def __init__(self, programs: Sequence[ReplayChunks], values: Sequence[Mapping], groups: Mapping[int, Sequence[int]]):
+        self.groups = groups
+        parts = [program.repeats for program in programs]
+        flat: list[Repeats] = list(chain.from_iterable(parts))
+        count = lambda sizes: np.cumsum([0, *sizes], dtype=np.int64)  # noqa: E731
+        self.rank_entries = count([sum(len(p.template) for p in rank) for rank in parts])
+        self.rank_outside = count([sum(len(p.outside) for p in rank) for rank in parts])
+        self.rank_ids = count([program.ids for program in programs])
+        packed_at, exact_at, template_at = (count([len(getattr(p, name)) for p in flat])
+                                            for name in ("packed", "exacts", "at"))
+        self.packed = np.concatenate([p.packed for p in flat])
+        self.at = np.concatenate([p.at + off for p, off in zip(flat, packed_at)])
+        self.exacts = np.concatenate([p.exacts for p in flat])
+        self.exact_at = np.concatenate([p.exact_at + off for p, off in zip(flat, exact_at)])
+        self.template = np.concatenate([p.template + off for p, off in zip(flat, template_at)])
+        self.start = np.concatenate([p.start for p in flat])
+        self.shift = np.concatenate([p.shift for p in flat])
+        self.outside = np.concatenate([p.outside for p in flat])
+        firsts = count([len(p.template) for p in flat])[:-1]
+        self.carry = np.full(len(self.template), np.nan)  # a part's first repeat: the carry it starts from
+        self.carry[firsts[[len(p.template) > 0 for p in flat]]] = [p.carry for p in flat if len(p.template)]
+        self._keys(parts, values, flat)
+        self.most_kept = int(self.packed[self.at].max(initial=0))
+        self.most_flat = int(self.packed[self.at + 1].max(initial=0))
+        # the hash tables of messages and collectives: at most half full
+        self.table_size = 1 << (2 * int(self.packed[self.at[self.template] + 4].sum()) + 1).bit_length()
+
+    def _keys(self, parts: list[list[Repeats]], values: Sequence[Mapping], flat: list[Repeats]) -> None:
+        """Each repeat's comm keys as indices into the distinct keys of the slice (key_at, by
+        template; key_map), and per distinct key its slot (a collective's, a send's by its
+        pair), its group's index or -1, its pair's index and its tag."""
+        group_index = {group: k for k, group in enumerate(sorted(self.groups))}
+        slots: dict[tuple, int] = {}
+        pairs: dict[tuple, int] = {}
+        distinct: dict[tuple, int] = {}  # (rank, plain key) -> index
+        slot, group, pair, tag = [], [], [], []
+        key_map, key_at, offset = [], [], 0
+        for r, (rank, value) in enumerate(zip(parts, values)):
+            for part in rank:
+                key_at.append(part.key_at + offset)
+                offset += len(part.keys)
+            keys = tuple(chain.from_iterable(part.keys for part in rank))
+            by_id = {id(key): key for key in keys}  # (templates share key objects)
+            index = {}
+            for ident, key in by_id.items():
+                plain = (r, plain_key(key))
+                if plain not in distinct:
+                    distinct[plain] = len(slot)
+                    if len(key) == 3:  # (group, type, bytes)
+                        translated = (value[key[0]], key[1], key[2])
+                        slot.append(slots.setdefault((COLL, translated), len(slots)))
+                        group.append(group_index[translated[0]])
+                        pair.append(-1)
+                        tag.append(0)
+                    else:  # (src, dst, tag, bytes)
+                        src, dst = value[key[0]], value[key[1]]
+                        slot.append(slots.setdefault((SEND, (src, dst, key[3])), len(slots)))
+                        group.append(-1)
+                        pair.append(pairs.setdefault((src, dst, key[3]), len(pairs)))
+                        tag.append(key[2])
+                index[ident] = distinct[plain]
+            key_map.append(np.fromiter(map(index.__getitem__, map(id, keys)), np.int64, len(keys)))
+        self.key_at = np.concatenate(key_at) if key_at else np.zeros(0, dtype=np.int64)
+        self.key_map = np.concatenate(key_map) if key_map else np.zeros(0, dtype=np.int64)
+        self.key_slot, self.key_group, self.key_pair, self.key_tag = (np.array(column, dtype=np.int64)
+                                                                      for column in (slot, group, pair, tag))
+        self.slot_keys = slots
+        self.group_size = np.array([len(self.groups[g]) for g in sorted(self.groups)], dtype=np.int64)
+        # a message's tag, shifted, within 32 bits (else the event queue replays the slice)
+        self.sweeps = (np.abs(self.key_tag).max(initial=0) + np.abs(self.shift).max(initial=0) < TAG_LIMIT
+                       and len(pairs) < TAG_LIMIT)
+
+    def run(self, cost: CostModel) -> Timing | None:
+        """What SlicePaths.run returns for these programs' rows."""
+        if not self.sweeps:
+            return None
+        slot_us = slot_times(cost, self.groups, self.slot_keys, np.arange(len(self.slot_keys), dtype=np.int64))
+        busy, finish, swept = _sweep(*_scratch(int(self.rank_ids[-1]), self.table_size),
+            self.packed, self.at, self.exacts, self.exact_at, self.key_at, self.template, self.start, self.shift,
+            self.carry, self.outside, self.rank_entries, self.rank_outside, self.rank_ids, self.key_map,
+            self.key_slot, self.key_group, self.key_pair, self.key_tag, slot_us, self.group_size,
+            self.most_kept, self.most_flat)
+        return Timing.of(busy.tolist(), finish.tolist()) if swept else None
+
+
+_SCRATCH: dict[str, np.ndarray] = {}
+
+
+def _scratch(ids: int, table_size: int) -> tuple[np.ndarray, ...]:
+    """The sweep's working arrays, kept from sweep to sweep (each a few megabytes: fresh ones
+    cost more in page faults than the sweep spends in them); it sets what it reads."""
+    wanted = {"ends": (ids, np.float64), "messages": (table_size, np.int64), "sent": (table_size, np.float64),
+              "received": (table_size, np.bool_), "instances": (table_size, np.int64),
+              "joined": (table_size, np.int64), "joined_at": (table_size, np.float64),
+              "instance_end": (table_size, np.float64)}
+    for name, (size, dtype) in wanted.items():
+        if name not in _SCRATCH or len(_SCRATCH[name]) < size:
+            _SCRATCH[name] = np.empty(max(size, 2 * len(_SCRATCH.get(name, ()))), dtype=dtype)
+    return tuple(_SCRATCH[name][:size] for name, (size, _) in wanted.items())
+
+
+@numba.njit(cache=True)
+def _find(table, key):
+    """Where `key` is in the open-addressing table (keys, -1 where empty), or where it would go."""
+    mask = table.size - 1
+    at = ((key * 0x5851F42D4C957F2D) >> 20) & mask
+    while table[at] != key and table[at] != -1:
+        at = (at + 1) & mask
+    return at
+
+
+@numba.njit(cache=True)
+def _sweep(ends, messages, sent, received, instances, joined, joined_at, instance_end, packed, at, exacts, exact_at, key_at, template, start, shift, carry_in, outside, rank_entries,
+           rank_outside, rank_ids, key_map, key_slot, key_group, key_pair, key_tag, slot_us, group_size,
+           most_kept, most_flat):
+    """longest_paths._sweep over the rows the repeats make (repeats_kernel.repeated_rows), each
+    repeat's made as the sweep enters it: per rank the COMP time, the last end, and whether
+    every node ended without waiting for its rank's compute or comm slot."""
+    ranks = rank_entries.size - 1
+    ends[:] = -1.0  # by node id, ranks end to end; -1: not yet
+    entry = rank_entries[:-1].copy()
+    node = np.zeros(ranks, np.int64)  # the next node of the rank's repeat
+    flat_at = np.zeros(ranks, np.int64)  # and its first dependency among the repeat's
+    entered = np.zeros(ranks, np.bool_)
+    taken = rank_outside[:-1].copy()  # the next of outside to place
+    carry = np.zeros(ranks)
+    duration = np.zeros(ranks * most_kept, np.int64)  # per rank: its repeat's nodes' rounded durations
+    keyed = np.empty(ranks * most_kept, np.int64)  # and each node's place among its comm nodes, -1 if none
+    deps = np.empty(ranks * most_flat, np.int64)  # and their dependencies, as node ids
+    joining = np.zeros(ranks, np.bool_)  # the rank's next node is a collective it joined
+    pending = np.zeros(ranks, np.int64)  # that collective's instance
+    ordinal = np.zeros(ranks * max(group_size.size, 1), np.int64)  # collectives each rank joined, per group
+    # hash tables: the (pair, tag) of each message sent, its send's end, whether received; the
+    # (group, ordinal) of each collective instance, its members joined, when, and its end
+    messages[:] = -1
+    received[:] = False
+    instances[:] = -1
+    joined[:] = 0
+    joined_at[:] = 0.0
+    instance_end[:] = -1.0
+    busy, finish = np.zeros(ranks), np.zeros(ranks)
+    compute_free, slot_free = np.zeros(ranks), np.zeros(ranks)
+    left = ranks
+    while left:
+        moved = False
+        left = 0
+        for r in range(ranks):
+            base, kb, fb = rank_ids[r], r * most_kept, r * most_flat
+            while entry[r] < rank_entries[r + 1]:
+                e = entry[r]
+                t = template[e]
+                b = at[t]
+                n_kept, n_flat, n_out, n_comp, n_keyed = packed[b], packed[b + 1], packed[b + 2], packed[b + 3], \
+                    packed[b + 4]
+                p_types = b + HEADER + n_kept
+                p_deps = p_types + 2 * n_kept
+                s = start[e]
+                if not entered[r]:  # the repeat's rows, as repeated_rows makes them
+                    for d in range(n_flat):
+                        deps[fb + d] = packed[p_deps + d] + s
+                    p = p_deps + n_flat
+                    for j in range(n_out):
+                        deps[fb + packed[p + j]] = outside[taken[r] + j]
+                    taken[r] += n_out
+                    p += n_out
+                    if carry_in[e] == carry_in[e]:  # (not NaN) a part's first repeat
+                        carry[r] = carry_in[e]
+                    c = carry[r]
+                    x0 = exact_at[t]
+                    for k in range(n_kept):
+                        duration[kb + k] = 0
+                        keyed[kb + k] = -1
+                    for i in range(n_comp):
+                        exact = exacts[x0 + i] + c
+                        rounded = round(exact) if exact > 0 else 0
+                        c = exact - rounded
+                        duration[kb + packed[p + i]] += rounded
+                    carry[r] = c
+                    p += n_comp
+                    for j in range(n_keyed):
+                        keyed[kb + packed[p + j]] = j
+                    entered[r], node[r], flat_at[r] = True, 0, 0
+                k, f = node[r], flat_at[r]
+                flags = p_deps + n_flat + n_out + n_comp + n_keyed  # per comm node: a send or receive
+                while k < n_kept:
+                    kind = packed[p_types + k]
+                    n_deps = packed[p_types + n_kept + k]
+                    ready = 0.0
+                    for d in range(f, f + n_deps):
+                        at_end = ends[base + deps[fb + d]]
+                        if at_end < 0:
+                            return busy, finish, False  # a dependency not before it
+                        if at_end > ready:
+                            ready = at_end
+                    if kind == COMP:
+                        if ready < compute_free[r]:
+                            return busy, finish, False  # it would wait for the rank's compute
+                        end = compute_free[r] = ready + duration[kb + k]
+                        busy[r] += duration[kb + k]
+                    else:
+                        j = keyed[kb + k]
+                        q = key_map[key_at[t] + j]
+                        if kind == RECV:
+                            h = _find(messages, (key_pair[q] << 32) | (key_tag[q] + shift[e] * packed[flags + j] + TAG_LIMIT))
+                            if messages[h] < 0:
+                                break  # its message is not in yet
+                            if received[h]:
+                                return busy, finish, False  # two receives of one message
+                            received[h] = True
+                            end = max(ready, sent[h])
+                        elif kind == COLL:
+                            if not joining[r]:
+                                if ready < slot_free[r]:
+                                    return busy, finish, False  # it would wait for the rank's comm slot
+                                g = key_group[q]
+                                h = _find(instances, (g << 32) | ordinal[r * group_size.size + g])
+                                instances[h] = (g << 32) | ordinal[r * group_size.size + g]
+                                ordinal[r * group_size.size + g] += 1
+                                pending[r] = h
+                                joining[r], moved = True, True
+                                joined_at[h] = max(joined_at[h], ready)
+                                joined[h] += 1
+                                if joined[h] == group_size[g]:
+                                    instance_end[h] = joined_at[h] + slot_us[key_slot[q]]
+                            h = pending[r]
+                            if instance_end[h] < 0:
+                                break  # its other members have not joined
+                            joining[r] = False
+                            end = slot_free[r] = instance_end[h]
+                        else:
+                            if ready < slot_free[r]:
+                                return busy, finish, False
+                            end = slot_free[r] = ready + slot_us[key_slot[q]]
+                            message = (key_pair[q] << 32) | (key_tag[q] + shift[e] * packed[flags + j] + TAG_LIMIT)
+                            h = _find(messages, message)
+                            if messages[h] >= 0:
+                                return busy, finish, False  # two sends of one message
+                            messages[h], sent[h] = message, end
+                    ends[base + packed[b + HEADER + k] + s] = end
+                    if end > finish[r]:
+                        finish[r] = end
+                    k += 1
+                    f += n_deps
+                    moved = True
+                node[r], flat_at[r] = k, f
+                if k < n_kept:
+                    break  # stalled: the next rank
+                entry[r] += 1
+                entered[r] = False
+            if entry[r] < rank_entries[r + 1]:
+                left += 1
+        if left and not moved:
+            return busy, finish, False
+    return busy, finish, True
