@@ -552,7 +552,8 @@ class _ProgramBuilder:
         self.op_timing: dict[tuple, tuple[float, str]] = self.ev.timing.setdefault(
             (id(device), self.keep_nodes), {}) if timing else {}
         self.origins = sharded.origins
-        self.comm_ids: set[int] = set()  # nodes that are not COMP
+        self._comm_ids: set[int] = set()  # nodes that are not COMP (comm_ids)
+        self.comm_later: list = []  # and (arrays) those of repeats flushed since it was asked
         self.exact: dict[int, float] = {}  # a COMP node -> its duration before rounding
         self.node_repeats: dict[tuple, ActionNodes | None] = {}  # with nodes: per action key
         self.repeat_stats: dict[int, list] = {}  # id -> [stats of a repeated action, times] (repeated)
@@ -593,6 +594,16 @@ class _ProgramBuilder:
 
     def unit(self, op: Op) -> tuple | None:
         return _unit(op, self.graph)
+
+    @property
+    def comm_ids(self) -> set[int]:
+        """The nodes that are not COMP, the flushed repeats' added when first asked for (a
+        stage wired whole never asks: its tens of thousands stay arrays)."""
+        if self.comm_later:
+            for ids in self.comm_later:
+                self._comm_ids.update(ids.tolist())
+            self.comm_later.clear()
+        return self._comm_ids
 
     def _add(self, **kwargs) -> int:
         node = TraceNode(id=len(self.nodes), **kwargs)

@@ -175,14 +175,6 @@ class CommNodes:
         return len(self.at)
 
 
-def plain_key(key: tuple) -> tuple:
-    """A comm key (CommNodes) as plain values: equal keys give equal plain keys, hashed and
-    compared without a Python call (a hole's dataclass hash and equality are one)."""
-    if len(key) == 3:
-        return key[0].axes, key[0].members, key[1], key[2]
-    return key[0].stage, key[1].stage, key[2], key[3]
-
-
 @dataclass(frozen=True)
 class ReplayNodes:
     """A program as the timed replay reads it (stg/slice_check.py): each run of COMP nodes that

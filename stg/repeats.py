@@ -515,7 +515,7 @@ def flush_arrays(builder: "_ProgramBuilder", templates: list[_Compact], serials:
                                          builder.carry)
     for c in templates:
         builder.holes |= c.holes
-    builder.comm_ids.update(comm_ids.tolist())
+    builder.comm_later.append(comm_ids)
     builder.replay.add_repeats(repeats)
 
 

@@ -27,7 +27,7 @@ import numpy as np
 from stg.chakra.rank_graph import COLL, COMP, RECV, SEND
 from stg.chakra.replay import CostModel, Timing
 from stg.chakra.replay_kernel import slot_times
-from stg.program import ReplayChunks, Repeats, plain_key
+from stg.program import ReplayChunks, Repeats
 from stg.repeats_kernel import HEADER
 
 TAG_LIMIT = 2**31  # a message's tag, shifted, fits 32 bits of its hash key
@@ -73,20 +73,22 @@ class RepeatPaths:
         group_index = {group: k for k, group in enumerate(sorted(self.groups))}
         slots: dict[tuple, int] = {}
         pairs: dict[tuple, int] = {}
-        distinct: dict[tuple, int] = {}  # (rank, plain key) -> index
+        distinct: dict[tuple, int] = {}  # (rank, a key as plain values) -> index
         slot, group, pair, tag = [], [], [], []
         key_map, key_at, offset = [], [], 0
         for r, (rank, value) in enumerate(zip(parts, values)):
             for part in rank:
                 key_at.append(part.key_at + offset)
                 offset += len(part.keys)
-            keys = tuple(chain.from_iterable(part.keys for part in rank))
-            by_id = {id(key): key for key in keys}  # (templates share key objects)
-            index = {}
-            for ident, key in by_id.items():
-                plain = (r, plain_key(key))
-                if plain not in distinct:
-                    distinct[plain] = len(slot)
+            index = []
+            # a key as plain values (a hole's dataclass hash and equality are Python calls; a
+            # slice holds thousands of key objects, a few hundred distinct)
+            for key in chain.from_iterable(part.keys for part in rank):
+                plain = (r, key[0].axes, key[0].members, key[1], key[2]) if len(key) == 3 else \
+                    (r, key[0].stage, key[1].stage, key[2], key[3])
+                found = distinct.get(plain)
+                if found is None:
+                    found = distinct[plain] = len(slot)
                     if len(key) == 3:  # (group, type, bytes)
                         translated = (value[key[0]], key[1], key[2])
                         slot.append(slots.setdefault((COLL, translated), len(slots)))
@@ -99,8 +101,8 @@ class RepeatPaths:
                         group.append(-1)
                         pair.append(pairs.setdefault((src, dst, key[3]), len(pairs)))
                         tag.append(key[2])
-                index[ident] = distinct[plain]
-            key_map.append(np.fromiter(map(index.__getitem__, map(id, keys)), np.int64, len(keys)))
+                index.append(found)
+            key_map.append(np.array(index, dtype=np.int64))
         self.key_at = np.concatenate(key_at) if key_at else np.zeros(0, dtype=np.int64)
         self.key_map = np.concatenate(key_map) if key_map else np.zeros(0, dtype=np.int64)
         self.key_slot, self.key_group, self.key_pair, self.key_tag = (np.array(column, dtype=np.int64)
