@@ -573,8 +573,13 @@ class _Compact:
                                                                          len(self.p2p_keys)])
         counts = (len(self.kept), len(self.deps), len(self.outside_at), len(self.exacts), len(self.keyed),
                   len(self.comm_offsets))
-        return np.concatenate([np.array(counts, dtype=np.int64), self.kept, self.types, self.n_deps, self.deps,
-                               self.outside_at, self.runs, self.keyed, sends_or_receives, self.comm_offsets])
+        deps = self.deps.copy()
+        deps[self.outside_at] = -1 - np.arange(len(self.outside_at))  # the j-th from before: -1 - j
+        keyed_as = np.full(len(self.kept), -1, dtype=np.int64)
+        keyed_as[self.keyed] = np.arange(len(self.keyed))
+        return np.concatenate([np.array(counts, dtype=np.int64), self.kept, self.types, self.n_deps, deps,
+                               self.outside_at, self.runs, self.keyed, sends_or_receives, self.comm_offsets,
+                               keyed_as])
 
     @cached_property
     def keys(self) -> tuple:

@@ -6,9 +6,10 @@ stage; done template by template in numpy it cost a tenth of explore's time in s
 A template is packed once into one int64 array (_Compact.packed): six counts -- kept nodes K,
 flat dependencies D, dependencies from before the action O, COMP nodes E, keyed comm nodes Q,
 comm nodes M -- then its kept offsets, types and dependency counts (K each), its flat
-dependencies (D, offsets within the action), where among them those from before go (O), each
-COMP node's run (E), its keyed comm nodes' kept indices and whether each is a send or receive
-(Q each) and its comm nodes' offsets (M)."""
+dependencies (D, offsets within the action; the j-th from before -1 - j), where among them
+those from before go (O), each COMP node's run (E), its keyed comm nodes' kept indices and
+whether each is a send or receive (Q each), its comm nodes' offsets (M), and each kept
+node's place among the keyed ones, -1 if none (K)."""
 
 from __future__ import annotations
 

@@ -338,7 +338,10 @@ def test_a_plan_lowered_for_timing_replays_as_its_nodes(name, tmp_path, monkeypa
         # programs lowered for timing are all repeats: the sweep reads them as they are
         paths, rows = slice_paths(timing, ranks), slice_paths(timing, ranks, repeats=False)
         assert isinstance(paths, RepeatPaths) and isinstance(rows, SlicePaths)
-        for cost in (CommCost(), network.bind(real_groups(timing, ranks), ranks, timing.mesh.size)):
+        costs = (CommCost(), network.bind(real_groups(timing, ranks), ranks, timing.mesh.size))
+        # the repeats' sweep times every cost in one pass, each as its own pass would
+        assert paths.runs(costs) == [paths.run(cost) for cost in costs]
+        for cost in costs:
             # the longest-path sweep explore runs (of the repeats, and of their rows), and the
             # compiled loop it falls back on, are TimedReplay's, to the last bit; the sweep does
             # not stall on lowered programs

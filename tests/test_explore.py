@@ -203,10 +203,17 @@ def test_a_slice_the_sweep_cannot_order_is_timed_by_the_event_queue(monkeypatch)
 
     network = load_network("dgx-h100-superpod")
     plan = Plan(dp=2, tp=2, pp=2, zero=1, global_batch=8, seq=512)
+    runs = []
+
+    def stalled(self, costs):
+        runs.extend(costs)
+        return [None] * len(costs)
+
     for workload in build(MID, plan, timing=True), build(MID, plan):
-        swept, runs = slice_timings(workload, network), []
+        swept = slice_timings(workload, network)
+        runs.clear()
         for sweep in SlicePaths, RepeatPaths:
-            monkeypatch.setattr(sweep, "run", lambda self, cost: runs.append(cost))  # stalls: None
+            monkeypatch.setattr(sweep, "runs", stalled)
         assert slice_timings(workload, network) == swept and len(runs) == 2
         monkeypatch.undo()
 

@@ -133,6 +133,10 @@ class SlicePaths:
         sizes = np.array([len(self.groups[g]) for g in sorted(self.groups)], dtype=np.int64)
         self.instance_size = np.repeat(sizes, most) if len(sizes) else np.zeros(1, dtype=np.int64)
 
+    def runs(self, costs: Sequence[CostModel]) -> list[Timing | None]:
+        """run(cost) for each cost."""
+        return [self.run(cost) for cost in costs]
+
     def run(self, cost: CostModel) -> Timing | None:
         """What TimedReplay(graphs, groups, durations, cost).run() returns (without recorded
         nodes), or None when a node would wait for a busy resource or the sweep stalls (the

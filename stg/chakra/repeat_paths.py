@@ -62,7 +62,6 @@ class RepeatPaths:
         self.carry[firsts[[len(p.template) > 0 for p in flat]]] = [p.carry for p in flat if len(p.template)]
         self._keys(parts, values, flat)
         self.most_kept = int(self.packed[self.at].max(initial=0))
-        self.most_flat = int(self.packed[self.at + 1].max(initial=0))
         # the hash tables of messages and collectives: at most half full
         self.table_size = 1 << (2 * int(self.packed[self.at[self.template] + 4].sum()) + 1).bit_length()
 
@@ -115,51 +114,63 @@ class RepeatPaths:
 
     def run(self, cost: CostModel) -> Timing | None:
         """What SlicePaths.run returns for these programs' rows."""
+        return self.runs([cost])[0]
+
+    def runs(self, costs: Sequence[CostModel]) -> list[Timing | None]:
+        """run(cost) for each cost, in one sweep: which node the sweep takes next depends on
+        which nodes it took (a receive waits for its send, a collective for its members),
+        never on their times, so each cost's times come out as its own sweep's would."""
         if not self.sweeps:
-            return None
-        slot_us = slot_times(cost, self.groups, self.slot_keys, np.arange(len(self.slot_keys), dtype=np.int64))
-        busy, finish, swept = _sweep(*_scratch(int(self.rank_ids[-1]), self.table_size),
-            self.packed, self.at, self.exacts, self.exact_at, self.key_at, self.template, self.start, self.shift,
-            self.carry, self.outside, self.rank_entries, self.rank_outside, self.rank_ids, self.key_map,
-            self.key_slot, self.key_group, self.key_pair, self.key_tag, slot_us, self.group_size,
-            self.most_kept, self.most_flat)
-        return Timing.of(busy.tolist(), finish.tolist()) if swept else None
+            return [None] * len(costs)
+        slots = np.arange(len(self.slot_keys), dtype=np.int64)
+        slot_us = np.array([slot_times(cost, self.groups, self.slot_keys, slots) for cost in costs])
+        busy, finish, swept = _sweep(*_scratch(int(self.rank_ids[-1]), self.table_size, len(costs)),
+                                     self.packed, self.at, self.exacts, self.exact_at, self.key_at, self.template,
+                                     self.start, self.shift, self.carry, self.outside, self.rank_entries,
+                                     self.rank_outside, self.rank_ids, self.key_map, self.key_slot, self.key_group,
+                                     self.key_pair, self.key_tag, slot_us, self.group_size, self.most_kept)
+        busy = busy.tolist()
+        return [Timing.of(busy, finish[:, c].tolist()) if swept else None for c in range(len(costs))]
 
 
 _SCRATCH: dict[str, np.ndarray] = {}
 
 
-def _scratch(ids: int, table_size: int) -> tuple[np.ndarray, ...]:
+def _scratch(ids: int, table_size: int, costs: int) -> tuple[np.ndarray, ...]:
     """The sweep's working arrays, kept from sweep to sweep (each a few megabytes: fresh ones
-    cost more in page faults than the sweep spends in them); it sets what it reads."""
-    wanted = {"ends": (ids, np.float64), "messages": (table_size, np.int64), "sent": (table_size, np.float64),
-              "received": (table_size, np.bool_), "instances": (table_size, np.int64),
-              "joined": (table_size, np.int64), "joined_at": (table_size, np.float64),
-              "instance_end": (table_size, np.float64)}
-    for name, (size, dtype) in wanted.items():
+    cost more in page faults than the sweep spends in them); it sets what it reads. Times
+    have a column per cost model."""
+    wanted = {"ends": (ids, costs, np.float64), "messages": (table_size, 0, np.int64),
+              "sent": (table_size, costs, np.float64), "received": (table_size, 0, np.bool_),
+              "instances": (table_size, 0, np.int64), "joined": (table_size, 0, np.int64),
+              "joined_at": (table_size, costs, np.float64), "instance_end": (table_size, costs, np.float64)}
+    for name, (rows, columns, dtype) in wanted.items():
+        size = rows * max(columns, 1)
         if name not in _SCRATCH or len(_SCRATCH[name]) < size:
             _SCRATCH[name] = np.empty(max(size, 2 * len(_SCRATCH.get(name, ()))), dtype=dtype)
-    return tuple(_SCRATCH[name][:size] for name, (size, _) in wanted.items())
+    return tuple(_SCRATCH[name][:rows * columns].reshape(rows, columns) if columns else _SCRATCH[name][:rows]
+                 for name, (rows, columns, _) in wanted.items())
 
 
 @numba.njit(cache=True)
 def _find(table, key):
     """Where `key` is in the open-addressing table (keys, -1 where empty), or where it would go."""
     mask = table.size - 1
-    at = ((key * 0x5851F42D4C957F2D) >> 20) & mask
+    at = (((key ^ (key >> 29)) * 0x5851F42D4C957F2D) >> 24) & mask  # (the pair folded into the low bits)
     while table[at] != key and table[at] != -1:
         at = (at + 1) & mask
     return at
 
 
 @numba.njit(cache=True)
-def _sweep(ends, messages, sent, received, instances, joined, joined_at, instance_end, packed, at, exacts, exact_at, key_at, template, start, shift, carry_in, outside, rank_entries,
-           rank_outside, rank_ids, key_map, key_slot, key_group, key_pair, key_tag, slot_us, group_size,
-           most_kept, most_flat):
+def _sweep(ends, messages, sent, received, instances, joined, joined_at, instance_end, packed, at, exacts,
+           exact_at, key_at, template, start, shift, carry_in, outside, rank_entries, rank_outside, rank_ids,
+           key_map, key_slot, key_group, key_pair, key_tag, slot_us, group_size, most_kept):
     """longest_paths._sweep over the rows the repeats make (repeats_kernel.repeated_rows), each
-    repeat's made as the sweep enters it: per rank the COMP time, the last end, and whether
-    every node ended without waiting for its rank's compute or comm slot."""
-    ranks = rank_entries.size - 1
+    repeat's made as the sweep enters it, with a column of times per cost model (`slot_us`: a
+    row of slot times each): per rank the COMP time, per rank and cost the last end, and
+    whether every node ended without waiting for its rank's compute or comm slot."""
+    ranks, costs = rank_entries.size - 1, slot_us.shape[0]
     ends[:] = -1.0  # by node id, ranks end to end; -1: not yet
     entry = rank_entries[:-1].copy()
     node = np.zeros(ranks, np.int64)  # the next node of the rank's repeat
@@ -168,8 +179,7 @@ def _sweep(ends, messages, sent, received, instances, joined, joined_at, instanc
     taken = rank_outside[:-1].copy()  # the next of outside to place
     carry = np.zeros(ranks)
     duration = np.zeros(ranks * most_kept, np.int64)  # per rank: its repeat's nodes' rounded durations
-    keyed = np.empty(ranks * most_kept, np.int64)  # and each node's place among its comm nodes, -1 if none
-    deps = np.empty(ranks * most_flat, np.int64)  # and their dependencies, as node ids
+    first_out = np.zeros(ranks, np.int64)  # and where its dependencies from before start in outside
     joining = np.zeros(ranks, np.bool_)  # the rank's next node is a collective it joined
     pending = np.zeros(ranks, np.int64)  # that collective's instance
     ordinal = np.zeros(ranks * max(group_size.size, 1), np.int64)  # collectives each rank joined, per group
@@ -181,14 +191,15 @@ def _sweep(ends, messages, sent, received, instances, joined, joined_at, instanc
     joined[:] = 0
     joined_at[:] = 0.0
     instance_end[:] = -1.0
-    busy, finish = np.zeros(ranks), np.zeros(ranks)
-    compute_free, slot_free = np.zeros(ranks), np.zeros(ranks)
+    busy = np.zeros(ranks)
+    finish, compute_free, slot_free = np.zeros((ranks, costs)), np.zeros((ranks, costs)), np.zeros((ranks, costs))
+    ready = np.zeros(costs)
     left = ranks
     while left:
         moved = False
         left = 0
         for r in range(ranks):
-            base, kb, fb = rank_ids[r], r * most_kept, r * most_flat
+            base, kb = rank_ids[r], r * most_kept
             while entry[r] < rank_entries[r + 1]:
                 e = entry[r]
                 t = template[e]
@@ -197,51 +208,48 @@ def _sweep(ends, messages, sent, received, instances, joined, joined_at, instanc
                     packed[b + 4]
                 p_types = b + HEADER + n_kept
                 p_deps = p_types + 2 * n_kept
+                p_runs = p_deps + n_flat + n_out
+                flags = p_runs + n_comp + n_keyed  # per comm node: a send or receive
+                keyed_as = flags + n_keyed + packed[b + 5]  # per node: its place among the comm nodes
                 s = start[e]
-                if not entered[r]:  # the repeat's rows, as repeated_rows makes them
-                    for d in range(n_flat):
-                        deps[fb + d] = packed[p_deps + d] + s
-                    p = p_deps + n_flat
-                    for j in range(n_out):
-                        deps[fb + packed[p + j]] = outside[taken[r] + j]
+                if not entered[r]:  # its COMP runs' durations, as repeated_rows rounds them
+                    first_out[r] = taken[r]
                     taken[r] += n_out
-                    p += n_out
                     if carry_in[e] == carry_in[e]:  # (not NaN) a part's first repeat
                         carry[r] = carry_in[e]
                     c = carry[r]
                     x0 = exact_at[t]
                     for k in range(n_kept):
                         duration[kb + k] = 0
-                        keyed[kb + k] = -1
                     for i in range(n_comp):
                         exact = exacts[x0 + i] + c
                         rounded = round(exact) if exact > 0 else 0
                         c = exact - rounded
-                        duration[kb + packed[p + i]] += rounded
+                        duration[kb + packed[p_runs + i]] += rounded
                     carry[r] = c
-                    p += n_comp
-                    for j in range(n_keyed):
-                        keyed[kb + packed[p + j]] = j
                     entered[r], node[r], flat_at[r] = True, 0, 0
                 k, f = node[r], flat_at[r]
-                flags = p_deps + n_flat + n_out + n_comp + n_keyed  # per comm node: a send or receive
                 while k < n_kept:
                     kind = packed[p_types + k]
                     n_deps = packed[p_types + n_kept + k]
-                    ready = 0.0
+                    ready[:] = 0.0
                     for d in range(f, f + n_deps):
-                        at_end = ends[base + deps[fb + d]]
-                        if at_end < 0:
+                        dep = packed[p_deps + d]  # an offset in the repeat, or -1 - j: the j-th from before
+                        dep = base + (dep + s if dep >= 0 else outside[first_out[r] - 1 - dep])
+                        if ends[dep, 0] < 0:
                             return busy, finish, False  # a dependency not before it
-                        if at_end > ready:
-                            ready = at_end
+                        for x in range(costs):
+                            if ends[dep, x] > ready[x]:
+                                ready[x] = ends[dep, x]
+                    i = base + packed[b + HEADER + k] + s
                     if kind == COMP:
-                        if ready < compute_free[r]:
-                            return busy, finish, False  # it would wait for the rank's compute
-                        end = compute_free[r] = ready + duration[kb + k]
+                        for x in range(costs):
+                            if ready[x] < compute_free[r, x]:
+                                return busy, finish, False  # it would wait for the rank's compute
+                            ends[i, x] = compute_free[r, x] = ready[x] + duration[kb + k]
                         busy[r] += duration[kb + k]
                     else:
-                        j = keyed[kb + k]
+                        j = packed[keyed_as + k]
                         q = key_map[key_at[t] + j]
                         if kind == RECV:
                             h = _find(messages, (key_pair[q] << 32) | (key_tag[q] + shift[e] * packed[flags + j] + TAG_LIMIT))
@@ -250,38 +258,43 @@ def _sweep(ends, messages, sent, received, instances, joined, joined_at, instanc
                             if received[h]:
                                 return busy, finish, False  # two receives of one message
                             received[h] = True
-                            end = max(ready, sent[h])
+                            for x in range(costs):
+                                ends[i, x] = max(ready[x], sent[h, x])
                         elif kind == COLL:
                             if not joining[r]:
-                                if ready < slot_free[r]:
-                                    return busy, finish, False  # it would wait for the rank's comm slot
+                                for x in range(costs):
+                                    if ready[x] < slot_free[r, x]:
+                                        return busy, finish, False  # it would wait for the rank's comm slot
                                 g = key_group[q]
                                 h = _find(instances, (g << 32) | ordinal[r * group_size.size + g])
                                 instances[h] = (g << 32) | ordinal[r * group_size.size + g]
                                 ordinal[r * group_size.size + g] += 1
                                 pending[r] = h
                                 joining[r], moved = True, True
-                                joined_at[h] = max(joined_at[h], ready)
                                 joined[h] += 1
-                                if joined[h] == group_size[g]:
-                                    instance_end[h] = joined_at[h] + slot_us[key_slot[q]]
+                                for x in range(costs):
+                                    joined_at[h, x] = max(joined_at[h, x], ready[x])
+                                    if joined[h] == group_size[g]:
+                                        instance_end[h, x] = joined_at[h, x] + slot_us[x, key_slot[q]]
                             h = pending[r]
-                            if instance_end[h] < 0:
+                            if instance_end[h, 0] < 0:
                                 break  # its other members have not joined
                             joining[r] = False
-                            end = slot_free[r] = instance_end[h]
+                            for x in range(costs):
+                                ends[i, x] = slot_free[r, x] = instance_end[h, x]
                         else:
-                            if ready < slot_free[r]:
-                                return busy, finish, False
-                            end = slot_free[r] = ready + slot_us[key_slot[q]]
                             message = (key_pair[q] << 32) | (key_tag[q] + shift[e] * packed[flags + j] + TAG_LIMIT)
                             h = _find(messages, message)
                             if messages[h] >= 0:
                                 return busy, finish, False  # two sends of one message
-                            messages[h], sent[h] = message, end
-                    ends[base + packed[b + HEADER + k] + s] = end
-                    if end > finish[r]:
-                        finish[r] = end
+                            messages[h] = message
+                            for x in range(costs):
+                                if ready[x] < slot_free[r, x]:
+                                    return busy, finish, False
+                                ends[i, x] = slot_free[r, x] = sent[h, x] = ready[x] + slot_us[x, key_slot[q]]
+                    for x in range(costs):
+                        if ends[i, x] > finish[r, x]:
+                            finish[r, x] = ends[i, x]
                     k += 1
                     f += n_deps
                     moved = True

@@ -75,7 +75,7 @@ def slice_timings(workload, network: Network, variant: int = 0):
     ranks = slice_ranks(workload, variant)
     costs = CommCost(), network.bind(real_groups(workload, ranks), ranks, workload.mesh.size)
     paths = slice_paths(workload, ranks)  # read-only to the replay: laid out once, run twice
-    timings = tuple(paths.run(cost) for cost in costs)
+    timings = tuple(paths.runs(costs))
     if None not in timings:
         return timings
     # the sweep stalled: the event queue's numbers, compiled; TimedReplay itself says why a run
