@@ -42,7 +42,7 @@ from stg import numeric
 from parallelism.pipeline import Edge, StagePlan, block_weight, layer_crossings
 from stg.blocks import blocks
 from stg.borrowed import StageTemplates, wire, wire_own
-from stg.program import (ClassStats, GroupHole, NodeType, RankHole, RankProgram, ReplayChunks, TraceNode,
+from stg.program import (ClassStats, GroupHole, NodeType, RankHole, RankProgram, ReplayChunks, Repeats, TraceNode,
                          replay_nodes)
 from stg.repeats import (COMM_ROLE, COMPUTE_ROLE, ActionNodes, ActionTally, LayerNodes, add_terms, add_to, alike_tally,
                          combined, flush_compact, tallies)
@@ -534,7 +534,8 @@ class _ProgramBuilder:
         self.rank = rank  # the class's pipeline stage
         self.nodes: list[TraceNode] = []
         self.last_compute: int | None = None
-        self.carry = 0.0  # rounding error of the durations so far, in microseconds
+        self._carry = 0.0  # rounding error of the durations so far, in microseconds (carry)
+        self.carried_by: Repeats | None = None  # the repeats flushed last, if the carry is theirs
         self.last_comm: int | None = None  # the rank's previous collective or send
         self.alias: dict[str, str] = {}  # a view (slice, anchor) -> the tensor it views
         self.prefetch: dict[Phase, int | None] = {}  # compute running when the last unit gather went out
@@ -553,7 +554,7 @@ class _ProgramBuilder:
             (id(device), self.keep_nodes), {}) if timing else {}
         self.origins = sharded.origins
         self._comm_ids: set[int] = set()  # nodes that are not COMP (comm_ids)
-        self.comm_later: list = []  # and (arrays) those of repeats flushed since it was asked
+        self.comm_later: list[Repeats] = []  # and those of repeats flushed since it was asked
         self.exact: dict[int, float] = {}  # a COMP node -> its duration before rounding
         self.node_repeats: dict[tuple, ActionNodes | None] = {}  # with nodes: per action key
         self.repeat_stats: dict[int, list] = {}  # id -> [stats of a repeated action, times] (repeated)
@@ -600,10 +601,22 @@ class _ProgramBuilder:
         """The nodes that are not COMP, the flushed repeats' added when first asked for (a
         stage wired whole never asks: its tens of thousands stay arrays)."""
         if self.comm_later:
-            for ids in self.comm_later:
-                self._comm_ids.update(ids.tolist())
+            for repeats in self.comm_later:
+                self._comm_ids.update(repeats.after[1].tolist())
             self.comm_later.clear()
         return self._comm_ids
+
+    @property
+    def carry(self) -> float:
+        """The rounding error of the durations so far, in microseconds; the repeats flushed
+        last found it when first asked for (a stage wired whole never asks)."""
+        if self.carried_by is not None:
+            self._carry, self.carried_by = self.carried_by.after[0], None
+        return self._carry
+
+    @carry.setter
+    def carry(self, value: float) -> None:
+        self._carry, self.carried_by = value, None
 
     def _add(self, **kwargs) -> int:
         node = TraceNode(id=len(self.nodes), **kwargs)

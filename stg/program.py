@@ -294,6 +294,13 @@ class Repeats:
     carry: float
     keys: tuple[tuple, ...]
 
+    @cached_property
+    def after(self) -> tuple[float, np.ndarray]:
+        """The carry after their COMP runs are rounded, and their comm nodes' ids."""
+        from stg.repeats_kernel import carried  # compiled: timing only
+
+        return carried(self.packed, self.at, self.exacts, self.exact_at, self.template, self.start, self.carry)
+
     def rows(self) -> tuple[tuple, CommNodes]:
         """Their rows (ids, types, n_deps, deps, durations) and comm nodes, as flushing them made."""
         from stg.repeats_kernel import repeated_rows  # compiled: timing only

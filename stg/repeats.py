@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass, replace
-from functools import cache, cached_property
+from functools import cached_property
 from itertools import chain, islice
 from typing import TYPE_CHECKING, Iterable, Mapping
 
@@ -509,27 +509,18 @@ def flush_arrays(builder: "_ProgramBuilder", templates: list[_Compact], serials:
                       np.concatenate([c.exacts for c in templates]), offsets([len(c.exacts) for c in templates]),
                       offsets([len(c.keys) for c in templates]), serials, starts, shifts, outside, builder.carry,
                       tuple(chain.from_iterable(c.keys for c in templates)))
-    # their rows wait until asked for (explore's replay reads the repeats); the carry after
-    # them, and their comm nodes, the nodes lowered next read
-    builder.carry, comm_ids = _carried()(repeats.packed, repeats.at, repeats.exacts, repeats.exact_at, serials, starts,
-                                         builder.carry)
+    # their rows wait until asked for (explore's replay reads the repeats), and so do the carry
+    # after them and their comm nodes, which only nodes lowered after them read
+    builder.carried_by = repeats
     for c in templates:
         builder.holes |= c.holes
-    builder.comm_later.append(comm_ids)
+    builder.comm_later.append(repeats)
     builder.replay.add_repeats(repeats)
 
 
 COMPUTE_ROLE, COMM_ROLE = ("chain", "compute"), ("chain", "comm")  # the chains' last nodes' roles
 _CHAIN = frozenset({COMPUTE_ROLE})  # a COMP node's first dependency: what ran last
 
-
-@cache
-def _carried():
-    """flush_arrays's compiled loop (timing only: loading numba is left to the builds that
-    time a plan)."""
-    from stg.repeats_kernel import carried
-
-    return carried
 
 
 @dataclass(frozen=True)
