@@ -237,7 +237,7 @@ class MemoryLimitError(PlanError):
 
 
 def build(model: Model | str | Path | Mapping, plan: Plan | Mapping, *, memory_limit: int | None = None,
-          nodes: bool = True, timing: bool = False, short: bool = False) -> Workload:
+          nodes: bool = True, timing: bool = False, short: bool = False, memory: bool = True) -> Workload:
     """Every pass from the model description to the rank-class programs; with `memory_limit`
     (bytes per rank), MemoryLimitError before lowering when a rank class's peak exceeds it.
     `nodes=False` lowers the programs' stats and holes without their nodes: the summary
@@ -245,9 +245,11 @@ def build(model: Model | str | Path | Mapping, plan: Plan | Mapping, *, memory_l
     nodes (whatever `nodes` says), the compact form the timed replay reads (what stg explore
     times). `short=True`, with `nodes=False` and no memory limit: the passes run on the
     model's short form where it has one (stg/short.py), which gives the same summary at a
-    fraction of the cost; the workload's sharded graph is then the short model's."""
+    fraction of the cost; the workload's sharded graph is then the short model's.
+    `memory=False`, without a memory limit: the rank classes' memory is not found (the
+    workload's is empty), for a build that only times its pipeline slice."""
     with collector_paused():
-        return _build(model, plan, memory_limit, nodes, timing, short=short)
+        return _build(model, plan, memory_limit, nodes, timing, short=short, memory=memory)
 
 
 @contextmanager
@@ -274,7 +276,7 @@ def collector_paused() -> Iterator[None]:
 
 def _build(model, plan, memory_limit: int | None, nodes: bool, timing: bool,
            lower_all: Callable[[list[Callable[[], RankProgram]]], list[RankProgram]] | None = None,
-           short: bool = False) -> Workload:
+           short: bool = False, memory: bool = True) -> Workload:
     """build(); `lower_all` runs the rank classes' lowering jobs (default: each in turn)."""
     model = model if isinstance(model, Model) else load_model(model)
     plan = plan if isinstance(plan, Plan) else Plan.from_dict(plan)
@@ -335,7 +337,8 @@ def _build(model, plan, memory_limit: int | None, nodes: bool, timing: bool,
     pipelines = _short_pipelines(plan, sharded, stages, form) if form else \
         [_pipeline(model, plan, sharded, stages)] * plan.pp
     pipeline = pipelines[0]
-    memories = _memories(sharded, plan, [p.stages for p in pipelines], pipeline.order, variants, evaluators, shared)
+    memories = _memories(sharded, plan, [p.stages for p in pipelines], pipeline.order, variants, evaluators, shared) \
+        if memory or memory_limit is not None else []
     _refuse_over(memory_limit, memories)  # before the costly lowering
     sharded = unit_bound(structure, units) if units else sharded
     device, bucket_bytes = device_spec(plan.device), int(plan.bucket_mb * 2**20)

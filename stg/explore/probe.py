@@ -103,8 +103,9 @@ def _extend(a: Timing, b: Timing, scale: float) -> Timing:
 
 
 def _replayed(model, plan: Plan, network: Network) -> list[tuple[Timing, Timing]]:
-    """Per variant, the (free, costed) timings of one pipeline slice of `plan`, replayed whole."""
-    workload = build(model, plan, timing=True)
+    """Per variant, the (free, costed) timings of one pipeline slice of `plan`, replayed whole
+    (its memory is the plan's own, found without nodes: not asked for here)."""
+    workload = build(model, plan, timing=True, memory=False)
     return [slice_timings(workload, network, variant) for variant in range(workload.variants)]
 
 
