@@ -23,6 +23,9 @@
 8. With --405b-space: the warm per-plan floor, four llama3-405b plans each evaluated again
    with every cache of its structure, cut and sizes warm (milliseconds of CPU): what a plan
    costs that shares everything with one seen before. 200 plans per CPU-second is 5 ms.
+9. With --405b-space, side by side: the same four plans' slices replayed from their repeats
+   (stg/chakra/repeat_paths.py, explore's) and from their rows, made, laid out and swept once
+   per cost (stg/chakra/longest_paths.py, explore's before): CPU ratio; the timings equal.
 """
 
 from __future__ import annotations
@@ -30,14 +33,17 @@ from __future__ import annotations
 import argparse
 import tempfile
 import time
+from dataclasses import replace
 
 from model_zoo import load_model
 from stg.api import build, generate
 from stg.chakra.validate import timed_replay
 from stg.explore import Cluster, Job, Space, explore, load_network
-from stg.explore.cost import estimate
+from stg.chakra.replay import CommCost
+from stg.explore.cost import estimate, real_groups
 from stg.explore.probe import fold_counts, folded_timings, plan_timings
 from stg.plan import Plan
+from stg.slice_check import slice_paths, slice_ranks
 
 NETWORK = "dgx-h100-superpod"
 
@@ -70,13 +76,17 @@ def meta_405b() -> None:
               f"[{time.process_time() - started:.1f} CPU-s]")
 
 
+# tp, pp, schedule, vpp
+WARM_PLANS = ((8, 16, "1f1b", 1), (8, 64, "1f1b", 1), (8, 32, "interleaved", 2), (4, 8, "1f1b", 1))
+
+
 def warm_floor() -> None:
     """Per plan, the CPU of evaluating it again in this process (median of 5): what is left of
     a plan once its structure's passes, its cut's recordings and its sizes are known."""
     from stg.explore.search import evaluate
 
     network, model = load_network(NETWORK), load_model("llama3-405b")
-    for tp, pp, schedule, vpp in ((8, 16, "1f1b", 1), (8, 64, "1f1b", 1), (8, 32, "interleaved", 2), (4, 8, "1f1b", 1)):
+    for tp, pp, schedule, vpp in WARM_PLANS:
         plan = Plan(dp=16384 // (tp * pp), tp=tp, sp=True, pp=pp, vpp=vpp, schedule=schedule, zero=1, recompute="full",
                     global_batch=2048, seq=8192, layers_per_stage="auto")
         evaluate(model, plan, network, 80 * 2**30)
@@ -87,6 +97,31 @@ def warm_floor() -> None:
             times.append(time.process_time() - started)
         print(f"  warm llama3-405b tp{tp} pp{pp} {schedule} ({plan.microbatches} micro-batches): "
               f"{sorted(times)[2] * 1e3:.0f} ms a plan")
+
+
+def replays() -> None:
+    """Side by side on warm slices: replayed from their repeats, and from their rows (made
+    afresh each time, as a timing build used to make them: the programs copied, so no cache
+    holds their rows)."""
+    network, model = load_network(NETWORK), load_model("llama3-405b")
+    repeats_s = rows_s = 0.0
+    for tp, pp, schedule, vpp in WARM_PLANS:
+        plan = Plan(dp=16384 // (tp * pp), tp=tp, sp=True, pp=pp, vpp=vpp, schedule=schedule, zero=1, recompute="full",
+                    global_batch=2048, seq=8192, layers_per_stage="auto")
+        workload = build(model, plan, timing=True)
+        ranks = slice_ranks(workload)
+        costs = [CommCost(), network.bind(real_groups(workload, ranks), ranks, workload.mesh.size)]
+        for _ in range(5):
+            started = time.process_time()
+            ours = slice_paths(workload, ranks).runs(costs)
+            repeats_s += time.process_time() - started
+            fresh = replace(workload, programs=tuple(replace(program) for program in workload.programs))
+            started = time.process_time()
+            theirs = slice_paths(fresh, ranks, repeats=False).runs(costs)
+            rows_s += time.process_time() - started
+            assert ours == theirs
+    print(f"slice replays from repeats / from rows: {repeats_s:.2f} / {rows_s:.2f} CPU-s = "
+          f"{repeats_s / rows_s:.2f}x (four warm llama3-405b slices, five times each; the same timings)")
 
 
 def probes() -> None:
@@ -177,6 +212,7 @@ def main() -> None:
         rate("llama3-405b on 16,384 x h100, default space", "llama3-405b", Cluster(gpus=16384),
              Job(global_batch=2048, seq=8192))
         warm_floor()
+        replays()
     if not args.skip_405b:
         meta_405b()
     if args.agreement:
