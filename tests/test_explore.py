@@ -194,6 +194,39 @@ def test_estimate_equals_the_timed_replay_of_the_written_set(model, plan, tmp_pa
         timed_replay(tmp_path, comm="alpha-beta", network=small_nodes).makespan_us - free, rel=0.02, abs=1)
 
 
+def test_a_program_with_rows_of_its_own_is_swept_from_its_rows():
+    """A timed program is its repeats (stg.program.Repeats), read as they are by the sweep
+    (stg/chakra/repeat_paths.py); one that also holds rows of its own (an action lowering could
+    not record) is swept from its rows made (stg/chakra/longest_paths.py), to the same times."""
+    from dataclasses import replace
+
+    from stg.chakra.longest_paths import SlicePaths
+    from stg.chakra.repeat_paths import RepeatPaths
+    from stg.chakra.replay import CommCost
+    from stg.explore.cost import real_groups
+    from stg.program import ReplayChunks
+    from stg.slice_check import slice_paths, slice_ranks
+
+    network = load_network("dgx-h100-superpod")
+    workload = build(MID, Plan(dp=2, tp=2, pp=2, zero=1, global_batch=8, seq=512), timing=True)
+    ranks = slice_ranks(workload)
+    swept = slice_paths(workload, ranks)
+    assert isinstance(swept, RepeatPaths)
+    programs = list(workload.programs)
+    mixed = ReplayChunks()
+    for part in programs[0].timed.parts:  # the first stage's first repeats as rows of its own
+        rows, comm = part.rows()
+        mixed.add(*rows, comm) if not mixed.parts else mixed.add_repeats(part)
+    mixed.ids = programs[0].timed.ids
+    assert mixed.repeats is None and programs[0].timed.repeats is not None
+    programs[0] = replace(programs[0], timed=mixed)
+    rows = slice_paths(replace(workload, programs=tuple(programs)), ranks)
+    assert isinstance(rows, SlicePaths)
+    assert len(programs[0].replay.ids) == len(workload.programs[0].replay.ids)
+    costs = [CommCost(), network.bind(real_groups(workload, ranks), ranks, workload.mesh.size)]
+    assert rows.runs(costs) == swept.runs(costs)
+
+
 def test_a_slice_the_sweep_cannot_order_is_timed_by_the_event_queue(monkeypatch):
     """slice_timings runs the longest-path sweep first (stg/chakra/longest_paths.py, of
     programs lowered for timing stg/chakra/repeat_paths.py); where it stalls (None), the
