@@ -11,7 +11,7 @@
    (Meta reports 38-43 % BF16 MFU for its 8K-sequence pretraining on 8K-16K GPUs).
 3. Side by side, long pipelines (64-128 micro-batches) timed by replaying every micro-batch
    and from two probes (stg/explore/probe.py): CPU-s ratio and the step-time difference.
-4. Side by side, pipelines of 16 stages and 256 micro-batches (1F1B, ZB-H1) and of 20 stages
+4. Side by side, pipelines of 16 stages and 512 micro-batches (1F1B, ZB-H1) and of 20 stages
    and 240 micro-batches (interleaved) timed whole and from four folded ones
    (stg/explore/probe.py): CPU-s ratio and the step-time difference.
 5. --1t: the default space of megatron-1t on 512 H100s (global batch 3,072, seq 2,048), wall
@@ -149,8 +149,8 @@ def folds() -> None:
     """Side by side: long pipelines timed by replaying all their stages and micro-batches and
     from four folded pipelines (stg/explore/probe.py), in one process: CPU ratio, step difference."""
     network = load_network(NETWORK)
-    plans = [Plan(dp=2, tp=8, pp=16, zero=1, global_batch=512, seq=4096, layers_per_stage="auto"),
-             Plan(dp=2, tp=8, pp=16, schedule="zb-h1", zero=1, global_batch=512, seq=4096, layers_per_stage="auto"),
+    plans = [Plan(dp=2, tp=8, pp=16, zero=1, global_batch=1024, seq=4096, layers_per_stage="auto"),
+             Plan(dp=2, tp=8, pp=16, schedule="zb-h1", zero=1, global_batch=1024, seq=4096, layers_per_stage="auto"),
              # 80 blocks, two a virtual stage (its balanced cut leads with 7 one-block stages: not folded)
              Plan(dp=2, tp=8, pp=20, schedule="interleaved", vpp=2, zero=1, global_batch=480, seq=4096)]
     whole_s = folded_s = 0.0

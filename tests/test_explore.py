@@ -489,16 +489,17 @@ def test_a_long_pipeline_is_timed_from_four_folded_ones_as_its_whole_replay(sche
                                                                             seq):
     """A pipeline whose middle stages hold the same blocks, with m >= 2 pp micro-batches, is
     timed from four shorter ones of fewer blocks (stg/explore/probe.py, fold_counts); the
-    step stays within 0.5 % of replaying the whole plan (0.35 % at most here: this small
-    model's COMP nodes last a few µs, rounded to whole ones), each stage's busy time too. The
-    balanced cut of 22 blocks is 1, 2 x 10, 1. The interleaved schedule (two virtual stages
-    a stage) folds too, its micro-batches whole groups of both folds' stages (36, 72): 0.15 %
-    and 0.2 % off here (at seq 512 with one block a virtual stage, 0.56 %: its step's slope
-    in pp settles only past 8 stages when p2p latency weighs this much)."""
+    step stays within 0.5 % of replaying the whole plan (0.11 % at most here, 360
+    micro-batches: this small model's COMP nodes last a few µs, rounded to whole ones), each
+    stage's busy time too. The balanced cut of 22 blocks is 1, 2 x 10, 1. The interleaved
+    schedule (two virtual stages a stage) folds too, its micro-batches whole groups of both
+    folds' stages (36, 72): 0.02 % and 0.05 % off here (at seq 512 with one block a virtual
+    stage, 0.56 %: its step's slope in pp settles only past 8 stages when p2p latency weighs
+    this much)."""
     model = dict(MID, layers=layers)
     # tp 2 x dp 2: four ranks a stage, so the stages alternate NVLink and InfiniBand links (period 2)
     plan = Plan(dp=2, tp=2, pp=12, schedule=schedule, vpp=2 if schedule == "interleaved" else 1, zero=zero,
-                global_batch=2 * 180, seq=seq, layers_per_stage=layers_per_stage)
+                global_batch=2 * 360, seq=seq, layers_per_stage=layers_per_stage)
     _folded_as_whole(model, plan, ((4, 6), (36, 72)))
 
 
@@ -507,15 +508,16 @@ def test_a_long_pipeline_is_timed_from_four_folded_ones_as_its_whole_replay(sche
 def test_a_short_1f1b_or_gpipe_pipeline_is_folded_too(schedule, m, counts):
     """Under 1F1B and GPipe a pipeline of m = pp micro-batches (or fewer, or a few more) is
     folded too, at its own micro-batch count alone (two folds of 4 and 6 stages, the fit
-    linear in pp), and one of more than 18 micro-batches per stage of the longer fold (6 x 18
-    = 108) at 6 and 12 per stage (36 and 72), which replay fewer; the step and each stage's
-    busy time stay within 0.5 % of the whole replay (0.05 % here). An interleaved or ZB-H1
-    plan needs m >= 2 pp (stg/explore/probe.py: 0.8-6.8 % and 1 % off)."""
+    linear in pp: it pays from 40 stages on), and one of more than 18 micro-batches per stage
+    of the longer fold (6 x 18 = 108) at 6 and 12 per stage (36 and 72), which replay fewer;
+    the step and each stage's busy time stay within 0.5 % of the whole replay (0.05 % here).
+    An interleaved or ZB-H1 plan needs m >= 2 pp (stg/explore/probe.py: 0.8-6.8 % and 1 %
+    off)."""
     from stg.explore.probe import may_fold
 
-    model = dict(MID, layers=32)
-    plan = Plan(dp=2, tp=2, pp=32, schedule=schedule, zero=1, global_batch=2 * m, seq=512)
+    model = dict(MID, layers=40)
+    plan = Plan(dp=2, tp=2, pp=40, schedule=schedule, zero=1, global_batch=2 * m, seq=512)
     _folded_as_whole(model, plan, ((4, 6), counts))
     for other in ("zb-h1", "interleaved") if m < 2 * plan.pp else ():
-        assert not may_fold(Plan(dp=2, tp=2, pp=32, schedule=other, vpp=2 if other == "interleaved" else 1,
+        assert not may_fold(Plan(dp=2, tp=2, pp=40, schedule=other, vpp=2 if other == "interleaved" else 1,
                                  global_batch=2 * m, seq=512))

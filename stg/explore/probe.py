@@ -52,9 +52,12 @@ dp 2, period 2), folds at 4 and 6 stages predicted 8 to 48 stages at 48 to 192
 micro-batches within 0.01 % of the whole replay. Where p2p latency weighs as much as the
 compute (a 1,024-wide layer at seq 512, a block a virtual stage), the slope in pp settles
 only past 8 stages and the fold is 0.56 % off at pp 12 (0.15 % at seq 2048). Folding pays
-where the folds replay under half the plan's stage micro-batches
-(2 (m1 + m2)(p1 + p2) <= pp m); the folded models are new structures (their symbolic passes
-are paid once per search, stg/passes.py keeps the recent ones). Under 1F1B and GPipe, whose
+where the folds replay at most a quarter of the plan's stage micro-batches
+(4 (m1 + m2)(p1 + p2) <= pp m): the folded models are new structures, whose symbolic passes
+(paid once per search, stg/passes.py keeps the recent ones) and first recordings cost about
+as much again as the replay they save once the replay is a sweep of the repeats (2026-12-04:
+at half, a new llama3-405b pp 32 cut cost 343 ms folded against 111 ms whole, and the 405B
+space 1.03-1.19x the CPU of a quarter; the 1T space's time did not move). Under 1F1B and GPipe, whose
 step is (m + pp - 1) micro-batch times with or without a steady state, a pipeline is folded
 from m = 4 on, and at the plan's own m alone where that replays no more than 6 p2 and 12 p2
 would (m <= 18 p2; always for m < pp): two folds, the fit linear in pp, exact in m. Else at
@@ -152,15 +155,15 @@ def _microbatch_counts(plan: Plan, p1: int, p2: int) -> list[tuple[int, ...]]:
 
 
 def _pays(plan: Plan, p1: int, p2: int, counts: tuple[int, ...]) -> bool:
-    """The folds of p1 and p2 stages at `counts` micro-batches replay at most half the stage
-    micro-batches of `plan`."""
-    return 2 * sum(counts) * (p1 + p2) <= plan.pp * plan.microbatches
+    """The folds of p1 and p2 stages at `counts` micro-batches replay at most a quarter of the
+    stage micro-batches of `plan` (their structures cost about as much again: see above)."""
+    return 4 * sum(counts) * (p1 + p2) <= plan.pp * plan.microbatches
 
 
 def may_fold(plan: Plan) -> bool:
     """Whether `plan` can be folded at all (fold_counts then needs its cut and the network):
     long enough for two folds of at least 4 and 6 stages, past the fill (m >= 2 pp; m >= 4
-    under 1F1B and GPipe), and the least such folds pay."""
+    under 1F1B and GPipe), and the least such folds pay (_pays)."""
     p1, p2 = FOLD_FEWEST, FOLD_FEWEST + 2
     least = FEWEST_MICROBATCHES if plan.schedule in SHORT_FOLDS else 2 * plan.pp
     return (plan.pp >= 2 * p2 and plan.microbatches >= least
@@ -193,7 +196,7 @@ def fold_counts(workload, network: Network) -> tuple[tuple[int, int], tuple[int,
     for counts in _microbatch_counts(plan, p1, p2):
         if _pays(plan, p1, p2, counts):
             return (p1, p2), counts
-    return None  # the folds cost half as much as the plan or more
+    return None  # the folds cost a quarter of the plan or more
 
 
 def folded_timings(model: Model, workload, network: Network) -> list[tuple[Timing, Timing]] | None:
