@@ -329,10 +329,10 @@ class ReplayChunks:
 
     @property
     def repeats(self) -> list[Repeats] | None:
-        """The parts, where all are Repeats (all of a program's are but for an action that
-        could not be recorded, stg.lower._ProgramBuilder._add_to_replay)."""
+        """The parts, where there are some and all are Repeats (all of a program's are but for
+        an action that could not be recorded, stg.lower._ProgramBuilder._add_to_replay)."""
         repeats = [part for part in self.parts if isinstance(part, Repeats)]
-        return repeats if len(repeats) == len(self.parts) else None
+        return repeats if repeats and len(repeats) == len(self.parts) else None
 
     def nodes(self) -> ReplayNodes:
         chunks, comm, size = [], [], 0

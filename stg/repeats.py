@@ -475,12 +475,12 @@ def _noted_places(builder: "_ProgramBuilder", names: tuple[str, ...], ops: list)
 
 
 def flush_compact(builder: "_ProgramBuilder") -> None:
-    """Add the repeated actions' nodes put off since the last flush (ActionNodes._replay_compact)
-    to builder.replay, in order, as one chunk, their durations rounded on the running carry:
-    what adding each in turn adds, in one compiled loop over the repeats (stg/repeats_kernel.py;
-    a long pipeline repeats tens of thousands of actions). Lowering flushes before it makes a
-    node of its own, which reads the carry and the comm nodes and comes after them in the
-    replay, and at the end."""
+    """Add the repeated actions put off since the last flush (ActionNodes._replay_compact) to
+    builder.replay, in order, as one part (stg.program.Repeats: the rows they make, their
+    durations rounded on the running carry, are made in one compiled loop over the repeats
+    when asked for, stg/repeats_kernel.py; a long pipeline repeats tens of thousands of
+    actions). Lowering flushes before it makes a node of its own, which reads the carry and
+    the comm nodes and comes after them in the replay, and at the end."""
     pending, builder.pending = builder.pending, []
     if not pending:
         return
@@ -520,7 +520,6 @@ def flush_arrays(builder: "_ProgramBuilder", templates: list[_Compact], serials:
 
 COMPUTE_ROLE, COMM_ROLE = ("chain", "compute"), ("chain", "comm")  # the chains' last nodes' roles
 _CHAIN = frozenset({COMPUTE_ROLE})  # a COMP node's first dependency: what ran last
-
 
 
 @dataclass(frozen=True)

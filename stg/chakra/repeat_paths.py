@@ -6,14 +6,16 @@ Making its rows (the replay's ids, types, dependencies, durations and comm keys,
 node) and laying the slice's out for the longest-path sweep (stg/chakra/longest_paths.py)
 cost more than the sweep itself: a pp 16 slice of llama3-405b holds 87,000 replay nodes made
 from 784 repeats of 83 templates. Here one compiled loop walks each repeat's template as the
-sweep walks rows: entering a repeat it places the template's dependencies, rounds its COMP
-runs on the rank's carry (lowering's rounding, in lowering's order) and finds its comm keys;
-then each node ends as SlicePaths' sweep ends it -- the same additions and maxima in the same
-order, the same switch to another rank where a receive's message or a collective's other
-members are not in yet, the same checks -- so every time is the float the sweep finds
-(tests/test_evaluate.py, the timing test). Keys are translated once per distinct key of a
-rank (a few tens), not per comm node; messages are matched and collectives joined as they
-come, in open-addressing hash tables.
+sweep walks rows: entering a repeat it rounds its COMP runs on the rank's carry (lowering's
+rounding, in lowering's order); a node's dependencies and its comm key come from the
+template (those from before the action from the repeat's share of `outside`); then each
+node ends as SlicePaths' sweep ends it -- the same additions and maxima in the same order,
+the same switch to another rank where a receive's message or a collective's other members
+are not in yet, the same checks -- so every time is the float the sweep finds
+(tests/test_evaluate.py, the timing test). Which node comes next never depends on times, so
+one pass times every cost model, a column each. Keys are translated once per distinct key
+of a rank (a few tens), not per comm node; messages are matched and collectives joined as
+they come, in open-addressing hash tables.
 """
 
 from __future__ import annotations
@@ -36,10 +38,11 @@ TAG_LIMIT = 2**31  # a message's tag, shifted, fits 32 bits of its hash key
 class RepeatPaths:
     """The timed programs of a slice (`programs`: their ReplayChunks, all Repeats; `values`:
     per program what each hole stands for, slice_check._hole_values) laid out for the sweep
-    once; `run(cost)` per cost model, as SlicePaths. `groups`: each group's member indices
-    among these ranks."""
+    once; `runs(costs)` as SlicePaths'. `groups`: each group's member indices among these
+    ranks."""
 
-    def __init__(self, programs: Sequence[ReplayChunks], values: Sequence[Mapping], groups: Mapping[int, Sequence[int]]):
+    def __init__(self, programs: Sequence[ReplayChunks], values: Sequence[Mapping],
+                 groups: Mapping[int, Sequence[int]]):
         self.groups = groups
         parts = [program.repeats for program in programs]
         flat: list[Repeats] = list(chain.from_iterable(parts))
@@ -60,12 +63,12 @@ class RepeatPaths:
         firsts = count([len(p.template) for p in flat])[:-1]
         self.carry = np.full(len(self.template), np.nan)  # a part's first repeat: the carry it starts from
         self.carry[firsts[[len(p.template) > 0 for p in flat]]] = [p.carry for p in flat if len(p.template)]
-        self._keys(parts, values, flat)
+        self._keys(parts, values)
         self.most_kept = int(self.packed[self.at].max(initial=0))
         # the hash tables of messages and collectives: at most half full
         self.table_size = 1 << (2 * int(self.packed[self.at[self.template] + 4].sum()) + 1).bit_length()
 
-    def _keys(self, parts: list[list[Repeats]], values: Sequence[Mapping], flat: list[Repeats]) -> None:
+    def _keys(self, parts: list[list[Repeats]], values: Sequence[Mapping]) -> None:
         """Each repeat's comm keys as indices into the distinct keys of the slice (key_at, by
         template; key_map), and per distinct key its slot (a collective's, a send's by its
         pair), its group's index or -1, its pair's index and its tag."""
@@ -166,10 +169,10 @@ def _find(table, key):
 def _sweep(ends, messages, sent, received, instances, joined, joined_at, instance_end, packed, at, exacts,
            exact_at, key_at, template, start, shift, carry_in, outside, rank_entries, rank_outside, rank_ids,
            key_map, key_slot, key_group, key_pair, key_tag, slot_us, group_size, most_kept):
-    """longest_paths._sweep over the rows the repeats make (repeats_kernel.repeated_rows), each
-    repeat's made as the sweep enters it, with a column of times per cost model (`slot_us`: a
-    row of slot times each): per rank the COMP time, per rank and cost the last end, and
-    whether every node ended without waiting for its rank's compute or comm slot."""
+    """longest_paths._sweep over the rows the repeats make (repeats_kernel.repeated_rows), read
+    from their templates as the sweep meets them, with a column of times per cost model
+    (`slot_us`: a row of slot times each): per rank the COMP time, per rank and cost the last
+    end, and whether every node ended without waiting for its rank's compute or comm slot."""
     ranks, costs = rank_entries.size - 1, slot_us.shape[0]
     ends[:] = -1.0  # by node id, ranks end to end; -1: not yet
     entry = rank_entries[:-1].copy()
@@ -251,8 +254,10 @@ def _sweep(ends, messages, sent, received, instances, joined, joined_at, instanc
                     else:
                         j = packed[keyed_as + k]
                         q = key_map[key_at[t] + j]
+                        # a message: its pair and its tag, shifted to the repeat's micro-batch
+                        message = (key_pair[q] << 32) | (key_tag[q] + shift[e] * packed[flags + j] + TAG_LIMIT)
                         if kind == RECV:
-                            h = _find(messages, (key_pair[q] << 32) | (key_tag[q] + shift[e] * packed[flags + j] + TAG_LIMIT))
+                            h = _find(messages, message)
                             if messages[h] < 0:
                                 break  # its message is not in yet
                             if received[h]:
@@ -283,7 +288,6 @@ def _sweep(ends, messages, sent, received, instances, joined, joined_at, instanc
                             for x in range(costs):
                                 ends[i, x] = slot_free[r, x] = instance_end[h, x]
                         else:
-                            message = (key_pair[q] << 32) | (key_tag[q] + shift[e] * packed[flags + j] + TAG_LIMIT)
                             h = _find(messages, message)
                             if messages[h] >= 0:
                                 return busy, finish, False  # two sends of one message
