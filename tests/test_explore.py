@@ -227,6 +227,23 @@ def test_a_program_with_rows_of_its_own_is_swept_from_its_rows():
     assert rows.runs(costs) == swept.runs(costs)
 
 
+def test_a_slice_whose_tags_do_not_fit_the_sweep_is_timed_by_the_event_queue(monkeypatch):
+    """The repeats' sweep keys a message by its pair and tag in 64 bits; a slice whose tags,
+    shifted, would not fit is not swept (None), and the event queue times it, to the same
+    numbers."""
+    import stg.chakra.repeat_paths
+    from stg.chakra.replay import CommCost
+    from stg.slice_check import slice_paths, slice_ranks
+
+    network = load_network("dgx-h100-superpod")
+    workload = build(MID, Plan(dp=2, tp=2, pp=2, zero=1, global_batch=8, seq=512), timing=True)
+    swept = slice_timings(workload, network)
+    monkeypatch.setattr(stg.chakra.repeat_paths, "TAG_LIMIT", 1)
+    ranks = slice_ranks(workload)
+    assert slice_paths(workload, ranks).runs([CommCost()]) == [None]
+    assert slice_timings(workload, network) == swept
+
+
 def test_a_slice_the_sweep_cannot_order_is_timed_by_the_event_queue(monkeypatch):
     """slice_timings runs the longest-path sweep first (stg/chakra/longest_paths.py, of
     programs lowered for timing stg/chakra/repeat_paths.py); where it stalls (None), the
