@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Callable
 import numpy as np
 
 from stg.repeats import _CHAIN, COMM_ROLE, COMPUTE_ROLE, ActionNodes, _Compact, flush_arrays
-from stg.schedule import Kind, Order, virtual_stage
+from stg.schedule import Kind, Order, virtual_stage, walked
 
 if TYPE_CHECKING:
     from stg.lower import _ProgramBuilder
@@ -202,15 +202,12 @@ def _schedule_keys(order: Order, rank: int, apart: frozenset) -> tuple[tuple[tup
     schedule share them (a pipeline of 64 stages and micro-batches keys 8,192 actions)."""
     keys: dict[tuple, int] = {}
     which, microbatches = [], []
-    history: dict[int, tuple] = {}  # micro-batch -> (virtual stage, kind) of its actions so far
-    for action in order.stages[rank]:
-        mb = action.microbatch
-        key = (virtual_stage(rank, action.chunk, order.p), action.kind, False, history.get(mb, ()))
-        history[mb] = key[3] + (key[:2],)
+    for action, stage, history in walked(order.stages[rank], rank, order.p):
+        key = (stage, action.kind, False, history)
         if key[:2] in apart:
-            key += (mb == order.m - 1,)
+            key += (action.microbatch == order.m - 1,)
         which.append(keys.setdefault(key, len(keys)))
-        microbatches.append(mb)
+        microbatches.append(action.microbatch)
     return tuple(keys), which, np.array(microbatches, dtype=np.int64)
 
 

@@ -46,7 +46,7 @@ from stg.program import (ClassStats, GroupHole, NodeType, RankHole, RankProgram,
                          replay_nodes)
 from stg.repeats import (COMM_ROLE, COMPUTE_ROLE, ActionNodes, ActionTally, LayerNodes, add_terms, add_to, alike_tally,
                          combined, flush_compact, tallies)
-from stg.schedule import Action, Kind, Order, order, virtual_stage
+from stg.schedule import Action, Kind, Order, order, virtual_stage, walked
 from stg.shapes import Renaming, edge_moves, layer_shape, moved_here, shape_of, stage_likeness, step_shape
 from stg.sharding import CUT_LIMIT, ShardedGraph, op_places, per_graph
 
@@ -1363,13 +1363,10 @@ class _ProgramBuilder:
         """Run (or repeat) every action's nodes; per micro-batch, the producer of each tensor."""
         pp, finals = self.pipeline.stages.pp, self.pipeline.order.digest(self.rank).finals
         where: dict[int, dict[str, int]] = {}
-        history: dict[int, tuple] = {}  # micro-batch -> (virtual stage, kind) of its actions so far
-        for action in actions:
-            stage = virtual_stage(self.rank, action.chunk, pp)
-            ops = runs.get((stage, action.kind), [])
-            key = self._key(stage, action.kind, action in finals, history.get(action.microbatch, ()))
-            history[action.microbatch] = key[3] + (key[:2],)
-            self.action_nodes(action, ops, units, where.setdefault(action.microbatch, {}), key)
+        for action, stage, history in walked(actions, self.rank, pp):
+            key = self._key(stage, action.kind, action in finals, history)
+            self.action_nodes(action, runs.get((stage, action.kind), []), units,
+                              where.setdefault(action.microbatch, {}), key)
         return where
 
     def _count_actions(self, units: dict) -> None:
@@ -1408,15 +1405,13 @@ class _ProgramBuilder:
         times: Counter = Counter()
         found: dict[tuple, ActionTally] = {}
         for sequence, lasts, count in self.pipeline.order.digest(self.rank).walks:
-            history, earlier = (), []
-            for action, is_last in zip(sequence, lasts):
-                stage = virtual_stage(self.rank, action.chunk, pp)
+            earlier = []
+            for (action, stage, history), is_last in zip(walked(sequence, self.rank, pp), lasts):
                 key = self._key(stage, action.kind, is_last, history)
                 if key not in found:  # it finds what its micro-batch's earlier actions made
                     found[key] = self._action_tally(
                         action, units, lambda: dict.fromkeys(n for k in earlier for n in found[k].made), key)
                 earlier.append(key)
-                history += ((stage, action.kind),)
                 times[key] += count
         return combined((found[key], count) for key, count in times.items())
 

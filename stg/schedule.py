@@ -23,7 +23,7 @@ from __future__ import annotations
 import functools
 import re
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Iterable, Iterator
 
 import numpy as np
 
@@ -254,6 +254,18 @@ def check(schedule: Slots, p: int, m: int, v: int) -> None:
 def virtual_stage(rank: int, chunk: int, p: int) -> int:
     """Chunk c of stage r holds the model's (c p + r)-th slice (Megatron's interleaving)."""
     return chunk * p + rank
+
+
+def walked(actions: Iterable[Action], rank: int, p: int) -> Iterator[tuple[Action, int, tuple]]:
+    """Each of stage `rank`'s actions with its virtual stage and the (virtual stage, kind) of
+    its micro-batch's actions before it: what the tensors it finds made depend on (lowering
+    keys an action by them)."""
+    history: dict[int, tuple] = {}
+    for action in actions:
+        stage = virtual_stage(rank, action.chunk, p)
+        before = history.get(action.microbatch, ())
+        history[action.microbatch] = before + ((stage, action.kind),)
+        yield action, stage, before
 
 
 def simulate(schedule: Schedule, cost: Callable[[Action], float], v: int = 1,

@@ -31,6 +31,18 @@ from stg.chakra.replay_kernel import slot_times
 from stg.program import ReplayNodes
 
 
+def key_places(key: tuple, slots: dict[tuple, int], pairs: dict[tuple, int],
+               group_index: Mapping[int, int]) -> tuple[int, int, int, int]:
+    """A comm key with its holes' values (a collective's (group, type, bytes), a send's or
+    receive's (src, dst, tag, bytes)): its comm slot, numbered in `slots` (a collective's by
+    its key, a send's by its pair), its group's index (-1: none), its pair's, numbered in
+    `pairs` (-1: none), and its tag (0 for a collective)."""
+    if len(key) == 3:
+        return slots.setdefault((COLL, key), len(slots)), group_index[key[0]], -1, 0
+    pair = (key[0], key[1], key[3])
+    return slots.setdefault((SEND, pair), len(slots)), -1, pairs.setdefault(pair, len(pairs)), key[2]
+
+
 class SlicePaths:
     """Rank programs (`nodes`, ReplayNodes; `keys`: per program its comm keys, comm.keys, as
     the replay numbers groups and ranks) laid out for the sweep once; `run(cost)` per cost
@@ -96,15 +108,10 @@ class SlicePaths:
             # collective's) or its pair, and its tag
             slot, which, tag = [], [], []
             for key in translated:
-                if len(key) == 3:
-                    slot.append(slots.setdefault((COLL, key), len(slots)))
-                    which.append(group_index[key[0]])
-                    tag.append(0)
-                else:
-                    pair = (key[0], key[1], key[3])
-                    slot.append(slots.setdefault((SEND, pair), len(slots)))
-                    which.append(pairs.setdefault(pair, len(pairs)))
-                    tag.append(key[2])
+                s, group, pair, t = key_places(key, slots, pairs, group_index)
+                slot.append(s)
+                which.append(group if len(key) == 3 else pair)
+                tag.append(t)
             slot_of = np.array(slot, dtype=np.int64)[comm.key]
             which_of = np.array(which, dtype=np.int64)[comm.key]
             kinds = self.types[at]

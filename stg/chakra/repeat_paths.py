@@ -26,7 +26,8 @@ from itertools import chain
 import numba
 import numpy as np
 
-from stg.chakra.rank_graph import COLL, COMP, RECV, SEND
+from stg.chakra.longest_paths import key_places
+from stg.chakra.rank_graph import COLL, COMP, RECV
 from stg.chakra.replay import CostModel, Timing
 from stg.chakra.replay_kernel import slot_times
 from stg.program import ReplayChunks, Repeats
@@ -91,18 +92,11 @@ class RepeatPaths:
                 found = distinct.get(plain)
                 if found is None:
                     found = distinct[plain] = len(slot)
-                    if len(key) == 3:  # (group, type, bytes)
-                        translated = (value[key[0]], key[1], key[2])
-                        slot.append(slots.setdefault((COLL, translated), len(slots)))
-                        group.append(group_index[translated[0]])
-                        pair.append(-1)
-                        tag.append(0)
-                    else:  # (src, dst, tag, bytes)
-                        src, dst = value[key[0]], value[key[1]]
-                        slot.append(slots.setdefault((SEND, (src, dst, key[3])), len(slots)))
-                        group.append(-1)
-                        pair.append(pairs.setdefault((src, dst, key[3]), len(pairs)))
-                        tag.append(key[2])
+                    translated = (value[key[0]], key[1], key[2]) if len(key) == 3 else \
+                        (value[key[0]], value[key[1]], key[2], key[3])
+                    for column, place in zip((slot, group, pair, tag),
+                                             key_places(translated, slots, pairs, group_index)):
+                        column.append(place)
                 index.append(found)
             key_map.append(np.array(index, dtype=np.int64))
         self.key_at = np.concatenate(key_at) if key_at else np.zeros(0, dtype=np.int64)
