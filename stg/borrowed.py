@@ -26,8 +26,8 @@ from typing import TYPE_CHECKING, Callable
 
 import numpy as np
 
-from stg.repeats import _CHAIN, COMM_ROLE, COMPUTE_ROLE, ActionNodes, _Compact, flush_arrays
-from stg.schedule import Kind, Order, virtual_stage, walked
+from stg.repeats import _CHAIN, COMM_ROLE, COMPUTE_ROLE, ActionNodes, _Compact, by_identity, flush_arrays, offsets
+from stg.schedule import Order, walked
 
 if TYPE_CHECKING:
     from stg.lower import _ProgramBuilder
@@ -99,7 +99,8 @@ def wire(builder: _ProgramBuilder) -> bool:
     step = found.step
     if step is None or not step.names <= place.keys():
         return False
-    return _wired(builder, choose, (step.compact, step, step), place, found.wiring)  # (a step moves no send)
+    # (a step moves no send)
+    return _wired(builder, choose, (step.compact, step, step), place, found.wiring, found.wiring.setdefault("flushed", {}))
 
 
 def wire_own(builder: _ProgramBuilder, kept: "StageTemplates") -> bool:
@@ -142,36 +143,35 @@ class StageTemplates:
         self.wiring: dict = {}
 
 
-def _wired(builder: _ProgramBuilder, choose: Callable, step: tuple, place: dict[str, int], cache_: dict) -> bool:
+def _wired(builder: _ProgramBuilder, choose: Callable, step: tuple, place: dict[str, int], cache_: dict,
+           flushed: dict | None = None) -> bool:
     """Wire the stage's actions in schedule order, then the step: `choose(key, chains
     present, virtual stage, kind)` gives an action's (compact form to flush, template whose
     roles and exits it has, template whose stats it adds), or None; `step` the step's. Names
-    are `place`'s; `cache_` keeps the templates' packed arrays. (A stage whose actions send
+    are `place`'s; `cache_` keeps the templates' packed arrays, `flushed` the repeats' arrays
+    of the stages of one plan (flush_arrays). (A stage whose actions send
     gradient buckets is not wired: no key marks a final action.)"""
-    pipeline, rank, m = builder.pipeline, builder.rank, builder.microbatches
-    chunks = range(pipeline.order.v)
-    apart = frozenset(run for run in ((virtual_stage(rank, chunk, pipeline.order.p), kind)
-                                      for chunk in chunks for kind in Kind) if builder._last_apart(run))
-    keys, which, microbatches = _schedule_keys(pipeline.order, rank, apart)
+    m = builder.microbatches
+    keys, which, microbatches = _schedule_keys(builder.pipeline.order, builder.rank, builder.apart_runs())
     kept = _templates(cache_, place)
-    chosen: dict[tuple, int] = {}  # (key's index, chains present) -> index into `used`
+    chosen: dict[int, int] = {}  # key's index -> index into `used`, under the chains present
     used: list[tuple] = []
-    sets: list[frozenset] = []  # per template used, the chain roles it sets
     order_t = []
-    present = frozenset()
+    present = frozenset()  # (it only grows: a template chosen under fewer is not chosen again)
     for k in which:
-        at = chosen.get((k, present))
+        at = chosen.get(k)
         if at is None:
             key = keys[k]
             found = choose(key, present, key[0], key[1])
             if found is None:
                 return False
-            at = chosen[k, present] = len(used)
+            at = len(used)
             used.append(found)
-            sets.append(_sets(found[1]))
+            if (sets := _sets(found[1])) <= present:
+                chosen[k] = at
+            else:
+                present, chosen = present | sets, {}
         order_t.append(at)
-        if not sets[at] <= present:
-            present = present | sets[at]
     used.append(step)
     order_t.append(len(used) - 1)
     order = np.array(order_t, dtype=np.int64)
@@ -181,16 +181,18 @@ def _wired(builder: _ProgramBuilder, choose: Callable, step: tuple, place: dict[
     edges = np.array([template.edges for _, template, _ in used], dtype=np.int64)
     shifts = (order_mb - first[order]) * edges[order]
     packed = [kept(template) for _, template, _ in used]
-    at = np.cumsum([0, *(len(p) for p in packed[:-1])], dtype=np.int64)
-    nodes = int(np.array([p[0] for p in packed], dtype=np.int64)[order].sum())
-    starts, outside, ok = _wire()(np.concatenate(packed), at, order, order_mb, m,
-                                   max(place.values(), default=0) + 1, max(1, len(cache_["phases"])), nodes)
+    joined, at, sizes = by_identity(cache_.setdefault("joined", {}), tuple(packed), lambda: (
+        np.concatenate(packed), offsets(list(map(len, packed))), np.array([p[0] for p in packed], dtype=np.int64)))
+    if "places" not in cache_:  # (`place` is the cache's)
+        cache_["places"] = max(place.values(), default=0) + 1
+    nodes = int(sizes[order].sum())
+    starts, outside, ok = _wire()(joined, at, order, order_mb, m, cache_["places"], max(1, len(cache_["phases"])), nodes)
     if not ok:
         return False
     builder.nodes.extend([None] * nodes)  # their ids are taken (no node is made)
     for (_, _, stats_of), times in zip(used, np.bincount(order, minlength=len(used)).tolist()):
         builder.repeated(stats_of.stats, times)
-    flush_arrays(builder, [compact for compact, _, _ in used], order, starts, shifts, outside)
+    flush_arrays(builder, [compact for compact, _, _ in used], order, starts, shifts, outside, flushed)
     return True
 
 

@@ -507,7 +507,7 @@ def _layer_read(tensor: str, maker: Op, readers: list[Op]) -> tuple[str, bool, t
 @per_graph
 def _reads_later(sharded: ShardedGraph) -> dict:
     """_ProgramBuilder._read_later's answers, by stage cut, backward split, run and last, and
-    _last_apart's (last: "apart")."""
+    _last_apart's (last: "apart"), and apart_runs' (by rank)."""
     return {}
 
 
@@ -1226,6 +1226,16 @@ class _ProgramBuilder:
             apart = self.last_apart[run] = memo[key]
         return apart
 
+    def apart_runs(self) -> frozenset[tuple]:
+        """The stage's runs whose last action is repeated apart (_last_apart)."""
+        memo = _reads_later(self.sharded)
+        key = (self.pipeline.stages, self.pipeline.split_backward, self.rank, "apart runs")
+        if key not in memo:
+            order = self.pipeline.order
+            memo[key] = frozenset(run for run in ((virtual_stage(self.rank, chunk, order.p), kind)
+                                                  for chunk in range(order.v) for kind in Kind) if self._last_apart(run))
+        return memo[key]
+
     def _run_reads(self, run: tuple) -> Iterator[tuple[tuple, tuple]]:
         """Per layer of `run`, (the reads of it that the step's collectives make, all its
         reads) as _layer_read gives them, found once per structure."""
@@ -1526,13 +1536,19 @@ class _ProgramBuilder:
         None if an edge does not match by name (without a renaming: in order)."""
         found, rename = self.sibling
         theirs, pairs = stage - self.rank + found.rank, []
+        # found by blocks (no renaming), the moves are the stage cut's: kept across its plans
+        key = (self.pipeline.stages, self.pipeline.split_backward, "moves", found.rank, self.rank, stage, kind)
+        memo = _run_edges(self.sharded) if rename is None else {}
+        if key in memo:
+            return memo[key]
         for side, end in ((0, "source"), (1, "target")):
             its, mine = self._edges(theirs, kind)[side], self._edges(stage, kind)[side]
             if len(mine) != len(its) or rename is not None and any(
                     old.tensor not in rename or rename[old.tensor] != new.tensor for old, new in zip(its, mine)):
                 return None
             pairs += [((old, getattr(old, end)), (new, getattr(new, end))) for old, new in zip(its, mine)]
-        return edge_moves(self, pairs)
+        moves = memo[key] = edge_moves(self, pairs)
+        return moves
 
     def _timed_step(self, ops: list[Op], where: dict[str, int]) -> None:
         """The step lowered for timing: a stage repeats the step of another stage of the plan

@@ -6,11 +6,12 @@ The builder is stg/lower.py's _ProgramBuilder."""
 
 from __future__ import annotations
 
+import operator
 from collections import Counter
 from dataclasses import dataclass, replace
 from functools import cached_property
 from itertools import chain, islice
-from typing import TYPE_CHECKING, Iterable, Mapping
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Mapping
 
 import numpy as np
 
@@ -329,9 +330,12 @@ class ActionNodes:
             return peers.get(src, src), peers.get(dst, dst), tag - tag % self.edges + retag[tag % self.edges], size
 
         c = self.compact
-        rekeyed = replace(c, p2p_keys=tuple(map(p2p, c.p2p_keys)), holes=frozenset(peers.get(h, h) for h in c.holes))
-        if "packed" in c.__dict__:  # (its cached_properties but `keys` do not read the keys)
-            rekeyed.__dict__["packed"] = c.packed
+        # a copy of its fields and cached_properties, but `keys`, which reads the keys (a
+        # dataclass replace costs more than the rest: every middle stage rekeys each template)
+        rekeyed = object.__new__(type(c))
+        rekeyed.__dict__.update(c.__dict__, p2p_keys=tuple(map(p2p, c.p2p_keys)),
+                                holes=frozenset(peers.get(h, h) for h in c.holes) if c.holes else c.holes)
+        rekeyed.__dict__.pop("keys", None)
         return rekeyed
 
     @cached_property
@@ -499,15 +503,13 @@ def flush_compact(builder: "_ProgramBuilder") -> None:
 
 
 def flush_arrays(builder: "_ProgramBuilder", templates: list[_Compact], serials: np.ndarray, starts: np.ndarray,
-                 shifts: np.ndarray, outside: np.ndarray) -> None:
+                 shifts: np.ndarray, outside: np.ndarray, joined: dict | None = None) -> None:
     """flush_compact's repeats given as arrays: per repeat its template (an index into
     `templates`), first node id and tag shift, and the nodes from before it that its
-    dependencies name, all repeats' in order (stg/borrowed.py wires a whole stage so)."""
-    packed = [c.packed for c in templates]
-    offsets = lambda sizes: np.cumsum([0, *sizes[:-1]], dtype=np.int64)  # noqa: E731
-    repeats = Repeats(np.concatenate(packed), offsets([len(p) for p in packed]),
-                      np.concatenate([c.exacts for c in templates]), offsets([len(c.exacts) for c in templates]),
-                      offsets([len(c.keys) for c in templates]), serials, starts, shifts, outside, builder.carry,
+    dependencies name, all repeats' in order (stg/borrowed.py wires a whole stage so).
+    `joined`: where the templates' arrays joined are kept for the next flush of templates
+    with the same arrays (alike stages' differ in their keys alone)."""
+    repeats = Repeats(*joined_arrays(templates, joined), serials, starts, shifts, outside, builder.carry,
                       tuple(chain.from_iterable(c.keys for c in templates)))
     # their rows wait until asked for (explore's replay reads the repeats), and so do the carry
     # after them and their comm nodes, which only nodes lowered after them read
@@ -516,6 +518,30 @@ def flush_arrays(builder: "_ProgramBuilder", templates: list[_Compact], serials:
         builder.holes |= c.holes
     builder.comm_later.append(repeats)
     builder.replay.add_repeats(repeats)
+
+
+def by_identity(memo: dict | None, objects: tuple, make: Callable[[], Any]) -> Any:
+    """make(), kept in `memo` (None: not kept) for the same `objects` (by identity: arrays)."""
+    if memo is None:
+        return make()
+    kept = memo.get(key := tuple(map(id, objects)))
+    if kept is None or not all(map(operator.is_, kept[0], objects)):
+        kept = memo[key] = (objects, make())
+    return kept[1]
+
+
+def offsets(sizes: list[int]) -> np.ndarray:
+    """Where each of parts of `sizes` starts when they are joined."""
+    return np.cumsum([0, *sizes[:-1]], dtype=np.int64)
+
+
+def joined_arrays(templates: list[_Compact], joined: dict | None) -> tuple[np.ndarray, ...]:
+    """Repeats' packed templates, their places, the durations, their places and the keys'
+    places (kept in `joined` for templates with the same arrays)."""
+    packed, exacts = [c.packed for c in templates], [c.exacts for c in templates]
+    return by_identity(joined, (*packed, *exacts), lambda: (
+        np.concatenate(packed), offsets(list(map(len, packed))), np.concatenate(exacts),
+        offsets(list(map(len, exacts))), offsets([len(c.keys) for c in templates])))
 
 
 COMPUTE_ROLE, COMM_ROLE = ("chain", "compute"), ("chain", "comm")  # the chains' last nodes' roles
