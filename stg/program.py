@@ -293,6 +293,8 @@ class Repeats:
     outside: np.ndarray
     carry: float
     keys: tuple[tuple, ...]
+    key_group: np.ndarray  # per key, its group of equal keys
+    group_first: np.ndarray  # per group, the index of its first key
 
     @cached_property
     def after(self) -> tuple[float, np.ndarray]:

@@ -352,7 +352,8 @@ class ActionNodes:
             sizing = self.__dict__["_sizing"] = self._sizing_of(builder.origins)
         stands_for, keys, which, collective_bytes, p2p_bytes = sizing
         timed = builder.ev.timing.setdefault(("rebound", id(builder.device)), {})  # the plan's, by origin and costs
-        exacts = np.array([timed[key] if key in timed else timed.setdefault(key, builder._costs(op)[2])
+        get, costs = timed.get, builder._costs  # (a key holds sympy expressions: hashed once a lookup)
+        exacts = np.array([exact if (exact := get(key)) is not None else timed.setdefault(key, costs(op)[2])
                            for op, key in zip(stands_for, keys)], dtype=np.float64)[which]
         collectives = [sum(map(comm, exprs)) for exprs in collective_bytes]
         p2p = list(map(comm, p2p_bytes))
@@ -509,8 +510,9 @@ def flush_arrays(builder: "_ProgramBuilder", templates: list[_Compact], serials:
     dependencies name, all repeats' in order (stg/borrowed.py wires a whole stage so).
     `joined`: where the templates' arrays joined are kept for the next flush of templates
     with the same arrays (alike stages' differ in their keys alone)."""
-    repeats = Repeats(*joined_arrays(templates, joined), serials, starts, shifts, outside, builder.carry,
-                      tuple(chain.from_iterable(c.keys for c in templates)))
+    packed, at, exacts, exact_at, key_at, key_group, group_first = joined_arrays(templates, joined)
+    repeats = Repeats(packed, at, exacts, exact_at, key_at, serials, starts, shifts, outside, builder.carry,
+                      tuple(chain.from_iterable(c.keys for c in templates)), key_group, group_first)
     # their rows wait until asked for (explore's replay reads the repeats), and so do the carry
     # after them and their comm nodes, which only nodes lowered after them read
     builder.carried_by = repeats
@@ -536,12 +538,20 @@ def offsets(sizes: list[int]) -> np.ndarray:
 
 
 def joined_arrays(templates: list[_Compact], joined: dict | None) -> tuple[np.ndarray, ...]:
-    """Repeats' packed templates, their places, the durations, their places and the keys'
-    places (kept in `joined` for templates with the same arrays)."""
+    """Repeats' packed templates, their places, the durations, their places, the keys' places,
+    each key's group and each group's first key (kept in `joined` for templates with the same
+    arrays)."""
     packed, exacts = [c.packed for c in templates], [c.exacts for c in templates]
-    return by_identity(joined, (*packed, *exacts), lambda: (
-        np.concatenate(packed), offsets(list(map(len, packed))), np.concatenate(exacts),
-        offsets(list(map(len, exacts))), offsets([len(c.keys) for c in templates])))
+    groups = [c.key_groups for c in templates]
+
+    def join() -> tuple[np.ndarray, ...]:
+        key_at = offsets([len(group) for group, _ in groups])
+        group_at = offsets([len(first) for _, first in groups])
+        return (np.concatenate(packed), offsets(list(map(len, packed))), np.concatenate(exacts),
+                offsets(list(map(len, exacts))), key_at,
+                np.concatenate([group + at for (group, _), at in zip(groups, group_at)]),
+                np.concatenate([first + at for (_, first), at in zip(groups, key_at)]))
+    return by_identity(joined, (*packed, *exacts, *(group for group, _ in groups)), join)
 
 
 COMPUTE_ROLE, COMM_ROLE = ("chain", "compute"), ("chain", "comm")  # the chains' last nodes' roles
@@ -580,6 +590,19 @@ class _Compact:
     def tail_offsets(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
         """`tails` as two columns: the last nodes, their runs' first nodes."""
         return tuple(tail for tail, _ in self.tails), tuple(first for _, first in self.tails)
+
+    @cached_property
+    def key_groups(self) -> tuple[np.ndarray, np.ndarray]:
+        """The keys grouped by value: each key's group, each group's first key (a slice's sweep
+        translates a value once: stg/chakra/repeat_paths.py). A copy whose keys are a function
+        of these (rekeyed) keeps them: equal keys stay equal."""
+        found: dict[tuple, int] = {}
+        group = [found.setdefault(key, len(found)) for key in self.keys]
+        first: list[int] = []
+        for k, g in enumerate(group):
+            if g == len(first):  # (numbered as they first appear)
+                first.append(k)
+        return np.array(group, dtype=np.int64), np.array(first, dtype=np.int64)
 
     @cached_property
     def packed(self) -> np.ndarray:

@@ -83,22 +83,23 @@ class RepeatPaths:
             for part in rank:
                 key_at.append(part.key_at + offset)
                 offset += len(part.keys)
-            index = []
-            # a key as plain values (a hole's dataclass hash and equality are Python calls; a
-            # slice holds thousands of key objects, a few hundred distinct)
-            for key in chain.from_iterable(part.keys for part in rank):
-                plain = (r, key[0].axes, key[0].members, key[1], key[2]) if len(key) == 3 else \
-                    (r, key[0].stage, key[1].stage, key[2], key[3])
-                found = distinct.get(plain)
-                if found is None:
-                    found = distinct[plain] = len(slot)
-                    translated = (value[key[0]], key[1], key[2]) if len(key) == 3 else \
-                        (value[key[0]], value[key[1]], key[2], key[3])
-                    for column, place in zip((slot, group, pair, tag),
-                                             key_places(translated, slots, pairs, group_index)):
-                        column.append(place)
-                index.append(found)
-            key_map.append(np.array(index, dtype=np.int64))
+                index = []
+                # a group of equal keys (its template's) as plain values (a hole's dataclass hash
+                # and equality are Python calls; a slice holds thousands of keys, a few hundred
+                # groups, tens of values)
+                for key in map(part.keys.__getitem__, part.group_first.tolist()):
+                    plain = (r, key[0].axes, key[0].members, key[1], key[2]) if len(key) == 3 else \
+                        (r, key[0].stage, key[1].stage, key[2], key[3])
+                    found = distinct.get(plain)
+                    if found is None:
+                        found = distinct[plain] = len(slot)
+                        translated = (value[key[0]], key[1], key[2]) if len(key) == 3 else \
+                            (value[key[0]], value[key[1]], key[2], key[3])
+                        for column, place in zip((slot, group, pair, tag),
+                                                 key_places(translated, slots, pairs, group_index)):
+                            column.append(place)
+                    index.append(found)
+                key_map.append(np.array(index, dtype=np.int64)[part.key_group])
         self.key_at = np.concatenate(key_at) if key_at else np.zeros(0, dtype=np.int64)
         self.key_map = np.concatenate(key_map) if key_map else np.zeros(0, dtype=np.int64)
         self.key_slot, self.key_group, self.key_pair, self.key_tag = (np.array(column, dtype=np.int64)
