@@ -26,7 +26,8 @@ from typing import TYPE_CHECKING, Callable
 
 import numpy as np
 
-from stg.repeats import _CHAIN, COMM_ROLE, COMPUTE_ROLE, ActionNodes, _Compact, by_identity, flush_arrays, offsets
+from stg.repeats import _CHAIN, COMM_ROLE, COMPUTE_ROLE, ActionNodes, _Compact, flush_arrays, offsets
+from stg.sharding import by_identity
 from stg.schedule import Order, walked
 
 if TYPE_CHECKING:

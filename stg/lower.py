@@ -63,6 +63,7 @@ class Evaluator:
         self.bound: dict[tuple, ClassStats] = {}  # tallies bound under these bindings (_ProgramBuilder._bound)
         self.timing: dict[tuple, dict] = {}  # ops' durations under these bindings (_ProgramBuilder._costs)
         self.layers: dict[tuple, object] = {}  # layers' nodes recorded under them (_ProgramBuilder._run_alike)
+        self.held: dict[tuple, tuple] = {}  # pipeline stages' memory shares sized under them (stg/memory.py)
 
     def __call__(self, expr: sympy.Expr) -> int:
         found = self.cache.get(expr)

@@ -23,7 +23,7 @@ All in bytes, per rank, from local shapes: right by construction for every strat
 from __future__ import annotations
 
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import cached_property
 from operator import attrgetter
 
@@ -33,7 +33,7 @@ from stg.costs import Pointwise
 from stg.graph import OpKind, Phase, Role
 from stg.lower import Evaluator
 from parallelism.pipeline import block_weight
-from stg.sharding import CUT_LIMIT, ShardedGraph, per_graph
+from stg.sharding import CUT_LIMIT, ShardedGraph, by_identity, per_graph
 
 _BACKWARD = (Phase.BACKWARD_INPUT, Phase.BACKWARD_WEIGHT)
 _LAYER = attrgetter("layer")
@@ -145,9 +145,22 @@ def shared_leaves(sharded: ShardedGraph) -> list[frozenset[int]]:
 
 
 @per_graph(limit=CUT_LIMIT)
-def _stage_shares(sharded: ShardedGraph, stages) -> dict[int, tuple]:
-    """_stage_share's answers per pipeline stage, kept per structure and cut."""
+def _stage_shares(sharded: ShardedGraph, stages) -> dict:
+    """_stage_share's answers per pipeline stage, kept per structure and cut; under "layers"
+    each stage's layers, under "parts" each distinct part of an answer (alike stages share
+    one object, which memory() sizes once per plan)."""
     return {}
+
+
+def _stage_layers(sharded: ShardedGraph, stages, shares: dict) -> dict[int, frozenset]:
+    """Each pipeline stage's layers under `stages`, found for all at once (a cut of 64 stages
+    asks for each), each set made in layer order as one stage's would be."""
+    if "layers" not in shares:
+        by_rank: dict[int, list[int]] = {}
+        for layer in _index(sharded).layers:
+            by_rank.setdefault(stages.rank_and_chunk(stages.virtual_stage(layer))[0], []).append(layer)
+        shares["layers"] = {rank: frozenset(layers) for rank, layers in by_rank.items()}
+    return shares["layers"]
 
 
 def _stage_share(sharded: ShardedGraph, stages, rank: int) -> tuple:
@@ -158,8 +171,7 @@ def _stage_share(sharded: ShardedGraph, stages, rank: int) -> tuple:
     shares = _stage_shares(sharded, stages)
     if rank not in shares:
         index = _index(sharded)
-        mine = index.layers if stages is None else frozenset(
-            layer for layer in index.layers if stages.rank_and_chunk(stages.virtual_stage(layer))[0] == rank)
+        mine = index.layers if stages is None else _stage_layers(sharded, stages, shares).get(rank, frozenset())
         # a short model's block may stand for several (stg/short.py): its own leaves, casts and
         # gradients count once per block it stands for
         weight = block_weight(stages)
@@ -179,8 +191,11 @@ def _stage_share(sharded: ShardedGraph, stages, rank: int) -> tuple:
         grads: Counter = Counter()
         for nbytes, copies in stored.values():
             grads[nbytes] += copies
-        shares[rank] = (tuple(leaves.items()), tuple(casts.items()), tuple(grads.items()),
-                        _Saved.of(index, sorted(layer for layer in mine if layer in index.saved), stages))
+        saved = _Saved.of(index, sorted(layer for layer in mine if layer in index.saved), stages)
+        parts = shares.setdefault("parts", {})
+        one = lambda part: parts.setdefault(part, part)  # noqa: E731
+        shares[rank] = (one(tuple(leaves.items())), one(tuple(casts.items())), one(tuple(grads.items())),
+                        replace(saved, patterns=one(saved.patterns)))
     return shares[rank]
 
 
@@ -216,6 +231,21 @@ def memory(sharded: ShardedGraph, evaluate: Evaluator, stages=None, in_flight=No
     schedule, of which `in_flight` (stg.schedule.StageDigest) tells the micro-batches held;
     without it, the whole graph and one micro-batch at a time."""
     leaves, casts, grads, saved = _stage_share(sharded, stages, rank)
+    weights, gradients, states, embedding, sized = by_identity(
+        evaluate.held, (leaves, casts, grads, saved.patterns),
+        lambda: _sized(evaluate, leaves, casts, grads, saved.patterns))
+    by_layer = {layer: sized[place][0] for layer, place in saved.layers}
+    if in_flight is None:
+        activations = sum(by_layer.values())
+    else:
+        activations = _peak(in_flight, saved, sized)
+    return Memory(weights, gradients, states, activations, by_layer, *embedding)
+
+
+def _sized(evaluate: Evaluator, leaves: tuple, casts: tuple, grads: tuple, patterns: tuple) -> tuple:
+    """A stage share's parts in bytes under `evaluate`'s bindings: its weights, gradients and
+    optimizer states, the embedding tables' and their states' bytes, and per saved-tensor
+    pattern (its bytes, the bytes a W pass reads)."""
     held: Counter = Counter()  # bytes of the leaves this stage's ops read, by role
     embedding = [0, 0]  # of them, the embedding tables' and their optimizer states'
     for (role, table, table_state, nbytes), n in leaves:
@@ -230,15 +260,10 @@ def memory(sharded: ShardedGraph, evaluate: Evaluator, stages=None, in_flight=No
     # saved tensors per block: freed after the backward's B pass, or kept until its W pass;
     # the copies of a block keep alike tensors, whose sizes are found once
     sized = []  # per pattern: (its bytes, the bytes a W pass reads)
-    for kept in saved.patterns:
+    for kept in patterns:
         sizes = [(n, read_by_w, evaluate(nbytes)) for nbytes, n, read_by_w in kept]
         sized.append((sum(n * size for n, _, size in sizes), sum(w * size for _, w, size in sizes)))
-    by_layer = {layer: sized[place][0] for layer, place in saved.layers}
-    if in_flight is None:
-        activations = sum(by_layer.values())
-    else:
-        activations = _peak(in_flight, saved, sized)
-    return Memory(weights, gradients, states, activations, by_layer, *embedding)
+    return weights, gradients, states, embedding, sized
 
 
 def _peak(in_flight, saved: _Saved, sized: list[tuple[int, int]]) -> int:

@@ -6,18 +6,17 @@ The builder is stg/lower.py's _ProgramBuilder."""
 
 from __future__ import annotations
 
-import operator
 from collections import Counter
 from dataclasses import dataclass, replace
 from functools import cached_property
 from itertools import chain, islice
-from typing import TYPE_CHECKING, Any, Callable, Iterable, Mapping
+from typing import TYPE_CHECKING, Iterable, Mapping
 
 import numpy as np
 
 from stg.graph import VIEWS, OpKind
 from stg.program import ClassStats, NodeType, Repeats, TraceNode, merged_runs
-from stg.sharding import ShardedGraph, per_graph
+from stg.sharding import ShardedGraph, by_identity, per_graph
 
 if TYPE_CHECKING:
     from stg.lower import Evaluator, _ProgramBuilder
@@ -520,16 +519,6 @@ def flush_arrays(builder: "_ProgramBuilder", templates: list[_Compact], serials:
         builder.holes |= c.holes
     builder.comm_later.append(repeats)
     builder.replay.add_repeats(repeats)
-
-
-def by_identity(memo: dict | None, objects: tuple, make: Callable[[], Any]) -> Any:
-    """make(), kept in `memo` (None: not kept) for the same `objects` (by identity: arrays)."""
-    if memo is None:
-        return make()
-    kept = memo.get(key := tuple(map(id, objects)))
-    if kept is None or not all(map(operator.is_, kept[0], objects)):
-        kept = memo[key] = (objects, make())
-    return kept[1]
 
 
 def offsets(sizes: list[int]) -> np.ndarray:

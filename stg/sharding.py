@@ -13,10 +13,11 @@ size, are recomputed from what one rank holds: right by construction.
 from __future__ import annotations
 
 import functools
+import operator
 from dataclasses import dataclass, field
 from itertools import accumulate, islice, repeat
 from operator import attrgetter
-from typing import Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 from stg.blocks import NameTable, blocks, renaming, signature_of
 from stg.builder import GraphBuilder
@@ -525,6 +526,17 @@ def recent(cache: dict, key, make, limit: int):
             del cache[next(iter(cache))]
         cache[key] = make()
     return cache[key]
+
+
+def by_identity(memo: dict | None, objects: tuple, make: Callable[[], Any]) -> Any:
+    """make(), kept in `memo` (None: not kept) for the same `objects`, by identity (arrays,
+    tuples of expressions: what is slow or unsafe to hash), kept alive with it."""
+    if memo is None:
+        return make()
+    kept = memo.get(key := tuple(map(id, objects)))
+    if kept is None or not all(map(operator.is_, kept[0], objects)):
+        kept = memo[key] = (objects, make())
+    return kept[1]
 
 
 @per_graph(limit=4)
