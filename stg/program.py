@@ -54,6 +54,14 @@ class RankHole:
 Hole = GroupHole | RankHole
 
 
+def plain_key(key: tuple) -> tuple:
+    """A comm key (TraceNode.comm_key) as plain values, equal where the keys are equal: the
+    holes' dataclass hash and equality are Python calls, and a slice sweeps thousands of keys."""
+    if len(key) == 3:
+        return key[0].axes, key[0].members, key[1], key[2]
+    return key[0].stage, key[1].stage, key[2], key[3]
+
+
 @dataclass(frozen=True)
 class TraceNode:
     id: int

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Iterable, Mapping
 import numpy as np
 
 from stg.graph import VIEWS, OpKind
-from stg.program import ClassStats, NodeType, Repeats, TraceNode, merged_runs
+from stg.program import ClassStats, NodeType, Repeats, TraceNode, merged_runs, plain_key
 from stg.sharding import ShardedGraph, by_identity, per_graph
 
 if TYPE_CHECKING:
@@ -586,7 +586,7 @@ class _Compact:
         translates a value once: stg/chakra/repeat_paths.py). A copy whose keys are a function
         of these (rekeyed) keeps them: equal keys stay equal."""
         found: dict[tuple, int] = {}
-        group = [found.setdefault(key, len(found)) for key in self.keys]
+        group = [found.setdefault(key, len(found)) for key in map(plain_key, self.keys)]
         first: list[int] = []
         for k, g in enumerate(group):
             if g == len(first):  # (numbered as they first appear)

@@ -30,7 +30,7 @@ from stg.chakra.longest_paths import key_places
 from stg.chakra.rank_graph import COLL, COMP, RECV
 from stg.chakra.replay import CostModel, Timing
 from stg.chakra.replay_kernel import slot_times
-from stg.program import ReplayChunks, Repeats
+from stg.program import ReplayChunks, Repeats, plain_key
 from stg.repeats_kernel import HEADER
 
 TAG_LIMIT = 2**31  # a message's tag, shifted, fits 32 bits of its hash key
@@ -84,13 +84,10 @@ class RepeatPaths:
                 key_at.append(part.key_at + offset)
                 offset += len(part.keys)
                 index = []
-                # a group of equal keys (its template's) as plain values (a hole's dataclass hash
-                # and equality are Python calls; a slice holds thousands of keys, a few hundred
-                # groups, tens of values)
+                # a group of equal keys (its template's): a slice holds thousands of keys, a few
+                # hundred groups, tens of values
                 for key in map(part.keys.__getitem__, part.group_first.tolist()):
-                    plain = (r, key[0].axes, key[0].members, key[1], key[2]) if len(key) == 3 else \
-                        (r, key[0].stage, key[1].stage, key[2], key[3])
-                    found = distinct.get(plain)
+                    found = distinct.get(plain := (r, plain_key(key)))
                     if found is None:
                         found = distinct[plain] = len(slot)
                         translated = (value[key[0]], key[1], key[2]) if len(key) == 3 else \
