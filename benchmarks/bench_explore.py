@@ -17,7 +17,9 @@
 5. --1t: the default space of megatron-1t on 512 H100s (global batch 3,072, seq 2,048), wall
    time with --workers processes (issue 13: under 60 s on the 2-core machine).
 6. --405b-space: the default space of llama3-405b on 16,384 H100s (seq 8192, 2,048 sequences),
-   plans per CPU-second in one process (issue 13 asks for 200).
+   plans per CPU-second in one process (issue 13 asks for 200); then a wider one (ZeRO 0-3,
+   micro-batches of 1, 2 and 4, 1F1B, interleaved and ZB-H1: nine times the plans), where a
+   structure's and a stage cut's first costs are shared by more plans.
 7. --agreement: for a few plans, the estimate against `stg validate --timed alpha-beta
    --network` of the written set (relative difference).
 8. With --405b-space: the warm per-plan floor, four llama3-405b plans each evaluated again
@@ -211,6 +213,9 @@ def main() -> None:
     if args.space_405b:
         rate("llama3-405b on 16,384 x h100, default space", "llama3-405b", Cluster(gpus=16384),
              Job(global_batch=2048, seq=8192))
+        rate("llama3-405b on 16,384 x h100, a wider space", "llama3-405b", Cluster(gpus=16384),
+             Job(global_batch=2048, seq=8192),
+             Space(zero=(0, 1, 2, 3), micro_batch=(1, 2, 4), schedule=("1f1b", "interleaved", "zb-h1")))
         warm_floor()
         replays()
     if not args.skip_405b:
