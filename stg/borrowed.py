@@ -27,8 +27,8 @@ from typing import TYPE_CHECKING, Callable
 import numpy as np
 
 from stg.repeats import _CHAIN, COMM_ROLE, COMPUTE_ROLE, ActionNodes, _Compact, flush_arrays, offsets
-from stg.sharding import by_identity
 from stg.schedule import Order, walked
+from stg.sharding import by_identity
 
 if TYPE_CHECKING:
     from stg.lower import _ProgramBuilder
@@ -100,8 +100,8 @@ def wire(builder: _ProgramBuilder) -> bool:
     step = found.step
     if step is None or not step.names <= place.keys():
         return False
-    # (a step moves no send)
-    return _wired(builder, choose, (step.compact, step, step), place, found.wiring, found.wiring.setdefault("flushed", {}))
+    flushed = found.wiring.setdefault("flushed", {})  # (found is the plan's: so are its stages' arrays)
+    return _wired(builder, choose, (step.compact, step, step), place, found.wiring, flushed)  # (a step moves no send)
 
 
 def wire_own(builder: _ProgramBuilder, kept: "StageTemplates") -> bool:
@@ -187,7 +187,8 @@ def _wired(builder: _ProgramBuilder, choose: Callable, step: tuple, place: dict[
     if "places" not in cache_:  # (`place` is the cache's)
         cache_["places"] = max(place.values(), default=0) + 1
     nodes = int(sizes[order].sum())
-    starts, outside, ok = _wire()(joined, at, order, order_mb, m, cache_["places"], max(1, len(cache_["phases"])), nodes)
+    starts, outside, ok = _wire()(joined, at, order, order_mb, m, cache_["places"], max(1, len(cache_["phases"])),
+                                   nodes)
     if not ok:
         return False
     builder.nodes.extend([None] * nodes)  # their ids are taken (no node is made)

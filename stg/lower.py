@@ -1233,8 +1233,8 @@ class _ProgramBuilder:
         key = (self.pipeline.stages, self.pipeline.split_backward, self.rank, "apart runs")
         if key not in memo:
             order = self.pipeline.order
-            memo[key] = frozenset(run for run in ((virtual_stage(self.rank, chunk, order.p), kind)
-                                                  for chunk in range(order.v) for kind in Kind) if self._last_apart(run))
+            runs = ((virtual_stage(self.rank, chunk, order.p), kind) for chunk in range(order.v) for kind in Kind)
+            memo[key] = frozenset(run for run in runs if self._last_apart(run))
         return memo[key]
 
     def _run_reads(self, run: tuple) -> Iterator[tuple[tuple, tuple]]:

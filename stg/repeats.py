@@ -351,7 +351,7 @@ class ActionNodes:
             sizing = self.__dict__["_sizing"] = self._sizing_of(builder.origins)
         stands_for, keys, which, collective_bytes, p2p_bytes = sizing
         timed = builder.ev.timing.setdefault(("rebound", id(builder.device)), {})  # the plan's, by origin and costs
-        get, costs = timed.get, builder._costs  # (a key holds sympy expressions: hashed once a lookup)
+        get, costs = timed.get, builder._costs  # (its keys hold sympy expressions: one hash a lookup)
         exacts = np.array([exact if (exact := get(key)) is not None else timed.setdefault(key, costs(op)[2])
                            for op, key in zip(stands_for, keys)], dtype=np.float64)[which]
         collectives = [sum(map(comm, exprs)) for exprs in collective_bytes]
@@ -522,7 +522,7 @@ def flush_arrays(builder: "_ProgramBuilder", templates: list[_Compact], serials:
 
 
 def offsets(sizes: list[int]) -> np.ndarray:
-    """Where each of parts of `sizes` starts when they are joined."""
+    """Where each part starts when parts of `sizes` are joined end to end."""
     return np.cumsum([0, *sizes[:-1]], dtype=np.int64)
 
 
