@@ -19,6 +19,16 @@ import numpy as np
 HEADER = 6
 
 
+@numba.njit(cache=True, inline="always")
+def rounded(exact, carry):
+    """Lowering's rounding of a COMP node's duration (stg.lower._ProgramBuilder._rounded, and
+    inline in stg/repeats.py _replay_nodes): its whole microseconds and the error carried on,
+    the same in every compiled loop that rounds (their times match to the last bit)."""
+    exact += carry
+    duration = round(exact) if exact > 0 else 0
+    return duration, exact - duration
+
+
 @numba.njit(cache=True)
 def repeated_rows(packed, at, exacts, exact_at, template, start, shift, outside, key_at, carry):
     """The rows of the repeats (entry e: template[e], its packed block at at[template[e]], its
@@ -56,10 +66,8 @@ def repeated_rows(packed, at, exacts, exact_at, template, start, shift, outside,
             deps[fl + packed[p + j]] = outside[o + j]
         p += n_out
         x0 = exact_at[t]
-        for i in range(n_comp):  # lowering's rounding (stg/repeats.py _replay_nodes), in order
-            exact = exacts[x0 + i] + carry
-            duration = round(exact) if exact > 0 else 0
-            carry = exact - duration
+        for i in range(n_comp):  # in order
+            duration, carry = rounded(exacts[x0 + i], carry)
             sums[row + packed[p + i]] += duration
         p += n_comp
         for j in range(n_keyed):
@@ -93,9 +101,7 @@ def carried(packed, at, exacts, exact_at, template, start, carry):
                                                          packed[b + 4], packed[b + 5])
         x0 = exact_at[t]
         for i in range(n_comp):
-            exact = exacts[x0 + i] + carry
-            duration = round(exact) if exact > 0 else 0
-            carry = exact - duration
+            carry = rounded(exacts[x0 + i], carry)[1]
         p = b + HEADER + 3 * n_kept + n_flat + n_out + n_comp + 2 * n_keyed
         for j in range(n_comm):
             comm_ids[m + j] = packed[p + j] + start[e]

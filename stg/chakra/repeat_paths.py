@@ -31,7 +31,7 @@ from stg.chakra.rank_graph import COLL, COMP, RECV
 from stg.chakra.replay import CostModel, Timing
 from stg.chakra.replay_kernel import slot_times
 from stg.program import ReplayChunks, Repeats, plain_key
-from stg.repeats_kernel import HEADER
+from stg.repeats_kernel import HEADER, rounded
 
 TAG_LIMIT = 2**31  # a message's tag, shifted, fits 32 bits of its hash key
 
@@ -217,10 +217,8 @@ def _sweep(ends, messages, sent, received, instances, joined, joined_at, instanc
                     for k in range(n_kept):
                         duration[kb + k] = 0
                     for i in range(n_comp):
-                        exact = exacts[x0 + i] + c
-                        rounded = round(exact) if exact > 0 else 0
-                        c = exact - rounded
-                        duration[kb + packed[p_runs + i]] += rounded
+                        d, c = rounded(exacts[x0 + i], c)
+                        duration[kb + packed[p_runs + i]] += d
                     carry[r] = c
                     entered[r], node[r], flat_at[r] = True, 0, 0
                 k, f = node[r], flat_at[r]
