@@ -15,7 +15,9 @@ are not in yet, the same checks -- so every time is the float the sweep finds
 (tests/test_evaluate.py, the timing test). Which node comes next never depends on times, so
 one pass times every cost model, a column each. Keys are translated once per distinct key
 of a rank (a few tens), not per comm node; messages are matched and collectives joined as
-they come, in open-addressing hash tables.
+they come, in open-addressing hash tables -- but for a collective whose group has one member
+in the slice (tp, dp, cp and ep groups: their other members are copies of the slice), which
+ends its slot after the rank joins it, as a joined instance of one member would.
 """
 
 from __future__ import annotations
@@ -255,6 +257,11 @@ def _sweep(ends, messages, sent, received, instances, joined, joined_at, instanc
                             received[h] = True
                             for x in range(costs):
                                 ends[i, x] = max(ready[x], sent[h, x])
+                        elif kind == COLL and group_size[key_group[q]] == 1:  # this rank's alone: no table
+                            for x in range(costs):
+                                if ready[x] < slot_free[r, x]:
+                                    return busy, finish, False  # it would wait for the rank's comm slot
+                                ends[i, x] = slot_free[r, x] = ready[x] + slot_us[x, key_slot[q]]
                         elif kind == COLL:
                             if not joining[r]:
                                 for x in range(costs):
