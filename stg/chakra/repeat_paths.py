@@ -119,6 +119,9 @@ class RepeatPaths:
         never on their times, so each cost's times come out as its own sweep's would."""
         if not self.sweeps:
             return [None] * len(costs)
+        if len(costs) != 2:  # the sweep takes two columns (explore's free and costed runs)
+            return [timing for at in range(0, len(costs), 2)
+                    for timing in self.runs([costs[at], costs[min(at + 1, len(costs) - 1)]])[:len(costs) - at]]
         slots = np.arange(len(self.slot_keys), dtype=np.int64)
         slot_us = np.array([slot_times(cost, self.groups, self.slot_keys, slots) for cost in costs])
         busy, finish, swept = _sweep(*_scratch(int(self.rank_ids[-1]), self.table_size, len(costs)),
@@ -166,7 +169,8 @@ def _sweep(ends, messages, sent, received, instances, joined, joined_at, instanc
     """longest_paths._sweep over the rows the repeats make (repeats_kernel.repeated_rows), read
     from their templates as the sweep meets them, with a column of times per cost model
     (`slot_us`: a row of slot times each): per rank the COMP time, per rank and cost the last
-    end, and whether every node ended without waiting for its rank's compute or comm slot."""
+    end, and whether every node ended without waiting for its rank's compute or comm slot. Two
+    columns (RepeatPaths.runs pairs its costs)."""
     ranks, costs = rank_entries.size - 1, slot_us.shape[0]
     ends[:] = -1.0  # by node id, ranks end to end; -1: not yet
     entry = rank_entries[:-1].copy()
@@ -227,15 +231,18 @@ def _sweep(ends, messages, sent, received, instances, joined, joined_at, instanc
                 while k < n_kept:
                     kind = packed[p_types + k]
                     n_deps = packed[p_types + n_kept + k]
-                    ready[:] = 0.0
+                    ready0 = ready1 = 0.0  # (two columns, as scalars: the loop every dependency takes)
                     for d in range(f, f + n_deps):
                         dep = packed[p_deps + d]  # an offset in the repeat, or -1 - j: the j-th from before
                         dep = base + (dep + s if dep >= 0 else outside[first_out[r] - 1 - dep])
-                        if ends[dep, 0] < 0:
+                        end0, end1 = ends[dep, 0], ends[dep, 1]
+                        if end0 < 0:
                             return busy, finish, False  # a dependency not before it
-                        for x in range(costs):
-                            if ends[dep, x] > ready[x]:
-                                ready[x] = ends[dep, x]
+                        if end0 > ready0:
+                            ready0 = end0
+                        if end1 > ready1:
+                            ready1 = end1
+                    ready[0], ready[1] = ready0, ready1
                     i = base + packed[b + HEADER + k] + s
                     if kind == COMP:
                         for x in range(costs):
