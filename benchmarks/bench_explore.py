@@ -42,7 +42,7 @@ from stg.api import build, generate
 from stg.chakra.validate import timed_replay
 from stg.explore import Cluster, Job, Space, explore, load_network
 from stg.chakra.replay import CommCost
-from stg.explore.cost import estimate, real_groups
+from stg.explore.cost import estimate, group_spans
 from stg.explore.probe import fold_counts, folded_timings, plan_timings
 from stg.plan import Plan
 from stg.slice_check import slice_paths, slice_ranks
@@ -112,7 +112,7 @@ def replays() -> None:
                     global_batch=2048, seq=8192, layers_per_stage="auto")
         workload = build(model, plan, timing=True)
         ranks = slice_ranks(workload)
-        costs = [CommCost(), network.bind(real_groups(workload, ranks), ranks, workload.mesh.size)]
+        costs = [CommCost(), network.bound(group_spans(workload, ranks), ranks, workload.mesh.size)]
         for _ in range(5):
             started = time.process_time()
             ours = slice_paths(workload, ranks).runs(costs)

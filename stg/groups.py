@@ -125,6 +125,12 @@ class GroupIds:
         kind = _kind(kind)
         return self._keep(kind, self.mesh.group(rank, kind.axes))
 
+    def span(self, rank: int, kind) -> tuple[int, int, int]:
+        """The size, lowest and highest rank of `members(rank, kind)`, without listing them (a
+        dp group of a wide plan holds hundreds of ranks; a network costs a group by these)."""
+        kind = _kind(kind)
+        return self.mesh.group_span(rank, kind.axes, kind.members)
+
     def _keep(self, kind: Kind, members: list[int]) -> list[int]:
         if kind.members is None:
             return members

@@ -192,6 +192,21 @@ class DeviceMesh:
             members = [m + k * stride for m in members for k in range(sizes[ax])]
         return sorted(members)
 
+    def group_span(self, rank: int, axes: Sequence[str], first: Sequence[int] | None = None) -> tuple[int, int, int]:
+        """What `group` holds, counted without listing it: its size, lowest and highest rank;
+        `first`: only the members with these coordinates on axes[0] (GroupIds' kept members)."""
+        coords, sizes = self.coords(rank), self.sizes
+        base = rank - sum(coords[ax] * self.stride(ax) for ax in axes)
+        count, lowest, highest = 1, base, base
+        for k, ax in enumerate(axes):
+            values = range(sizes[ax]) if first is None or k else sorted(v for v in first if v < sizes[ax])
+            if not values:
+                return 0, 0, 0
+            count *= len(values)
+            lowest += values[0] * self.stride(ax)
+            highest += values[-1] * self.stride(ax)
+        return count, lowest, highest
+
     def group_index(self, rank: int, axes: Sequence[str]) -> int:
         """Which group of kind `axes` holds `rank`: the mixed-radix number of its other coordinates."""
         index = 0

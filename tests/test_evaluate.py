@@ -274,7 +274,7 @@ def test_a_plan_lowered_for_timing_replays_as_its_nodes(name, tmp_path, monkeypa
     import stg.repeats
     from stg.chakra.replay import CommCost, TimedReplay
     from stg.chakra.replay_kernel import CompiledReplay
-    from stg.explore.cost import real_groups, slice_timings
+    from stg.explore.cost import group_spans, slice_timings
     from stg.explore.network import load_network
     from stg.chakra.longest_paths import SlicePaths
     from stg.chakra.repeat_paths import RepeatPaths
@@ -338,7 +338,7 @@ def test_a_plan_lowered_for_timing_replays_as_its_nodes(name, tmp_path, monkeypa
         # programs lowered for timing are all repeats: the sweep reads them as they are
         paths, rows = slice_paths(timing, ranks), slice_paths(timing, ranks, repeats=False)
         assert isinstance(paths, RepeatPaths) and isinstance(rows, SlicePaths)
-        costs = (CommCost(), network.bind(real_groups(timing, ranks), ranks, timing.mesh.size))
+        costs = (CommCost(), network.bound(group_spans(timing, ranks), ranks, timing.mesh.size))
         # the repeats' sweep times every cost in one pass, each as its own pass would
         assert paths.runs(costs) == [paths.run(cost) for cost in costs]
         for cost in costs:

@@ -203,7 +203,7 @@ def test_a_program_with_rows_of_its_own_is_swept_from_its_rows():
     from stg.chakra.longest_paths import SlicePaths
     from stg.chakra.repeat_paths import RepeatPaths
     from stg.chakra.replay import CommCost
-    from stg.explore.cost import real_groups
+    from stg.explore.cost import group_spans
     from stg.program import ReplayChunks
     from stg.slice_check import slice_paths, slice_ranks
 
@@ -223,7 +223,7 @@ def test_a_program_with_rows_of_its_own_is_swept_from_its_rows():
     rows = slice_paths(replace(workload, programs=tuple(programs)), ranks)
     assert isinstance(rows, SlicePaths)
     assert len(programs[0].replay.ids) == len(workload.programs[0].replay.ids)
-    costs = [CommCost(), network.bind(real_groups(workload, ranks), ranks, workload.mesh.size)]
+    costs = [CommCost(), network.bound(group_spans(workload, ranks), ranks, workload.mesh.size)]
     assert rows.runs(costs) == swept.runs(costs)
 
 

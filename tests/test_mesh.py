@@ -32,6 +32,23 @@ def test_groups_are_derived_from_coordinates():
         assert all(mesh.group_index(r, ["dp"]) == index for r in members)
 
 
+def test_a_group_is_spanned_without_listing_it():
+    """A network costs a group by its size and its lowest and highest rank
+    (Network.bound): counted from the coordinates, they are those of the listed members, for
+    groups over one or several axes and for kept members (a tied embedding's first and last stage)."""
+    from stg.program import GroupHole
+
+    mesh = DeviceMesh.standard(pp=4, dp=3, cp=2, tp=2)
+    kinds = [GroupHole(("tp",)), GroupHole(("dp",)), GroupHole(("pp",)), GroupHole(("dp", "cp")),
+             GroupHole(("cp", "tp")), GroupHole(("pp",), (0, 3)), GroupHole(("dp",), (2, 1))]
+    ids = GroupIds.for_kinds(mesh, kinds)
+    for rank in range(mesh.size):
+        for kind in kinds:
+            members = ids.members(rank, kind)
+            assert ids.span(rank, kind) == (len(members), min(members), max(members))
+    assert ids.span(5, GroupHole(("pp",), (0, 3))) == (2, 5, 3 * 12 + 5)  # the first and last stage (pp stride 12)
+
+
 def test_bad_mesh_sizes():
     with pytest.raises(LayoutError, match="size must be a positive integer"):
         DeviceMesh((("dp", 0),))

@@ -60,20 +60,22 @@ class Estimate:
         return self.model_flops / (self.step_us * 1e-6 * self.world * self.peak_flops)
 
 
-def real_groups(workload, ranks: list[int]) -> dict[int, list[int]]:
-    """Each group the slice's ranks talk on, with all its members in the whole set."""
-    groups = {}
+def group_spans(workload, ranks: list[int]) -> dict[int, tuple[int, int, int]]:
+    """Each group the slice's ranks talk on, with the size, lowest and highest rank of its
+    members in the whole set (Network.bound)."""
+    spans: dict[int, tuple[int, int, int]] = {}
+    ids = workload.group_ids
     for rank in ranks:
         for hole in workload.programs[workload.class_of(rank)].holes:
-            if isinstance(hole, GroupHole):
-                groups.setdefault(workload.group_ids.id(rank, hole), workload.group_ids.members(rank, hole))
-    return groups
+            if isinstance(hole, GroupHole) and (group := ids.id(rank, hole)) not in spans:
+                spans[group] = ids.span(rank, hole)
+    return spans
 
 
 def slice_timings(workload, network: Network, variant: int = 0):
     """The Timings of one pipeline slice under free communication and on `network`."""
     ranks = slice_ranks(workload, variant)
-    costs = CommCost(), network.bind(real_groups(workload, ranks), ranks, workload.mesh.size)
+    costs = CommCost(), network.bound(group_spans(workload, ranks), ranks, workload.mesh.size)
     paths = slice_paths(workload, ranks)  # read-only to the replay: laid out once, run twice
     timings = tuple(paths.runs(costs))
     if None not in timings:

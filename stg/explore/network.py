@@ -184,13 +184,20 @@ class Network:
         """Costs for a replay whose group `g` has the real ranks `groups[g]` and whose replay rank
         i is real rank `ranks[i]` (default: the identity, a whole written set) in a cluster of
         `world` ranks (default: the highest rank in a group, plus one)."""
-        spans = {g: (len(m), self.tier(min(m), max(m))) for g, m in groups.items() if m}
+        return self.bound({g: (len(m), min(m), max(m)) for g, m in groups.items() if m}, ranks, world)
+
+    def bound(self, spans: Mapping[int, tuple[int, int, int]], ranks: Sequence[int] | None = None,
+              world: int | None = None) -> "NetworkCost":
+        """`bind` from each group's size, lowest and highest rank (its distinct members), all a
+        network reads of a group (GroupIds.span counts them without listing them)."""
         whole = set()
-        if self.hierarchical and len(self.tiers) > 1 and groups:
-            world = world or 1 + max((max(m) for m in groups.values() if m), default=0)
-            whole = {g for g, m in groups.items() if len(m) == world and set(m) == set(range(world))}
-        return NetworkCost(self, spans, tuple(ranks) if ranks is not None else None,
-                           frozenset(whole), world or 0)
+        if self.hierarchical and len(self.tiers) > 1 and spans:
+            world = world or 1 + max((highest for _, _, highest in spans.values()), default=0)
+            # distinct ranks from 0 to world - 1, world of them: every rank
+            whole = {g for g, (n, lowest, highest) in spans.items() if n == world and lowest == 0
+                     and highest == world - 1}
+        return NetworkCost(self, {g: (n, self.tier(lowest, highest)) for g, (n, lowest, highest) in spans.items()
+                                  if n}, tuple(ranks) if ranks is not None else None, frozenset(whole), world or 0)
 
 
 @dataclass(frozen=True)
