@@ -32,7 +32,7 @@ from stg.chakra.longest_paths import key_places
 from stg.chakra.rank_graph import COLL, COMP, RECV
 from stg.chakra.replay import CostModel, Timing
 from stg.chakra.replay_kernel import slot_times
-from stg.program import ReplayChunks, Repeats, plain_key
+from stg.program import GroupHole, ReplayChunks, Repeats, plain_key
 from stg.repeats_kernel import HEADER, rounded
 
 TAG_LIMIT = 2**31  # a message's tag, shifted, fits 32 bits of its hash key
@@ -78,10 +78,12 @@ class RepeatPaths:
         group_index = {group: k for k, group in enumerate(sorted(self.groups))}
         slots: dict[tuple, int] = {}
         pairs: dict[tuple, int] = {}
-        distinct: dict[tuple, int] = {}  # (rank, a key as plain values) -> index
-        slot, group, pair, tag = [], [], [], []
+        places: list[tuple[int, int, int, int]] = []  # per distinct key of a rank
         key_map, key_at, offset = [], [], 0
-        for r, (rank, value) in enumerate(zip(parts, values)):
+        for rank, value in zip(parts, values):
+            distinct: dict[tuple, int] = {}  # a key as plain values -> index
+            # the holes as plain values too (a hole's dataclass hash is a Python call)
+            of = {(hole.axes, hole.members) if type(hole) is GroupHole else hole.stage: v for hole, v in value.items()}
             for part in rank:
                 key_at.append(part.key_at + offset)
                 offset += len(part.keys)
@@ -89,20 +91,17 @@ class RepeatPaths:
                 # a group of equal keys (its template's): a slice holds thousands of keys, a few
                 # hundred groups, tens of values
                 for key in map(part.keys.__getitem__, part.group_first.tolist()):
-                    found = distinct.get(plain := (r, plain_key(key)))
+                    found = distinct.get(plain := plain_key(key))
                     if found is None:
-                        found = distinct[plain] = len(slot)
-                        translated = (value[key[0]], key[1], key[2]) if len(key) == 3 else \
-                            (value[key[0]], value[key[1]], key[2], key[3])
-                        for column, place in zip((slot, group, pair, tag),
-                                                 key_places(translated, slots, pairs, group_index)):
-                            column.append(place)
+                        found = distinct[plain] = len(places)
+                        translated = (of[plain[:2]], plain[2], plain[3]) if len(key) == 3 else \
+                            (of[plain[0]], of[plain[1]], plain[2], plain[3])
+                        places.append(key_places(translated, slots, pairs, group_index))
                     index.append(found)
                 key_map.append(np.array(index, dtype=np.int64)[part.key_group])
         self.key_at = np.concatenate(key_at) if key_at else np.zeros(0, dtype=np.int64)
         self.key_map = np.concatenate(key_map) if key_map else np.zeros(0, dtype=np.int64)
-        self.key_slot, self.key_group, self.key_pair, self.key_tag = (np.array(column, dtype=np.int64)
-                                                                      for column in (slot, group, pair, tag))
+        self.key_slot, self.key_group, self.key_pair, self.key_tag = np.array(places, dtype=np.int64).reshape(-1, 4).T.copy()
         self.slot_keys = slots
         self.group_size = np.array([len(self.groups[g]) for g in sorted(self.groups)], dtype=np.int64)
         # a message's tag, shifted, within 32 bits (else the event queue replays the slice)
