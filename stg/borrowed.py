@@ -198,7 +198,7 @@ def _wired(builder: _ProgramBuilder, choose: Callable, step: tuple, place: dict[
     return True
 
 
-@lru_cache(maxsize=256)
+@lru_cache(maxsize=1024)  # every stage of the few latest plans (a pp 64 plan keys 64)
 def _schedule_keys(order: Order, rank: int, apart: frozenset) -> tuple[tuple[tuple, ...], list[int], np.ndarray]:
     """Stage `rank`'s actions of `order` as lowering keys them (_ProgramBuilder._key, no
     action final: none sends buckets; the last micro-batch's apart in the runs `apart`): the

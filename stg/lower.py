@@ -64,6 +64,7 @@ class Evaluator:
         self.timing: dict[tuple, dict] = {}  # ops' durations under these bindings (_ProgramBuilder._costs)
         self.layers: dict[tuple, object] = {}  # layers' nodes recorded under them (_ProgramBuilder._run_alike)
         self.held: dict[tuple, tuple] = {}  # pipeline stages' memory shares sized under them (stg/memory.py)
+        self.repeated: dict[tuple, tuple] = {}  # stages' repeated actions' stats summed (_ProgramBuilder._built)
 
     def __call__(self, expr: sympy.Expr) -> int:
         found = self.cache.get(expr)
@@ -1231,11 +1232,11 @@ class _ProgramBuilder:
         """The stage's runs whose last action is repeated apart (_last_apart)."""
         memo = _reads_later(self.sharded)
         key = (self.pipeline.stages, self.pipeline.split_backward, self.rank, "apart runs")
-        if key not in memo:
+        if (apart := memo.get(key)) is None:
             order = self.pipeline.order
             runs = ((virtual_stage(self.rank, chunk, order.p), kind) for chunk in range(order.v) for kind in Kind)
-            memo[key] = frozenset(run for run in runs if self._last_apart(run))
-        return memo[key]
+            apart = memo[key] = frozenset(run for run in runs if self._last_apart(run))
+        return apart
 
     def _run_reads(self, run: tuple) -> Iterator[tuple[tuple, tuple]]:
         """Per layer of `run`, (the reads of it that the step's collectives make, all its
@@ -1471,8 +1472,15 @@ class _ProgramBuilder:
         templates for those alike to it (_alike_stage) leaves them, and a stage lowered action
         by action, every action and the step from a template, leaves them for the next plan
         that lowers it (stg/borrowed.py, wire_own)."""
-        for stats, times in self.repeat_stats.values():
-            self.stats.add(stats, times)
+        # alike stages repeat the same templates as often: their sum once a plan
+        key = tuple((id(stats), times) for stats, times in self.repeat_stats.values())
+        kept = self.ev.repeated.get(key)
+        if kept is None or not all(a is b for a, (b, _) in zip(kept[0], self.repeat_stats.values())):
+            summed = ClassStats()
+            for stats, times in self.repeat_stats.values():
+                summed.add(stats, times)
+            kept = self.ev.repeated[key] = ([stats for stats, _ in self.repeat_stats.values()], summed)
+        self.stats.add(kept[1])
         flush_compact(self)
         if self.kept_by is not None and self.templated and self.step_template is not None:
             _lowered_stages(self.sharded, self.pipeline.stages).setdefault(
@@ -1515,8 +1523,8 @@ class _ProgramBuilder:
 
     def _relative(self, key: tuple) -> tuple:
         """An action key with its virtual stages as chunks: the same on every alike stage."""
-        chunk = lambda stage: self.pipeline.stages.rank_and_chunk(stage)[1]
-        return (chunk(key[0]), key[1], key[2], tuple((chunk(s), kind) for s, kind in key[3]), *key[4:])
+        pp = self.pipeline.stages.pp  # (a virtual stage's chunk: StagePlan.rank_and_chunk)
+        return (key[0] // pp, key[1], key[2], tuple((s // pp, kind) for s, kind in key[3]), *key[4:])
 
     def _from_sibling(self, key: tuple, kind: Kind, microbatch: int, here: dict) -> ActionNodes | None:
         """Timing: the sibling stage's action of this key (_alike_stage), moved to this stage's
@@ -1540,8 +1548,8 @@ class _ProgramBuilder:
         # found by blocks (no renaming), the moves are the stage cut's: kept across its plans
         key = (self.pipeline.stages, self.pipeline.split_backward, "moves", found.rank, self.rank, stage, kind)
         memo = _run_edges(self.sharded) if rename is None else {}
-        if key in memo:
-            return memo[key]
+        if (moves := memo.get(key, False)) is not False:  # (one lookup: a StagePlan hashes in Python)
+            return moves
         for side, end in ((0, "source"), (1, "target")):
             its, mine = self._edges(theirs, kind)[side], self._edges(stage, kind)[side]
             if len(mine) != len(its) or rename is not None and any(
