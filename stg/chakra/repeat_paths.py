@@ -67,7 +67,6 @@ class RepeatPaths:
         self.carry = np.full(len(self.template), np.nan)  # a part's first repeat: the carry it starts from
         self.carry[firsts[[len(p.template) > 0 for p in flat]]] = [p.carry for p in flat if len(p.template)]
         self._keys(parts, values)
-        self.most_kept = int(self.packed[self.at].max(initial=0))
         # the hash tables of messages and collectives: at most half full
         self.table_size = 1 << (2 * int(self.packed[self.at[self.template] + 4].sum()) + 1).bit_length()
 
@@ -127,7 +126,7 @@ class RepeatPaths:
                                      self.packed, self.at, self.exacts, self.exact_at, self.key_at, self.template,
                                      self.start, self.shift, self.carry, self.outside, self.rank_entries,
                                      self.rank_outside, self.rank_ids, self.key_map, self.key_slot, self.key_group,
-                                     self.key_pair, self.key_tag, slot_us, self.group_size, self.most_kept)
+                                     self.key_pair, self.key_tag, slot_us, self.group_size)
         busy = busy.tolist()
         return [Timing.of(busy, finish[:, c].tolist()) if swept else None for c in range(len(costs))]
 
@@ -164,7 +163,7 @@ def _find(table, key):
 @numba.njit(cache=True)
 def _sweep(ends, messages, sent, received, instances, joined, joined_at, instance_end, packed, at, exacts,
            exact_at, key_at, template, start, shift, carry_in, outside, rank_entries, rank_outside, rank_ids,
-           key_map, key_slot, key_group, key_pair, key_tag, slot_us, group_size, most_kept):
+           key_map, key_slot, key_group, key_pair, key_tag, slot_us, group_size):
     """longest_paths._sweep over the rows the repeats make (repeats_kernel.repeated_rows), read
     from their templates as the sweep meets them, with a column of times per cost model
     (`slot_us`: a row of slot times each): per rank the COMP time, per rank and cost the last
@@ -178,7 +177,7 @@ def _sweep(ends, messages, sent, received, instances, joined, joined_at, instanc
     entered = np.zeros(ranks, np.bool_)
     taken = rank_outside[:-1].copy()  # the next of outside to place
     carry = np.zeros(ranks)
-    duration = np.zeros(ranks * most_kept, np.int64)  # per rank: its repeat's nodes' rounded durations
+    next_exact = np.zeros(ranks, np.int64)  # per rank: its repeat's next COMP node to round
     first_out = np.zeros(ranks, np.int64)  # and where its dependencies from before start in outside
     joining = np.zeros(ranks, np.bool_)  # the rank's next node is a collective it joined
     pending = np.zeros(ranks, np.int64)  # that collective's instance
@@ -199,7 +198,7 @@ def _sweep(ends, messages, sent, received, instances, joined, joined_at, instanc
         moved = False
         left = 0
         for r in range(ranks):
-            base, kb = rank_ids[r], r * most_kept
+            base = rank_ids[r]
             while entry[r] < rank_entries[r + 1]:
                 e = entry[r]
                 t = template[e]
@@ -212,20 +211,12 @@ def _sweep(ends, messages, sent, received, instances, joined, joined_at, instanc
                 flags = p_runs + n_comp + n_keyed  # per comm node: a send or receive
                 keyed_as = flags + n_keyed + packed[b + 5]  # per node: its place among the comm nodes
                 s = start[e]
-                if not entered[r]:  # its COMP runs' durations, as repeated_rows rounds them
+                if not entered[r]:
                     first_out[r] = taken[r]
                     taken[r] += n_out
                     if carry_in[e] == carry_in[e]:  # (not NaN) a part's first repeat
                         carry[r] = carry_in[e]
-                    c = carry[r]
-                    x0 = exact_at[t]
-                    for k in range(n_kept):
-                        duration[kb + k] = 0
-                    for i in range(n_comp):
-                        d, c = rounded(exacts[x0 + i], c)
-                        duration[kb + packed[p_runs + i]] += d
-                    carry[r] = c
-                    entered[r], node[r], flat_at[r] = True, 0, 0
+                    entered[r], node[r], flat_at[r], next_exact[r] = True, 0, 0, 0
                 k, f = node[r], flat_at[r]
                 while k < n_kept:
                     kind = packed[p_types + k]
@@ -244,11 +235,19 @@ def _sweep(ends, messages, sent, received, instances, joined, joined_at, instanc
                     ready[0], ready[1] = ready0, ready1
                     i = base + packed[b + HEADER + k] + s
                     if kind == COMP:
+                        # its run's duration, as repeated_rows rounds it: the run's COMP nodes
+                        # are the next in order (runs are consecutive), rounded on the carry
+                        c, xi, duration = carry[r], next_exact[r], 0
+                        while xi < n_comp and packed[p_runs + xi] == k:
+                            d, c = rounded(exacts[exact_at[t] + xi], c)
+                            duration += d
+                            xi += 1
+                        carry[r], next_exact[r] = c, xi
                         for x in range(costs):
                             if ready[x] < compute_free[r, x]:
                                 return busy, finish, False  # it would wait for the rank's compute
-                            ends[i, x] = compute_free[r, x] = ready[x] + duration[kb + k]
-                        busy[r] += duration[kb + k]
+                            ends[i, x] = compute_free[r, x] = ready[x] + duration
+                        busy[r] += duration
                     else:
                         j = packed[keyed_as + k]
                         q = key_map[key_at[t] + j]
