@@ -6,8 +6,8 @@ Making its rows (the replay's ids, types, dependencies, durations and comm keys,
 node) and laying the slice's out for the longest-path sweep (stg/chakra/longest_paths.py)
 cost more than the sweep itself: a pp 16 slice of llama3-405b holds 87,000 replay nodes made
 from 784 repeats of 83 templates. Here one compiled loop walks each repeat's template as the
-sweep walks rows: entering a repeat it rounds its COMP runs on the rank's carry (lowering's
-rounding, in lowering's order); a node's dependencies and its comm key come from the
+sweep walks rows: reaching a COMP run it rounds the run's nodes on the rank's carry
+(lowering's rounding, in lowering's order); a node's dependencies and its comm key come from the
 template (those from before the action from the repeat's share of `outside`); then each
 node ends as SlicePaths' sweep ends it -- the same additions and maxima in the same order,
 the same switch to another rank where a receive's message or a collective's other members
