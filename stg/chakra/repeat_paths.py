@@ -252,7 +252,8 @@ def _sweep(ends, messages, sent, received, instances, joined, joined_at, instanc
                         j = packed[keyed_as + k]
                         q = key_map[key_at[t] + j]
                         # a message: its pair and its tag, shifted to the repeat's micro-batch
-                        message = (key_pair[q] << 32) | (key_tag[q] + shift[e] * packed[flags + j] + TAG_LIMIT)
+                        message = (key_pair[q] << 32) | (key_tag[q] + shift[e] * packed[flags + j] + TAG_LIMIT) \
+                            if kind != COLL else 0
                         if kind == RECV:
                             h = _find(messages, message)
                             if messages[h] < 0:
