@@ -21,11 +21,13 @@ its own names, the same way (wire_own). The nodes are those lowering would make,
 
 from __future__ import annotations
 
+import operator
 from functools import cache, lru_cache
 from typing import TYPE_CHECKING, Callable
 
 import numpy as np
 
+from stg.program import ClassStats
 from stg.repeats import _CHAIN, COMM_ROLE, COMPUTE_ROLE, ActionNodes, _Compact, flush_arrays, offsets
 from stg.schedule import Order, walked
 from stg.sharding import by_identity
@@ -101,7 +103,8 @@ def wire(builder: _ProgramBuilder) -> bool:
     if step is None or not step.names <= place.keys():
         return False
     flushed = found.wiring.setdefault("flushed", {})  # (found is the plan's: so are its stages' arrays)
-    return _wired(builder, choose, (step.compact, step, step), place, found.wiring, flushed)  # (a step moves no send)
+    # (a step moves no send)
+    return _wired(builder, choose, (step.compact, step, step), place, found.wiring, flushed, sums=True)
 
 
 def wire_own(builder: _ProgramBuilder, kept: "StageTemplates") -> bool:
@@ -145,13 +148,14 @@ class StageTemplates:
 
 
 def _wired(builder: _ProgramBuilder, choose: Callable, step: tuple, place: dict[str, int], cache_: dict,
-           flushed: dict | None = None) -> bool:
+           flushed: dict | None = None, sums: bool = False) -> bool:
     """Wire the stage's actions in schedule order, then the step: `choose(key, chains
     present, virtual stage, kind)` gives an action's (compact form to flush, template whose
     roles and exits it has, template whose stats it adds), or None; `step` the step's. Names
     are `place`'s; `cache_` keeps the templates' packed arrays, `flushed` the repeats' arrays
-    of the stages of one plan (flush_arrays). (A stage whose actions send
-    gradient buckets is not wired: no key marks a final action.)"""
+    of the stages of one plan (flush_arrays); with `sums`, `cache_` also keeps the stats
+    their repeats add (a plan's: alike stages repeat the same templates as often). (A stage
+    whose actions send gradient buckets is not wired: no key marks a final action.)"""
     m = builder.microbatches
     keys, which, microbatches = _schedule_keys(builder.pipeline.order, builder.rank, builder.apart_runs())
     kept = _templates(cache_, place)
@@ -192,10 +196,25 @@ def _wired(builder: _ProgramBuilder, choose: Callable, step: tuple, place: dict[
     if not ok:
         return False
     builder.nodes.extend([None] * nodes)  # their ids are taken (no node is made)
-    for (_, _, stats_of), times in zip(used, np.bincount(order, minlength=len(used)).tolist()):
-        builder.repeated(stats_of.stats, times)
+    counts = tuple(np.bincount(order, minlength=len(used)).tolist())
+    stats = tuple(stats_of.stats for _, _, stats_of in used)
+    # alike stages repeat the same templates as often: their stats summed once a plan (by
+    # the stats' identity, kept alive with the sum, and the counts)
+    memo = cache_.setdefault("sums", {}) if sums else {}
+    kept = memo.get(key := (tuple(map(id, stats)), counts))
+    if kept is None or not all(map(operator.is_, kept[0], stats)):
+        kept = memo[key] = (stats, _summed(stats, counts))
+    builder.repeated(kept[1])
     flush_arrays(builder, [compact for compact, _, _ in used], order, starts, shifts, outside, flushed)
     return True
+
+
+def _summed(stats: tuple[ClassStats, ...], counts: tuple[int, ...]) -> ClassStats:
+    """Each of `stats` added its count of times."""
+    summed = ClassStats()
+    for one, times in zip(stats, counts):
+        summed.add(one, times)
+    return summed
 
 
 @lru_cache(maxsize=1024)  # every stage of the few latest plans (a pp 64 plan keys 64)

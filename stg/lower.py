@@ -64,7 +64,6 @@ class Evaluator:
         self.timing: dict[tuple, dict] = {}  # ops' durations under these bindings (_ProgramBuilder._costs)
         self.layers: dict[tuple, object] = {}  # layers' nodes recorded under them (_ProgramBuilder._run_alike)
         self.held: dict[tuple, tuple] = {}  # pipeline stages' memory shares sized under them (stg/memory.py)
-        self.repeated: dict[tuple, tuple] = {}  # stages' repeated actions' stats summed (_ProgramBuilder._built)
 
     def __call__(self, expr: sympy.Expr) -> int:
         found = self.cache.get(expr)
@@ -1472,15 +1471,8 @@ class _ProgramBuilder:
         templates for those alike to it (_alike_stage) leaves them, and a stage lowered action
         by action, every action and the step from a template, leaves them for the next plan
         that lowers it (stg/borrowed.py, wire_own)."""
-        # alike stages repeat the same templates as often: their sum once a plan
-        key = tuple((id(stats), times) for stats, times in self.repeat_stats.values())
-        kept = self.ev.repeated.get(key)
-        if kept is None or not all(a is b for a, (b, _) in zip(kept[0], self.repeat_stats.values())):
-            summed = ClassStats()
-            for stats, times in self.repeat_stats.values():
-                summed.add(stats, times)
-            kept = self.ev.repeated[key] = ([stats for stats, _ in self.repeat_stats.values()], summed)
-        self.stats.add(kept[1])
+        for stats, times in self.repeat_stats.values():
+            self.stats.add(stats, times)
         flush_compact(self)
         if self.kept_by is not None and self.templated and self.step_template is not None:
             _lowered_stages(self.sharded, self.pipeline.stages).setdefault(
