@@ -195,25 +195,24 @@ class DeviceMesh:
     def group_span(self, rank: int, axes: Sequence[str], first: Sequence[int] | None = None) -> tuple[int, int, int]:
         """What `group` holds, counted without listing it: its size, lowest and highest rank;
         `first`: only the members with these coordinates on axes[0] (GroupIds' kept members)."""
-        coords, sizes = self.coords(rank), self.sizes
-        base = rank - sum(coords[ax] * self.stride(ax) for ax in axes)
+        sizes, strides = self.sizes, self._strides
+        base = rank - sum((rank // strides[ax]) % sizes[ax] * strides[ax] for ax in axes)
         count, lowest, highest = 1, base, base
         for k, ax in enumerate(axes):
             values = range(sizes[ax]) if first is None or k else sorted(v for v in first if v < sizes[ax])
             if not values:
                 return 0, 0, 0
             count *= len(values)
-            lowest += values[0] * self.stride(ax)
-            highest += values[-1] * self.stride(ax)
+            lowest += values[0] * strides[ax]
+            highest += values[-1] * strides[ax]
         return count, lowest, highest
 
     def group_index(self, rank: int, axes: Sequence[str]) -> int:
         """Which group of kind `axes` holds `rank`: the mixed-radix number of its other coordinates."""
-        index = 0
-        coords = self.coords(rank)
+        index, strides = 0, self._strides  # (the coordinates without a dict: every slice rank asks)
         for name, size in self.axes:
             if name not in axes:
-                index = index * size + coords[name]
+                index = index * size + (rank // strides[name]) % size
         return index
 
     def groups(self, axes: Sequence[str]) -> Iterator[list[int]]:
