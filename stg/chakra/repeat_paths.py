@@ -100,7 +100,8 @@ class RepeatPaths:
                 key_map.append(np.array(index, dtype=np.int64)[part.key_group])
         self.key_at = np.concatenate(key_at) if key_at else np.zeros(0, dtype=np.int64)
         self.key_map = np.concatenate(key_map) if key_map else np.zeros(0, dtype=np.int64)
-        self.key_slot, self.key_group, self.key_pair, self.key_tag = np.array(places, dtype=np.int64).reshape(-1, 4).T.copy()
+        columns = np.array(places, dtype=np.int64).reshape(-1, 4).T.copy()  # (each row contiguous)
+        self.key_slot, self.key_group, self.key_pair, self.key_tag = columns
         self.slot_keys = slots
         self.group_size = np.array([len(self.groups[g]) for g in sorted(self.groups)], dtype=np.int64)
         # a message's tag, shifted, within 32 bits (else the event queue replays the slice)
