@@ -1,6 +1,6 @@
 """Plan search speed and a public plan (issue 13).
 
-    python benchmarks/bench_explore.py [--skip-405b] [--agreement] [--1t [--workers 2]] [--405b-space]
+    python benchmarks/bench_explore.py [--skip-405b] [--agreement] [--1t [--workers 2]] [--405b-space [--by-kind]]
 
 1. Plans per second (CPU time of this process) for llama3-8b on 64 H100s and llama3-70b on
    256 and on 64 H100s (every plan built by stg.api.build, timed by the slice replay; a plan over
@@ -19,7 +19,8 @@
 6. --405b-space: the default space of llama3-405b on 16,384 H100s (seq 8192, 2,048 sequences),
    plans per CPU-second in one process (issue 13 asks for 200); then a wider one (ZeRO 0-3,
    micro-batches of 1, 2 and 4, 1F1B, interleaved and ZB-H1: nine times the plans), where a
-   structure's and a stage cut's first costs are shared by more plans.
+   structure's and a stage cut's first costs are shared by more plans. With --by-kind, each
+   space's CPU by plan outcome, pipeline depth and schedule.
 7. --agreement: for a few plans, the estimate against `stg validate --timed alpha-beta
    --network` of the written set (relative difference).
 8. With --405b-space: the warm per-plan floor, four llama3-405b plans each evaluated again
@@ -40,7 +41,8 @@ from dataclasses import replace
 from model_zoo import load_model
 from stg.api import build, generate
 from stg.chakra.validate import timed_replay
-from stg.explore import Cluster, Job, Space, explore, load_network
+from stg.errors import StgError
+from stg.explore import Cluster, Job, Space, explore, load_network, search
 from stg.chakra.replay import CommCost
 from stg.explore.cost import estimate, group_spans
 from stg.explore.probe import fold_counts, folded_timings, plan_timings
@@ -50,10 +52,34 @@ from stg.slice_check import slice_paths, slice_ranks
 NETWORK = "dgx-h100-superpod"
 
 
-def rate(name: str, model: str, cluster: Cluster, job: Job, space: Space = Space(), workers: int = 1) -> None:
-    """Plans per CPU-second of this process (workers = 1), or the wall time with `workers`."""
+def rate(name: str, model: str, cluster: Cluster, job: Job, space: Space = Space(), workers: int = 1,
+         by_kind: bool = False) -> None:
+    """Plans per CPU-second of this process (workers = 1), or the wall time with `workers`;
+    `by_kind`: then where that CPU went, by plan outcome, pipeline depth and schedule (each
+    plan timed as it is evaluated: the first plan of a structure or a stage cut pays its first
+    costs)."""
+    kinds: dict[tuple, list] = {}
+    if by_kind:
+        evaluate = search.evaluate
+
+        def timed(model, plan, network, capacity):
+            started, outcome = time.process_time(), "valid"
+            try:
+                return evaluate(model, plan, network, capacity)
+            except StgError as error:
+                outcome = type(error).__name__
+                raise
+            finally:
+                kind = kinds.setdefault((outcome, plan.pp, plan.schedule), [0.0, 0])
+                kind[0] += time.process_time() - started
+                kind[1] += 1
+        search.evaluate = timed
     cpu, wall = time.process_time(), time.perf_counter()
-    result = explore(model, cluster, job, space, workers=workers)
+    try:
+        result = explore(model, cluster, job, space, workers=workers)
+    finally:
+        if by_kind:
+            search.evaluate = evaluate
     cpu, wall = time.process_time() - cpu, time.perf_counter() - wall
     best = result.rows[0].to_dict() if result.rows else {}
     speed = (f"{cpu:.1f} CPU-s: {result.considered / cpu:.2f} plans/CPU-s, {len(result.rows) / cpu:.2f} evaluated/CPU-s"
@@ -61,6 +87,9 @@ def rate(name: str, model: str, cluster: Cluster, job: Job, space: Space = Space
     print(f"{name}: {result.considered} plans ({len(result.rows)} valid, dropped {result.dropped}) in {speed}; "
           f"best: {({k: best[k] for k in ('dp', 'tp', 'pp', 'schedule', 'recompute', 'micro_batch')} if best else None)} "
           f"step {best.get('step_ms', 0):.0f} ms MFU {best.get('mfu', 0):.1%}")
+    for (outcome, pp, schedule), (seconds, plans) in sorted(kinds.items(), key=lambda kv: -kv[1][0])[:12]:
+        print(f"  {outcome} pp {pp} {schedule}: {plans} plans, {seconds:.2f} CPU-s ({seconds / cpu:.0%}), "
+              f"{seconds / plans * 1e3:.1f} ms a plan")
 
 
 def meta_405b() -> None:
@@ -196,6 +225,8 @@ def main() -> None:
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--405b-space", dest="space_405b", action="store_true",
                         help="also the default space of llama3-405b on 16,384 GPUs (minutes)")
+    parser.add_argument("--by-kind", action="store_true",
+                        help="with --405b-space: where each 405B space's CPU went, by plan outcome, pp and schedule")
     args = parser.parse_args()
     rate("llama3-8b on 64 x h100", "llama3-8b", Cluster(gpus=64), Job(global_batch=256, seq=8192),
          Space(tp=(1, 2, 4, 8), pp=(1, 2, 4), recompute=("none", "full"), micro_batch=(1,), schedule=("1f1b",)))
@@ -212,10 +243,11 @@ def main() -> None:
              Job(global_batch=3072, seq=2048), workers=args.workers)
     if args.space_405b:
         rate("llama3-405b on 16,384 x h100, default space", "llama3-405b", Cluster(gpus=16384),
-             Job(global_batch=2048, seq=8192))
+             Job(global_batch=2048, seq=8192), by_kind=args.by_kind)
         rate("llama3-405b on 16,384 x h100, a wider space", "llama3-405b", Cluster(gpus=16384),
              Job(global_batch=2048, seq=8192),
-             Space(zero=(0, 1, 2, 3), micro_batch=(1, 2, 4), schedule=("1f1b", "interleaved", "zb-h1")))
+             Space(zero=(0, 1, 2, 3), micro_batch=(1, 2, 4), schedule=("1f1b", "interleaved", "zb-h1")),
+             by_kind=args.by_kind)
         warm_floor()
         replays()
     if not args.skip_405b:
