@@ -21,7 +21,6 @@ its own names, the same way (wire_own). The nodes are those lowering would make,
 
 from __future__ import annotations
 
-import operator
 from functools import cache, lru_cache
 from typing import TYPE_CHECKING, Callable
 
@@ -198,13 +197,9 @@ def _wired(builder: _ProgramBuilder, choose: Callable, step: tuple, place: dict[
     builder.nodes.extend([None] * nodes)  # their ids are taken (no node is made)
     counts = tuple(np.bincount(order, minlength=len(used)).tolist())
     stats = tuple(stats_of.stats for _, _, stats_of in used)
-    # alike stages repeat the same templates as often: their stats summed once a plan (by
-    # the stats' identity, kept alive with the sum, and the counts)
-    memo = cache_.setdefault("sums", {}) if sums else {}
-    kept = memo.get(key := (tuple(map(id, stats)), counts))
-    if kept is None or not all(map(operator.is_, kept[0], stats)):
-        kept = memo[key] = (stats, _summed(stats, counts))
-    builder.repeated(kept[1])
+    # alike stages repeat the same templates as often: their stats summed once a plan
+    builder.repeated(by_identity(cache_.setdefault(("sums", counts), {}) if sums else None, stats,
+                                 lambda: _summed(stats, counts)))
     flush_arrays(builder, [compact for compact, _, _ in used], order, starts, shifts, outside, flushed)
     return True
 

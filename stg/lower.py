@@ -1515,8 +1515,9 @@ class _ProgramBuilder:
 
     def _relative(self, key: tuple) -> tuple:
         """An action key with its virtual stages as chunks: the same on every alike stage."""
-        pp = self.pipeline.stages.pp  # (a virtual stage's chunk: StagePlan.rank_and_chunk)
-        return (key[0] // pp, key[1], key[2], tuple((s // pp, kind) for s, kind in key[3]), *key[4:])
+        rank_and_chunk = self.pipeline.stages.rank_and_chunk
+        return (rank_and_chunk(key[0])[1], key[1], key[2], tuple((rank_and_chunk(s)[1], kind) for s, kind in key[3]),
+                *key[4:])
 
     def _from_sibling(self, key: tuple, kind: Kind, microbatch: int, here: dict) -> ActionNodes | None:
         """Timing: the sibling stage's action of this key (_alike_stage), moved to this stage's

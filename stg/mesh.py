@@ -183,9 +183,7 @@ class DeviceMesh:
 
     def group(self, rank: int, axes: Sequence[str]) -> list[int]:
         """Ranks that share `rank`'s coordinates off `axes`, ordered by their coordinates on `axes`."""
-        coords = self.coords(rank)
-        base = rank - sum(coords[ax] * self.stride(ax) for ax in axes)
-        members = [base]
+        members = [self._lowest(rank, axes)]
         sizes = self.sizes
         for ax in sorted(axes, key=self.names.index):
             stride = self.stride(ax)
@@ -196,8 +194,8 @@ class DeviceMesh:
         """What `group` holds, counted without listing it: its size, lowest and highest rank;
         `first`: only the members with these coordinates on axes[0] (GroupIds' kept members)."""
         sizes, strides = self.sizes, self._strides
-        base = rank - sum((rank // strides[ax]) % sizes[ax] * strides[ax] for ax in axes)
-        count, lowest, highest = 1, base, base
+        count = 1
+        lowest = highest = self._lowest(rank, axes)
         for k, ax in enumerate(axes):
             values = range(sizes[ax]) if first is None or k else sorted(v for v in first if v < sizes[ax])
             if not values:
@@ -206,6 +204,11 @@ class DeviceMesh:
             lowest += values[0] * strides[ax]
             highest += values[-1] * strides[ax]
         return count, lowest, highest
+
+    def _lowest(self, rank: int, axes: Sequence[str]) -> int:
+        """`rank` with its coordinates on `axes` 0: the lowest rank of its group of `axes`."""
+        sizes, strides = self.sizes, self._strides
+        return rank - sum((rank // strides[ax]) % sizes[ax] * strides[ax] for ax in axes)
 
     def group_index(self, rank: int, axes: Sequence[str]) -> int:
         """Which group of kind `axes` holds `rank`: the mixed-radix number of its other coordinates."""

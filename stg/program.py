@@ -54,12 +54,18 @@ class RankHole:
 Hole = GroupHole | RankHole
 
 
+def plain_hole(hole: Hole) -> tuple | int | None:
+    """A hole as plain values, equal where the holes are equal: a hole's dataclass hash and
+    equality are Python calls, and a slice sweeps thousands of keys."""
+    return (hole.axes, hole.members) if type(hole) is GroupHole else hole.stage
+
+
 def plain_key(key: tuple) -> tuple:
-    """A comm key (TraceNode.comm_key) as plain values, equal where the keys are equal: the
-    holes' dataclass hash and equality are Python calls, and a slice sweeps thousands of keys."""
+    """A comm key (TraceNode.comm_key) as plain values: a collective's group as plain_hole's two,
+    a send's or receive's peers as plain_hole's."""
     if len(key) == 3:
-        return key[0].axes, key[0].members, key[1], key[2]
-    return key[0].stage, key[1].stage, key[2], key[3]
+        return (*plain_hole(key[0]), key[1], key[2])
+    return plain_hole(key[0]), plain_hole(key[1]), key[2], key[3]
 
 
 @dataclass(frozen=True)

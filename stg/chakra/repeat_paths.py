@@ -32,7 +32,7 @@ from stg.chakra.longest_paths import key_places
 from stg.chakra.rank_graph import COLL, COMP, RECV
 from stg.chakra.replay import CostModel, Timing
 from stg.chakra.replay_kernel import slot_times
-from stg.program import GroupHole, ReplayChunks, Repeats, plain_key
+from stg.program import ReplayChunks, Repeats, plain_hole, plain_key
 from stg.repeats_kernel import HEADER, rounded
 
 TAG_LIMIT = 2**31  # a message's tag, shifted, fits 32 bits of its hash key
@@ -81,8 +81,7 @@ class RepeatPaths:
         key_map, key_at, offset = [], [], 0
         for rank, value in zip(parts, values):
             distinct: dict[tuple, int] = {}  # a key as plain values -> index
-            # the holes as plain values too (a hole's dataclass hash is a Python call)
-            of = {(hole.axes, hole.members) if type(hole) is GroupHole else hole.stage: v for hole, v in value.items()}
+            of = {plain_hole(hole): v for hole, v in value.items()}  # (its keys' holes are plain too)
             for part in rank:
                 key_at.append(part.key_at + offset)
                 offset += len(part.keys)
@@ -119,8 +118,7 @@ class RepeatPaths:
         if not self.sweeps:
             return [None] * len(costs)
         if len(costs) != 2:  # the sweep takes two columns (explore's free and costed runs)
-            return [timing for at in range(0, len(costs), 2)
-                    for timing in self.runs([costs[at], costs[min(at + 1, len(costs) - 1)]])[:len(costs) - at]]
+            return [self.runs([cost, cost])[0] for cost in costs]
         slots = np.arange(len(self.slot_keys), dtype=np.int64)
         slot_us = np.array([slot_times(cost, self.groups, self.slot_keys, slots) for cost in costs])
         busy, finish, swept = _sweep(*_scratch(int(self.rank_ids[-1]), self.table_size, len(costs)),
