@@ -29,27 +29,37 @@
 9. With --405b-space, side by side: the same four plans' slices replayed from their repeats
    (stg/chakra/repeat_paths.py, explore's) and from their rows, made, laid out and swept once
    per cost (stg/chakra/longest_paths.py, explore's before): CPU ratio; the timings equal.
+10. With --405b-space, the ceiling before any timing: each 405B space's plans evaluated for
+   memory and FLOPs alone by stg.evaluate (short forms, no lowering, no replay), in a fresh
+   process, cold and then again warm: the valid plans per CPU-second explore could reach
+   if timing cost nothing at all.
 """
 
 from __future__ import annotations
 
 import argparse
+import multiprocessing
 import tempfile
 import time
+from collections import Counter
 from dataclasses import replace
 
 from model_zoo import load_model
 from stg.api import build, generate
 from stg.chakra.validate import timed_replay
 from stg.errors import StgError
+from stg.evaluation import evaluate
 from stg.explore import Cluster, Job, Space, explore, load_network, search
 from stg.chakra.replay import CommCost
 from stg.explore.cost import estimate, group_spans
 from stg.explore.probe import fold_counts, folded_timings, plan_timings
+from stg.explore.space import plans as space_plans, resolve
 from stg.plan import Plan
 from stg.slice_check import slice_paths, slice_ranks
 
 NETWORK = "dgx-h100-superpod"
+# the wider 405B space: ZeRO 0-3, micro-batches of 1, 2 and 4, three schedules
+WIDER = Space(zero=(0, 1, 2, 3), micro_batch=(1, 2, 4), schedule=("1f1b", "interleaved", "zb-h1"))
 
 
 def rate(name: str, model: str, cluster: Cluster, job: Job, space: Space = Space(), workers: int = 1,
@@ -90,6 +100,30 @@ def rate(name: str, model: str, cluster: Cluster, job: Job, space: Space = Space
     for (outcome, pp, schedule), (seconds, plans) in sorted(kinds.items(), key=lambda kv: -kv[1][0])[:12]:
         print(f"  {outcome} pp {pp} {schedule}: {plans} plans, {seconds:.2f} CPU-s ({seconds / cpu:.0%}), "
               f"{seconds / plans * 1e3:.1f} ms a plan")
+
+
+def _summaries(space: Space) -> str:
+    """stg.evaluate of the 405B space's plans (those Plan accepts), cold and then warm."""
+    model, cluster = load_model("llama3-405b"), Cluster(gpus=16384)
+    candidates = list(space_plans(resolve(space, cluster, model.layers, None), cluster,
+                                  Job(global_batch=2048, seq=8192), Counter(), model.layers))
+    times = []
+    for _ in range(2):
+        started = time.process_time()
+        rows = list(evaluate(model, candidates))
+        times.append(time.process_time() - started)
+    fits = sum("error" not in row and max(c["memory"]["peak"] for c in row["rank_classes"]) <= 80 * 2**30
+               for row in rows)
+    return (f"{len(candidates)} plans, {fits} fit: {times[0]:.1f} CPU-s cold ({fits / times[0]:.1f} fitting plans "
+            f"per CPU-s), {times[1]:.1f} warm ({fits / times[1]:.1f})")
+
+
+def summary_ceiling() -> None:
+    """Each 405B space's memory and FLOPs alone, each in a fresh process (its caches cold)."""
+    spaces = {"default": Space(), "wider": WIDER}
+    with multiprocessing.get_context("spawn").Pool(1, maxtasksperchild=1) as pool:
+        for name, space in spaces.items():
+            print(f"  {name} space, memory and FLOPs alone (stg.evaluate): {pool.apply(_summaries, (space,))}")
 
 
 def meta_405b() -> None:
@@ -245,11 +279,10 @@ def main() -> None:
         rate("llama3-405b on 16,384 x h100, default space", "llama3-405b", Cluster(gpus=16384),
              Job(global_batch=2048, seq=8192), by_kind=args.by_kind)
         rate("llama3-405b on 16,384 x h100, a wider space", "llama3-405b", Cluster(gpus=16384),
-             Job(global_batch=2048, seq=8192),
-             Space(zero=(0, 1, 2, 3), micro_batch=(1, 2, 4), schedule=("1f1b", "interleaved", "zb-h1")),
-             by_kind=args.by_kind)
+             Job(global_batch=2048, seq=8192), WIDER, by_kind=args.by_kind)
         warm_floor()
         replays()
+        summary_ceiling()
     if not args.skip_405b:
         meta_405b()
     if args.agreement:
